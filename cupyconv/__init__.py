@@ -1,0 +1,32 @@
+"""cupyconv: fast 2-D transposed convolution (ConvTranspose2d) for CuPy, NumPy and PyTorch.
+
+Kernels are CUDA C++ templates compiled at run time with NVRTC (no build step) and
+cached per layer configuration.  Nothing is compiled, and neither CuPy nor torch is
+imported, when this package is imported.
+"""
+from .compiler import KernelCompileError
+from .functional import backend, conv_transpose2d, conv_transpose2d_backward
+from .geometry import output_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KernelCompileError",
+    "backend",
+    "clear_cache",
+    "conv_transpose2d",
+    "conv_transpose2d_backward",
+    "output_size",
+    "__version__",
+]
+
+
+def clear_cache() -> None:
+    """Forget every kernel compiled and every launch planned in this process.
+
+    The next call compiles again (from CuPy's disk cache when it holds the kernel).
+    """
+    from . import compiler, launch
+
+    compiler.clear_cache()
+    launch.clear_plan_cache()

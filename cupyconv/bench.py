@@ -1,0 +1,206 @@
+"""Benchmark cupyconv against PyTorch (cuDNN) in the same process.
+
+``python -m cupyconv.bench`` times the forward pass and forward+backward (grad input,
+grad weight and, with a bias, grad bias) of each layer with CUDA events, after a warm-up,
+taking the median of repeated runs.  Torch is timed with cudnn.benchmark off and on and
+the better of the two is the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class BenchLayer:
+    name: str
+    batch: int
+    in_channels: int
+    out_channels: int
+    kernel: Tuple[int, int]
+    stride: Tuple[int, int] = (1, 1)
+    padding: Tuple[int, int] = (0, 0)
+    dilation: Tuple[int, int] = (1, 1)
+    groups: int = 1
+    size: Tuple[int, int] = (8, 8)
+    output_padding: Tuple[int, int] = (0, 0)
+    bias: bool = True
+
+    def kwargs(self):
+        return dict(stride=self.stride, padding=self.padding, output_padding=self.output_padding,
+                    groups=self.groups, dilation=self.dilation)
+
+
+SEED_LAYERS = [
+    BenchLayer("grouped_dilated", 16, 32, 64, (3, 5), (2, 3), (1, 2), (2, 1), 4, (128, 256), bias=False),
+    BenchLayer("big_square", 8, 32, 32, (3, 3), size=(512, 1024)),
+    BenchLayer("asym_kernel", 64, 64, 128, (3, 5), size=(128, 256)),
+]
+
+SUITE = SEED_LAYERS + [
+    BenchLayer("dcgan_up", 64, 512, 256, (4, 4), (2, 2), (1, 1), size=(8, 8)),
+    BenchLayer("unet_up2x2", 16, 256, 128, (2, 2), (2, 2), size=(64, 64)),
+    BenchLayer("depthwise_up", 16, 128, 128, (4, 4), (2, 2), (1, 1), groups=128, size=(64, 64)),
+    BenchLayer("outpad_up3x", 8, 64, 32, (3, 3), (3, 3), (1, 1), size=(96, 96), output_padding=(2, 2)),
+    BenchLayer("batch1_latency", 1, 64, 64, (4, 4), (2, 2), (1, 1), size=(32, 32)),
+]
+
+
+def cuda_time_ms(fn: Callable[[], None], warmup: int = 3, repeat: int = 20) -> float:
+    """Median milliseconds of ``fn`` over ``repeat`` runs, timed with CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class _RawRunner:
+    """Runs a layer through the raw-pointer engine on torch tensors (no autograd overhead)."""
+
+    def __init__(self, layer: BenchLayer, x, w, b, go):
+        import torch
+
+        from . import engine
+        from .geometry import ConvParams, geometry
+
+        self.torch, self.engine = torch, engine
+        params = ConvParams.from_args(**layer.kwargs())
+        self.g = geometry(x.shape, w.shape, None if b is None else b.shape, params)
+        self.dtype = str(x.dtype).replace("torch.", "")
+        self.x, self.w, self.b, self.go = x, w, b, go
+        self.dev = x.device.index
+        self.y = torch.empty(self.g.output_shape, dtype=x.dtype, device=x.device)
+        self.gi, self.gw = torch.empty_like(x), torch.empty_like(w)
+        self.gb = None if b is None else torch.empty_like(b)
+
+    def _alloc(self, nbytes):
+        t = self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, device=self.x.device)
+        return t, t.data_ptr()
+
+    def forward(self):
+        s = self.torch.cuda.current_stream().cuda_stream
+        self.engine.forward(self.g, self.dtype, self.x.data_ptr(), self.w.data_ptr(),
+                            None if self.b is None else self.b.data_ptr(), self.y.data_ptr(), self.dev, s)
+
+    def forward_backward(self):
+        self.forward()
+        s = self.torch.cuda.current_stream().cuda_stream
+        e, g, d = self.engine, self.g, self.dtype
+        e.grad_input(g, d, self.go.data_ptr(), self.w.data_ptr(), self.gi.data_ptr(), self.dev, s)
+        e.grad_weight(g, d, self.x.data_ptr(), self.go.data_ptr(), self.gw.data_ptr(), self.dev, s, self._alloc)
+        if self.gb is not None:
+            e.grad_bias(g, d, self.go.data_ptr(), self.gb.data_ptr(), self.dev, s, self._alloc)
+
+
+def _torch_times(layer: BenchLayer, x, w, b, go, repeat: int) -> Tuple[float, float]:
+    import torch
+    import torch.nn.functional as F
+
+    best_f = best_fb = float("inf")
+    for benchmark in (False, True):
+        torch.backends.cudnn.benchmark = benchmark
+        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+        br = None if b is None else b.detach().requires_grad_()
+
+        def fwd():
+            with torch.no_grad():
+                F.conv_transpose2d(x, w, b, **layer.kwargs())
+
+        def fwd_bwd():
+            y = F.conv_transpose2d(xr, wr, br, **layer.kwargs())
+            y.backward(go)
+
+        best_f = min(best_f, cuda_time_ms(fwd, repeat=repeat))
+        best_fb = min(best_fb, cuda_time_ms(fwd_bwd, repeat=repeat))
+    torch.backends.cudnn.benchmark = False
+    return best_f, best_fb
+
+
+def run(layers: List[BenchLayer], dtype: str = "float32", repeat: int = 20, allow_tf32: bool = True,
+        progress: bool = True) -> List[dict]:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+    rows = []
+    try:
+        from tqdm import tqdm
+        iterator = tqdm(layers, desc=f"bench {dtype}", disable=not progress)
+    except ImportError:
+        iterator = layers
+    for layer in iterator:
+        dt = getattr(torch, dtype)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn((layer.batch, layer.in_channels) + layer.size, generator=gen, device="cuda").to(dt)
+        w = torch.randn((layer.in_channels, layer.out_channels // layer.groups) + layer.kernel, generator=gen,
+                        device="cuda").to(dt)
+        b = torch.randn((layer.out_channels,), generator=gen, device="cuda").to(dt) if layer.bias else None
+        runner = _RawRunner(layer, x, w, b, None)
+        runner.go = torch.randn(runner.g.output_shape, generator=gen, device="cuda").to(dt)
+        ours_f = cuda_time_ms(runner.forward, repeat=repeat)
+        ours_fb = cuda_time_ms(runner.forward_backward, repeat=repeat)
+        torch_f, torch_fb = _torch_times(layer, x, w, b, runner.go, repeat)
+        for pass_name, ms, ref in (("forward", ours_f, torch_f), ("forward+backward", ours_fb, torch_fb)):
+            rows.append(dict(name=layer.name, dtype=dtype, layout="nchw", **{"pass": pass_name}, ms=ms,
+                             torch_ms=ref, speedup=ref / ms))
+        del x, w, b, runner
+        torch.cuda.empty_cache()
+    return rows
+
+
+def environment() -> dict:
+    import cupy
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cupy=cupy.__version__,
+                cudnn=torch.backends.cudnn.version(), commit=commit)
+
+
+def format_table(rows: List[dict]) -> str:
+    lines = [f"{'layer':<18} {'dtype':<9} {'pass':<17} {'cupyconv ms':>12} {'torch ms':>10} {'speedup':>8}"]
+    for r in rows:
+        lines.append(f"{r['name']:<18} {r['dtype']:<9} {r['pass']:<17} {r['ms']:>12.3f} {r['torch_ms']:>10.3f} "
+                     f"{r['speedup']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=("seeds", "all"), default="all")
+    parser.add_argument("--dtype", action="append", choices=("float32", "float16", "bfloat16", "float64"))
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    layers = SEED_LAYERS if args.suite == "seeds" else SUITE
+    rows = []
+    for dtype in args.dtype or ["float32"]:
+        rows += run(layers, dtype, args.repeat)
+    env = environment()
+    print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, cudnn {env['cudnn']}, "
+          f"commit {env['commit']}")
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({**env, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

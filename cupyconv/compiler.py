@@ -1,0 +1,165 @@
+"""Compiling rendered templates with NVRTC, and the per-configuration kernel cache.
+
+On a GPU, kernels are built with :class:`cupy.RawModule`, which keeps CuPy's on-disk
+cache (``CUPY_CACHE_DIR``) in play, and kept in process per (template content hash,
+constants, device, arch).  Without a GPU, :func:`compile_ptx` drives NVRTC directly for
+an explicit architecture, so CI can compile every template variant.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+from . import templates
+
+COMPILE_OPTIONS: Tuple[str, ...] = ("--std=c++17",)
+_ERROR_LINE = re.compile(r"\((\d+)\): (?:error|catastrophic error)")
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a rendered template; carries the kernel, the options and the offending lines."""
+
+    def __init__(self, kernel: str, options: Sequence[str], log: str, source: str):
+        self.kernel = kernel
+        self.options = tuple(options)
+        self.log = log
+        self.source = source
+        super().__init__(
+            f"failed to compile cupyconv kernel {kernel!r} with options {' '.join(self.options)}\n"
+            f"{log.strip()}\n{source_excerpt(source, log)}")
+
+
+def source_excerpt(source: str, log: str, context: int = 3) -> str:
+    """The numbered source lines around each line the compiler log complains about."""
+    lines = source.splitlines()
+    wanted = sorted({int(m) for m in _ERROR_LINE.findall(log)})
+    if not wanted:
+        wanted = list(range(1, min(len(lines), 2 * context + 1) + 1))
+    shown, out = set(), []
+    for line in wanted:
+        for i in range(max(1, line - context), min(len(lines), line + context) + 1):
+            if i not in shown:
+                shown.add(i)
+                out.append(f"{'>>' if i == line else '  '} {i:5d} | {lines[i - 1]}")
+        out.append("   ...")
+    return "\n".join(out)
+
+
+def compile_ptx(source: str, kernel: str, arch: str, options: Sequence[str] = COMPILE_OPTIONS) -> str:
+    """Compile ``source`` to PTX for ``arch`` (e.g. ``"compute_90"``) with NVRTC; needs no GPU."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    all_options = tuple(options) + (f"--gpu-architecture={arch}",)
+    program = nvrtc.createProgram(source, f"{kernel}.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, list(all_options))
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(kernel, all_options, nvrtc.getProgramLog(program), source) from None
+        ptx = nvrtc.getPTX(program)
+        return ptx.decode() if isinstance(ptx, bytes) else ptx
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel function of one template, specialised by its constants."""
+
+    template: str
+    function: str
+    constants: Tuple[Tuple[str, object], ...]
+
+    @classmethod
+    def make(cls, template: str, function: str, constants: Mapping[str, object]) -> "KernelSpec":
+        return cls(template, function, tuple(sorted(constants.items())))
+
+    def source(self) -> str:
+        return templates.render(self.template, dict(self.constants))
+
+
+@dataclass
+class _Entry:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    function: object = None
+
+
+_entries: Dict[tuple, _Entry] = {}
+_entries_lock = threading.Lock()
+_compile_count = 0
+
+
+def compile_count() -> int:
+    """How many kernels this process has built (each configuration should count once)."""
+    return _compile_count
+
+
+def clear_cache() -> None:
+    """Forget every compiled kernel of this process (CuPy's disk cache is left alone)."""
+    with _entries_lock:
+        _entries.clear()
+
+
+def _build(spec: KernelSpec, device_id: int):
+    import cupy
+
+    source = spec.source()
+    with cupy.cuda.Device(device_id):
+        try:
+            return cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
+        except cupy.cuda.compiler.CompileException as exc:
+            raise KernelCompileError(spec.function, COMPILE_OPTIONS, str(exc), source) from None
+        except OSError:
+            # A read-only or full CUPY_CACHE_DIR: keep working, without the disk cache.
+            os.environ["CUPY_CACHE_IN_MEMORY"] = "1"
+            return cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
+
+
+def get_function(spec: KernelSpec, device_id: int, arch: Optional[str] = None):
+    """The compiled kernel for ``spec`` on ``device_id``, building it at most once per process."""
+    global _compile_count
+    if arch is None:
+        arch = device_arch(device_id)
+    key = (templates.content_hash(spec.template), spec.function, spec.constants, device_id, arch)
+    entry = _entries.get(key)
+    if entry is not None and entry.function is not None:
+        return entry.function
+    with _entries_lock:
+        entry = _entries.setdefault(key, _Entry())
+    with entry.lock:
+        if entry.function is None:
+            entry.function = _build(spec, device_id)
+            with _entries_lock:
+                _compile_count += 1
+    return entry.function
+
+
+_arch_cache: Dict[int, str] = {}
+
+
+def device_arch(device_id: int) -> str:
+    arch = _arch_cache.get(device_id)
+    if arch is None:
+        import cupy
+
+        arch = _arch_cache[device_id] = cupy.cuda.Device(device_id).compute_capability
+    return arch
+
+
+def compile_many(specs, device_id: int, workers: int = 8) -> int:
+    """Build many kernels for ``device_id`` on a thread pool (NVRTC runs without the GIL).
+
+    Returns how many distinct specs were requested.  Useful to warm the caches before a
+    sweep or a training run instead of paying each compile on first use.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    unique = list(dict.fromkeys(specs))
+    arch = device_arch(device_id)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for _ in pool.map(lambda s: get_function(s, device_id, arch), unique):
+            pass
+    return len(unique)

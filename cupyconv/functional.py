@@ -1,0 +1,170 @@
+"""The NumPy/CuPy array API, in ``torch.nn.functional``'s argument order.
+
+CuPy arrays stay on their device and run on CuPy's current stream with no host
+synchronisation.  NumPy arrays run on the GPU when there is one and on the float64
+reference otherwise; :func:`backend` says which.  Every argument is checked before any
+compile or launch.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import engine, reference
+from .arrays import common_placement
+from .geometry import ConvParams, Geometry, geometry
+
+BACKEND_ENV = "CUPYCONV_BACKEND"
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_present() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, or no device: all mean "use the reference"
+        return False
+
+
+def backend() -> str:
+    """Where NumPy inputs are computed: ``"cupy"`` (a CUDA GPU) or ``"numpy"`` (the float64 reference).
+
+    Set ``CUPYCONV_BACKEND=numpy`` to force the reference even when a GPU is present.
+    """
+    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if forced not in ("", "numpy", "cupy"):
+        raise ValueError(f"{BACKEND_ENV} must be 'numpy' or 'cupy', got {forced!r}")
+    if forced == "numpy":
+        return "numpy"
+    if forced == "cupy" and not _gpu_present():
+        raise RuntimeError(f"{BACKEND_ENV}=cupy but no CUDA GPU is usable through CuPy")
+    return "cupy" if _gpu_present() else "numpy"
+
+
+def _output_mask(output_mask) -> Tuple[bool, bool, bool]:
+    if not isinstance(output_mask, (tuple, list)) or len(output_mask) != 3:
+        raise TypeError(f"output_mask must be a sequence of three bools, got {output_mask!r}")
+    for value in output_mask:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"output_mask must be a sequence of three bools, got {output_mask!r}")
+    return tuple(bool(v) for v in output_mask)
+
+
+# ---------------------------------------------------------------------------- GPU path
+
+def _storage(array):
+    """CuPy has no bfloat16: carry such arrays as their uint16 bits."""
+    return array.view(np.uint16) if str(array.dtype) == "bfloat16" else array
+
+
+def _upload(array, cupy):
+    if array is None:
+        return None
+    return cupy.ascontiguousarray(cupy.asarray(_storage(array)))
+
+
+def _alloc(cupy):
+    def alloc(nbytes: int):
+        buf = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
+        return buf, buf.data.ptr
+    return alloc
+
+
+def _gpu_forward(g: Geometry, dtype: str, device: int, x, weight, bias):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        x, weight, bias = (_upload(a, cupy) for a in (x, weight, bias))
+        out = cupy.empty(g.output_shape, dtype=x.dtype)
+        engine.forward(g, dtype, x.data.ptr, weight.data.ptr, None if bias is None else bias.data.ptr,
+                       out.data.ptr, device, cupy.cuda.get_current_stream().ptr)
+    return out
+
+
+def _gpu_backward(g: Geometry, dtype: str, device: int, grad_out, x, weight, mask):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        grad_out, x, weight = (_upload(a, cupy) for a in (grad_out, x, weight))
+        stream = cupy.cuda.get_current_stream().ptr
+        alloc = _alloc(cupy)
+        gi = gw = gb = None
+        if mask[0]:
+            gi = cupy.empty(g.input_shape, dtype=x.dtype)
+            engine.grad_input(g, dtype, grad_out.data.ptr, weight.data.ptr, gi.data.ptr, device, stream)
+        if mask[1]:
+            gw = cupy.empty(g.weight_shape, dtype=x.dtype)
+            engine.grad_weight(g, dtype, x.data.ptr, grad_out.data.ptr, gw.data.ptr, device, stream, alloc)
+        if mask[2]:
+            gb = cupy.empty((g.out_channels,), dtype=x.dtype)
+            engine.grad_bias(g, dtype, grad_out.data.ptr, gb.data.ptr, device, stream, alloc)
+    return gi, gw, gb
+
+
+def _download(array, like):
+    if array is None:
+        return None
+    host = array.get()
+    return host.view(like.dtype) if host.dtype != like.dtype else host
+
+
+# ----------------------------------------------------------------------------- the API
+
+def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    """2-D transposed convolution of NumPy or CuPy arrays, with PyTorch's semantics.
+
+    ``input`` is (N, C_in, H, W) or unbatched (C_in, H, W); ``weight`` is
+    (C_in, C_out // groups, kH, kW); ``bias`` is (C_out,) or None.  ``stride``,
+    ``padding``, ``output_padding`` and ``dilation`` are ints or pairs of ints.
+    Returns an array of the input's type, dtype and device, of shape
+    (N, C_out, H_out, W_out) with H_out = (H-1)*stride - 2*padding + dilation*(kH-1)
+    + output_padding + 1, or without N for unbatched input.
+    """
+    params = ConvParams.from_args(stride, padding, output_padding, groups, dilation)
+    kind, device, dtype = common_placement([("input", input), ("weight", weight), ("bias", bias)])
+    g = geometry(input.shape, weight.shape, None if bias is None else bias.shape, params)
+    x = input if g.batched else input[None]
+    if kind == "cupy":
+        out = _gpu_forward(g, dtype, device, x, weight, bias)
+        return out.reshape(g.user_shape(g.output_shape))
+    if backend() == "cupy":
+        out = _download(_gpu_forward(g, dtype, 0, x, weight, bias), input)
+    else:
+        out = reference.conv_transpose2d(x, weight, bias, params.stride, params.padding, params.output_padding,
+                                         params.groups, params.dilation).astype(input.dtype)
+    return out.reshape(g.user_shape(g.output_shape))
+
+
+def conv_transpose2d_backward(grad_output, input, weight, stride=1, padding=0, output_padding=0, groups=1,
+                              dilation=1, output_mask: Sequence[bool] = (True, True, True)):
+    """Gradients of :func:`conv_transpose2d` with respect to input, weight and bias.
+
+    Returns ``(grad_input, grad_weight, grad_bias)``; an entry is None where
+    ``output_mask`` is False.  grad_bias is ``grad_output.sum((0, 2, 3))``, whether or
+    not the forward had a bias.  grad_weight and grad_bias are bitwise reproducible.
+    """
+    mask = _output_mask(output_mask)
+    params = ConvParams.from_args(stride, padding, output_padding, groups, dilation)
+    kind, device, dtype = common_placement([("grad_output", grad_output), ("input", input), ("weight", weight)])
+    g = geometry(input.shape, weight.shape, None, params)
+    expected = g.user_shape(g.output_shape)
+    if tuple(grad_output.shape) != expected:
+        raise ValueError(f"grad_output must have the output's shape {expected}, got {tuple(grad_output.shape)}")
+    x = input if g.batched else input[None]
+    go = grad_output if g.batched else grad_output[None]
+    if kind == "cupy":
+        gi, gw, gb = _gpu_backward(g, dtype, device, go, x, weight, mask)
+    elif backend() == "cupy":
+        gi, gw, gb = (_download(a, input) for a in _gpu_backward(g, dtype, 0, go, x, weight, mask))
+    else:
+        results = reference.conv_transpose2d_backward(go, x, weight, params.stride, params.padding,
+                                                      params.output_padding, params.groups, params.dilation,
+                                                      mask)
+        gi, gw, gb = (None if r is None else r.astype(input.dtype) for r in results)
+    if gi is not None:
+        gi = gi.reshape(g.user_shape(g.input_shape))
+    return gi, gw, gb

@@ -1,0 +1,223 @@
+"""Planning and launching the raw kernels.
+
+A *plan* turns a :class:`~cupyconv.geometry.Geometry` and a dtype into the kernel
+specialisation (its template constants), the grid and the runtime arguments.  Plans are
+pure Python, so CI can enumerate and compile every one of them without a GPU.  Launches
+take raw device pointers and a raw stream handle, so CuPy arrays and torch tensors
+(bfloat16 included, which CuPy cannot represent) share one path that costs no DLPack
+round trip.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Sequence, Tuple
+
+from .compiler import KernelSpec, get_function
+from .geometry import Geometry
+
+# storage type in the kernel, accumulator type, bytes per element
+DTYPES = {
+    "float32": ("float", "float", 4),
+    "float64": ("double", "double", 8),
+    "float16": ("half_t", "float", 2),
+    "bfloat16": ("bf16_t", "float", 2),
+}
+INT32_LIMIT = 2 ** 31
+_GRID_YZ_LIMIT = 65535
+_REDUCE_BLOCK = 256
+
+
+def index_type(*element_counts: int) -> str:
+    """32-bit offsets unless some tensor a kernel touches has 2**31 elements or more."""
+    return "long long" if max(element_counts) >= INT32_LIMIT else "int"
+
+
+def accumulator_bytes(dtype: str) -> int:
+    return 8 if DTYPES[dtype][1] == "double" else 4
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _layer_constants(g: Geometry, dtype: str, index_t: str) -> dict:
+    p = g.params
+    scalar_t, acc_t, _ = DTYPES[dtype]
+    return dict(
+        SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t,
+        KH=g.kernel[0], KW=g.kernel[1], SH=p.stride[0], SW=p.stride[1], PH=p.padding[0], PW=p.padding[1],
+        OPH=p.output_padding[0], OPW=p.output_padding[1], DH=p.dilation[0], DW=p.dilation[1],
+        GROUPS=p.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One kernel launch: what to compile, how to launch it, and its non-pointer arguments."""
+
+    spec: KernelSpec
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    scalars: Tuple[int, ...]   # runtime sizes, passed as index_t
+    index_t: str
+    scratch_bytes: int = 0     # split-K partials the caller must provide
+    _functions: Dict[int, object] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def function(self, device_id: int):
+        fn = self._functions.get(device_id)
+        if fn is None:
+            fn = self._functions[device_id] = get_function(self.spec, device_id)
+        return fn
+
+    def run(self, device_id: int, stream_ptr: int, pointers: Sequence[int]) -> None:
+        launch(self.function(device_id), self.grid, self.block, pointers, self.scalars, self.index_t, stream_ptr)
+
+
+def launch(function, grid, block, pointers: Sequence[int], scalars: Sequence[int], index_t: str,
+           stream_ptr: int, shared_mem: int = 0) -> None:
+    """cuLaunchKernel with a hand-built parameter block: no per-argument Python dispatch."""
+    from cupy.cuda import driver
+
+    scalar_type = ctypes.c_int64 if index_t == "long long" else ctypes.c_int32
+    values: List[ctypes._SimpleCData] = [ctypes.c_void_p(p) for p in pointers]
+    values += [scalar_type(s) for s in scalars]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    driver.launchKernel(function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                        shared_mem, stream_ptr, ctypes.addressof(params), 0)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunks(rows: int, other_blocks: int, min_rows: int, sm_count: int) -> Tuple[int, int]:
+    """Split ``rows`` into enough fixed chunks to fill the GPU; returns (chunks, rows_per_chunk)."""
+    wanted = max(1, _cdiv(4 * sm_count, max(other_blocks, 1)))
+    wanted = min(wanted, max(1, _cdiv(rows, min_rows)))
+    rows_per_chunk = _cdiv(rows, wanted)
+    return _cdiv(rows, rows_per_chunk), rows_per_chunk
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward(g: Geometry, dtype: str, has_bias: bool) -> Plan:
+    _check_dtype(dtype)
+    sh, sw = g.params.stride
+    ph, pw = g.params.padding
+    h_out, w_out = g.out_size
+    index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
+    # Each thread keeps SH*SW*OC_BLOCK accumulators; keep that near 32 registers.
+    oc_block = max(1, min(8, 32 // (sh * sw), g.out_per_group))
+    block = 128
+    q_h0, q_w0 = ph // sh, pw // sw
+    qh = (h_out - 1 + ph) // sh - q_h0 + 1
+    qw = (w_out - 1 + pw) // sw - q_w0 + 1
+    constants = _layer_constants(g, dtype, index_t)
+    constants.update(HAS_BIAS=bool(has_bias), OC_BLOCK=oc_block, BLOCK=block)
+    oc_blocks = g.groups * _cdiv(g.out_per_group, oc_block)
+    grid = (_cdiv(qh * qw, block), min(oc_blocks, _GRID_YZ_LIMIT), min(g.batch, _GRID_YZ_LIMIT))
+    spec = KernelSpec.make("conv_transpose2d_forward.cu", "conv_transpose2d_forward", constants)
+    h, w = g.in_size
+    return Plan(spec, grid, (block, 1, 1), (g.batch, h, w, h_out, w_out, q_h0, q_w0, qh, qw), index_t)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_input(g: Geometry, dtype: str) -> Plan:
+    _check_dtype(dtype)
+    index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
+    ic_block = max(1, min(4, g.in_per_group))
+    block = 128
+    constants = _layer_constants(g, dtype, index_t)
+    constants.update(IC_BLOCK=ic_block, BLOCK=block)
+    h, w = g.in_size
+    ic_blocks = g.groups * _cdiv(g.in_per_group, ic_block)
+    grid = (_cdiv(h * w, block), min(ic_blocks, _GRID_YZ_LIMIT), min(g.batch, _GRID_YZ_LIMIT))
+    spec = KernelSpec.make("conv_transpose2d_grad_input.cu", "conv_transpose2d_grad_input", constants)
+    return Plan(spec, grid, (block, 1, 1), (g.batch, h, w) + g.out_size, index_t)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_weight(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan]:
+    """The split-K partial pass and the fixed-order reduction that finishes it."""
+    _check_dtype(dtype)
+    taps = g.kernel[0] * g.kernel[1]
+    tap_block = taps if taps <= 16 else 16
+    oc_block = max(1, min(4, 32 // tap_block, g.out_per_group))
+    block = 256
+    warps = block // 32
+    h, w = g.in_size
+    rows = g.batch * h
+    tap_blocks = _cdiv(taps, tap_block)
+    yblocks = g.in_channels * _cdiv(g.out_per_group, oc_block)
+    chunks, rows_per_chunk = _chunks(rows, yblocks * tap_blocks, warps, sm_count)
+    weight_elems = _numel(g.weight_shape)
+    partial_elems = chunks * weight_elems
+    index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), partial_elems)
+    constants = _layer_constants(g, dtype, index_t)
+    constants.update(OC_BLOCK=oc_block, TAP_BLOCK=tap_block, BLOCK=block)
+    spec = KernelSpec.make("conv_transpose2d_grad_weight.cu", "conv_transpose2d_grad_weight_partial", constants)
+    partial = Plan(spec, (chunks, min(yblocks, _GRID_YZ_LIMIT), tap_blocks), (block, 1, 1),
+                   (g.batch, h, w) + g.out_size + (rows_per_chunk,), index_t,
+                   scratch_bytes=partial_elems * accumulator_bytes(dtype))
+    return partial, plan_reduce(dtype, weight_elems, chunks, index_t)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_bias(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan]:
+    _check_dtype(dtype)
+    block = 256
+    h_out, w_out = g.out_size
+    rows = g.batch * h_out
+    chunks, rows_per_chunk = _chunks(rows, g.out_channels, block // 32, sm_count)
+    index_t = index_type(_numel(g.output_shape), chunks * g.out_channels)
+    scalar_t, acc_t, _ = DTYPES[dtype]
+    constants = dict(SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block)
+    spec = KernelSpec.make("conv_transpose2d_grad_bias.cu", "conv_transpose2d_grad_bias_partial", constants)
+    partial = Plan(spec, (chunks, min(g.out_channels, _GRID_YZ_LIMIT), 1), (block, 1, 1),
+                   (g.batch, h_out, w_out, rows_per_chunk), index_t,
+                   scratch_bytes=chunks * g.out_channels * accumulator_bytes(dtype))
+    return partial, plan_reduce(dtype, g.out_channels, chunks, index_t)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
+    scalar_t, acc_t, _ = DTYPES[dtype]
+    constants = dict(SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t, BLOCK=_REDUCE_BLOCK)
+    spec = KernelSpec.make("reduce_partials.cu", "reduce_partials", constants)
+    grid = (min(_cdiv(elements, _REDUCE_BLOCK), 8192), 1, 1)
+    return Plan(spec, grid, (_REDUCE_BLOCK, 1, 1), (elements, chunks), index_t)
+
+
+Allocator = Callable[[int], Tuple[object, int]]
+
+
+def run_split_k(partial: Plan, reduce: Plan, device_id: int, stream_ptr: int, inputs: Sequence[int],
+                out_ptr: int, alloc: Allocator) -> None:
+    """Run a partial pass into scratch from ``alloc`` and reduce it into ``out_ptr``.
+
+    The scratch is released when this returns; both allocators we use (CuPy's pool and
+    torch's caching allocator) are stream-ordered, so its reuse waits behind the reduce.
+    """
+    keep, scratch = alloc(partial.scratch_bytes)
+    partial.run(device_id, stream_ptr, tuple(inputs) + (scratch,))
+    reduce.run(device_id, stream_ptr, (scratch, out_ptr))
+    del keep
+
+
+def all_plans(g: Geometry, dtype: str, has_bias: bool, sm_count: int = 132) -> List[Plan]:
+    """Every launch the forward and the three grads of this layer need (for compiling ahead)."""
+    plans = [plan_forward(g, dtype, has_bias), plan_grad_input(g, dtype)]
+    plans += plan_grad_weight(g, dtype, sm_count)
+    plans += plan_grad_bias(g, dtype, sm_count)
+    return plans
+
+
+def clear_plan_cache() -> None:
+    for planner in (plan_forward, plan_grad_input, plan_grad_weight, plan_grad_bias, plan_reduce):
+        planner.cache_clear()

@@ -1,0 +1,54 @@
+// Shared by every cupyconv kernel template.
+//
+// The templates are compiled by NVRTC with no CUDA headers on the include path
+// (pip's wheels do not always ship them), so fp16/bf16 are plain 16-bit
+// storage types converted with PTX and bit arithmetic, and everything else is
+// built-in.  The renderer inlines this file, so the compiled source, and with it
+// CuPy's on-disk cache key, covers the header too.
+#pragma once
+
+struct __align__(2) half_t { unsigned short bits; };
+struct __align__(2) bf16_t { unsigned short bits; };
+
+__device__ __forceinline__ float load(const float* p) { return __ldg(p); }
+__device__ __forceinline__ double load(const double* p) { return __ldg(p); }
+__device__ __forceinline__ float load(const half_t* p) {
+    unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
+}
+__device__ __forceinline__ float load(const bf16_t* p) {
+    unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p));
+    return __uint_as_float(static_cast<unsigned int>(bits) << 16);
+}
+
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(double* p, double v) { *p = v; }
+__device__ __forceinline__ void store(half_t* p, float v) {
+    unsigned short bits;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+    reinterpret_cast<unsigned short*>(p)[0] = bits;
+}
+__device__ __forceinline__ void store(bf16_t* p, float v) {
+    // Round to nearest even by hand: cvt.rn.bf16.f32 needs sm_80 and we also
+    // build for older targets.  NaNs are kept quiet rather than rounded to Inf.
+    unsigned int u = __float_as_uint(v);
+    unsigned short bits;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        bits = static_cast<unsigned short>((u >> 16) | 0x40u);
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+        bits = static_cast<unsigned short>(u >> 16);
+    }
+    reinterpret_cast<unsigned short*>(p)[0] = bits;
+}
+
+// Fixed-order warp reduction: the result is bitwise reproducible, which is what
+// the deterministic grad_weight / grad_bias paths are built on.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+    return v;
+}

@@ -1,0 +1,23 @@
+"""Shared test set-up: the ``gpu`` marker skips cleanly where no CUDA GPU is usable."""
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_usable() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_usable():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (through CuPy)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

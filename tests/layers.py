@@ -1,0 +1,63 @@
+"""Random valid layers for the sweeps, drawn from a seeded generator."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from cupyconv.geometry import output_size
+
+
+@dataclass(frozen=True)
+class Layer:
+    batch: Optional[int]          # None: unbatched (C, H, W) input
+    in_channels: int
+    out_channels: int
+    kernel: Tuple[int, int]
+    stride: Tuple[int, int]
+    padding: Tuple[int, int]
+    output_padding: Tuple[int, int]
+    dilation: Tuple[int, int]
+    groups: int
+    bias: bool
+    size: Tuple[int, int]
+    dtype: str
+
+    @property
+    def input_shape(self):
+        shape = (self.in_channels,) + self.size
+        return shape if self.batch is None else (self.batch,) + shape
+
+    @property
+    def weight_shape(self):
+        return (self.in_channels, self.out_channels // self.groups) + self.kernel
+
+    def kwargs(self):
+        return dict(stride=self.stride, padding=self.padding, output_padding=self.output_padding,
+                    groups=self.groups, dilation=self.dilation)
+
+    def out_size(self):
+        return tuple(output_size(self.size[a], self.kernel[a], self.stride[a], self.padding[a],
+                                 self.output_padding[a], self.dilation[a]) for a in range(2))
+
+
+def random_layer(rng: random.Random, dtype: str, max_kernel=7, max_stride=4, max_dilation=3, max_size=13,
+                 max_channels_per_group=6) -> Layer:
+    while True:
+        k = (rng.randint(1, max_kernel), rng.randint(1, max_kernel))
+        s = (rng.randint(1, max_stride), rng.randint(1, max_stride))
+        d = (rng.randint(1, max_dilation), rng.randint(1, max_dilation))
+        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
+        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
+        groups = rng.choice([1, 1, 2, 3, 4])
+        depthwise = rng.random() < 0.15
+        cin_g = 1 if depthwise else rng.randint(1, max_channels_per_group)
+        cout_g = rng.randint(1, max_channels_per_group)
+        if depthwise:
+            groups = rng.randint(2, 8)
+        size = (rng.randint(1, max_size), rng.randint(1, max_size))
+        batch = rng.choice([None, 1, 1, 2, 3])
+        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, rng.random() < 0.6, size,
+                      dtype)
+        if min(layer.out_size()) >= 1:
+            return layer

@@ -1,0 +1,239 @@
+"""Every kernel against float64 torch on the GPU, over a randomized sweep of layers."""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+
+from cupyconv import engine, launch
+from cupyconv.compiler import compile_count, compile_many
+from cupyconv.geometry import ConvParams, geometry
+
+from layers import Layer, random_layer
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+pytestmark = pytest.mark.gpu
+
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+SWEEP = int(os.environ.get("CUPYCONV_GPU_SWEEP", "320"))
+
+
+def _sweep_layers():
+    rng = random.Random(20261126)
+    return [random_layer(rng, DTYPES[i % len(DTYPES)]) for i in range(SWEEP)]
+
+
+LAYERS = _sweep_layers()
+
+
+def torch_dtype(name):
+    return getattr(torch, name)
+
+
+def make_inputs(layer: Layer, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch_dtype(layer.dtype)
+
+    def rnd(shape):
+        return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
+
+    x = rnd(layer.input_shape)
+    w = rnd(layer.weight_shape)
+    b = rnd((layer.out_channels,)) if layer.bias else None
+    out_shape = (layer.out_channels,) + layer.out_size()
+    if layer.batch is not None:
+        out_shape = (layer.batch,) + out_shape
+    go = rnd(out_shape)
+    return x, w, b, go
+
+
+def cupyconv_raw(layer_kwargs, x, w, b, go, dtype_name):
+    """Forward and all grads through the raw-pointer engine, on torch tensors (bfloat16 included)."""
+    params = ConvParams.from_args(**layer_kwargs)
+    g = geometry(x.shape, w.shape, None if b is None else b.shape, params)
+    dev = x.device.index
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    nan = float("nan")
+    y = torch.full(g.output_shape, nan, dtype=x.dtype, device=x.device)
+    gi = torch.full(g.input_shape, nan, dtype=x.dtype, device=x.device)
+    gw = torch.full(g.weight_shape, nan, dtype=x.dtype, device=x.device)
+    gb = torch.full((g.out_channels,), nan, dtype=x.dtype, device=x.device)
+    x4, go4 = (x, go) if g.batched else (x[None], go[None])
+    x4, go4 = x4.contiguous(), go4.contiguous()
+
+    def alloc(nbytes):
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=x.device)
+        return t, t.data_ptr()
+
+    engine.forward(g, dtype_name, x4.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                   dev, stream)
+    engine.grad_input(g, dtype_name, go4.data_ptr(), w.data_ptr(), gi.data_ptr(), dev, stream)
+    engine.grad_weight(g, dtype_name, x4.data_ptr(), go4.data_ptr(), gw.data_ptr(), dev, stream, alloc)
+    engine.grad_bias(g, dtype_name, go4.data_ptr(), gb.data_ptr(), dev, stream, alloc)
+    unbatch = (lambda t: t) if g.batched else (lambda t: t[0])
+    return unbatch(y), unbatch(gi), gw, gb
+
+
+def torch_reference(layer_kwargs, x, w, b, go):
+    xr = x.double().requires_grad_()
+    wr = w.double().requires_grad_()
+    br = None if b is None else b.double().requires_grad_()
+    y = F.conv_transpose2d(xr, wr, br, **layer_kwargs)
+    y.backward(go.double())
+    gb = go.double().sum(dim=tuple(d for d in range(go.dim()) if d != go.dim() - 3))
+    return y.detach(), xr.grad, wr.grad, gb
+
+
+def assert_close(actual, expected, tol, what):
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.double()
+    assert torch.isfinite(a).all(), f"{what}: non-finite values (unwritten outputs?)"
+    if expected.numel() == 0:
+        return
+    scale = expected.abs().max().item()
+    err = (a - expected).abs().max().item()
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:g} * max|ref| {scale:.3e}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """Compile every kernel of the sweep on a thread pool before the tests use them."""
+    specs = []
+    for layer in LAYERS:
+        g = geometry(layer.input_shape, layer.weight_shape, (layer.out_channels,) if layer.bias else None,
+                     ConvParams.from_args(**layer.kwargs()))
+        specs += [p.spec for p in launch.all_plans(g, layer.dtype, layer.bias, engine.sm_count(0))]
+    compile_many(specs, 0, workers=os.cpu_count() or 8)
+
+
+@pytest.mark.parametrize("index", range(len(LAYERS)))
+def test_random_layer(index):
+    layer = LAYERS[index]
+    x, w, b, go = make_inputs(layer, seed=index)
+    kwargs = layer.kwargs()
+    got = cupyconv_raw(kwargs, x, w, b, go, layer.dtype)
+    want = torch_reference(kwargs, x, w, b, go)
+    tol = TOLERANCE[layer.dtype]
+    for name, a, e in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
+        assert_close(a, e, tol, f"{layer} {name}")
+
+
+def test_sweep_covers_the_required_space():
+    """The sweep itself must span what the kernels claim to support."""
+    assert len(LAYERS) >= 300
+    assert {l.dtype for l in LAYERS} == set(DTYPES)
+    assert {l.kernel[0] for l in LAYERS} == set(range(1, 8)) == {l.kernel[1] for l in LAYERS}
+    assert {l.stride[0] for l in LAYERS} == set(range(1, 5)) == {l.stride[1] for l in LAYERS}
+    assert {l.dilation[0] for l in LAYERS} == {1, 2, 3}
+    assert any(l.groups > 1 and l.in_channels == l.groups for l in LAYERS)  # depthwise
+    assert any(l.batch is None for l in LAYERS) and any(l.batch == 1 for l in LAYERS)
+    assert any(max(l.output_padding) > 0 for l in LAYERS)
+    assert any(l.bias for l in LAYERS) and any(not l.bias for l in LAYERS)
+
+
+SEED_LAYERS = [
+    # (input shape, C_out, kernel, stride, padding, dilation, groups, bias)
+    ((16, 32, 128, 256), 64, (3, 5), (2, 3), (1, 2), (2, 1), 4, False),
+    ((8, 32, 512, 1024), 32, (3, 3), (1, 1), (0, 0), (1, 1), 1, True),
+    ((64, 64, 128, 256), 128, (3, 5), (1, 1), (0, 0), (1, 1), 1, True),
+]
+
+
+@pytest.mark.parametrize("seed_layer", SEED_LAYERS, ids=["grouped_dilated", "big_square", "asym_kernel"])
+def test_seed_layer(seed_layer):
+    shape, c_out, k, s, p, d, groups, bias = seed_layer
+    layer = Layer(shape[0], shape[1], c_out, k, s, p, (0, 0), d, groups, bias, shape[2:], "float32")
+    x, w, b, go = make_inputs(layer, seed=7)
+    kwargs = layer.kwargs()
+    got = cupyconv_raw(kwargs, x, w, b, go, "float32")
+    want = torch_reference(kwargs, x, w, b, go)
+    for name, a, e in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
+        assert_close(a, e, TOLERANCE["float32"], f"seed {name}")
+    del got, want
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ the CuPy array API
+
+cupy = pytest.importorskip("cupy")
+import cupyconv  # noqa: E402
+
+
+@pytest.mark.parametrize("index", range(0, len(LAYERS), 7))
+def test_cupy_api_matches_raw_engine(index):
+    """The public CuPy path gives bit-identical results to the raw engine on the same data."""
+    layer = LAYERS[index]
+    if layer.dtype == "bfloat16":
+        layer = Layer(**{**layer.__dict__, "dtype": "float32"})
+    x, w, b, go = make_inputs(layer, seed=1000 + index)
+    kwargs = layer.kwargs()
+    raw = cupyconv_raw(kwargs, x, w, b, go, layer.dtype)
+    cx, cw, cgo = (cupy.from_dlpack(t) for t in (x, w, go))
+    cb = None if b is None else cupy.from_dlpack(b)
+    y = cupyconv.conv_transpose2d(cx, cw, cb, **kwargs)
+    gi, gw, gb = cupyconv.conv_transpose2d_backward(cgo, cx, cw, **kwargs)
+    for name, a, e in zip(("output", "grad_input", "grad_weight", "grad_bias"), (y, gi, gw, gb), raw):
+        assert isinstance(a, cupy.ndarray) and str(a.dtype) == layer.dtype, name
+        assert torch.equal(torch.from_dlpack(a), e), f"{layer} {name} differs from the raw engine"
+
+
+def test_cupy_non_default_stream_and_output_mask():
+    layer = Layer(2, 6, 4, (3, 2), (2, 1), (1, 0), (1, 0), (1, 2), 2, True, (9, 7), "float32")
+    x, w, b, go = make_inputs(layer, seed=3)
+    kwargs = layer.kwargs()
+    want = torch_reference(kwargs, x, w, b, go)
+    cx, cw, cb, cgo = (cupy.from_dlpack(t) for t in (x, w, b, go))
+    torch.cuda.synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        y = cupyconv.conv_transpose2d(cx, cw, cb, **kwargs)
+        gi, gw, gb = cupyconv.conv_transpose2d_backward(cgo, cx, cw, **kwargs, output_mask=(False, True, False))
+    stream.synchronize()
+    assert gi is None and gb is None
+    assert_close(torch.from_dlpack(y), want[0], 1e-5, "output on a side stream")
+    assert_close(torch.from_dlpack(gw), want[2], 1e-5, "grad_weight on a side stream")
+
+
+def test_numpy_inputs_use_the_gpu_and_return_numpy():
+    import numpy as np
+
+    assert cupyconv.backend() == "cupy"
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, 5, 6)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 2)).astype(np.float32)
+    y = cupyconv.conv_transpose2d(x, w, None, stride=2, padding=1)
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32
+    ref = F.conv_transpose2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), stride=2, padding=1)
+    assert np.abs(y - ref.numpy()).max() <= 1e-5 * np.abs(ref.numpy()).max()
+
+
+def test_new_image_size_does_not_recompile():
+    w = cupy.random.standard_normal((4, 2, 3, 3), dtype=cupy.float32)
+    cupyconv.conv_transpose2d(cupy.random.standard_normal((1, 4, 8, 8), dtype=cupy.float32), w, stride=2)
+    before = compile_count()
+    for size in ((9, 13), (31, 5), (64, 64)):
+        cupyconv.conv_transpose2d(cupy.random.standard_normal((3, 4) + size, dtype=cupy.float32), w, stride=2)
+    assert compile_count() == before
+
+
+def test_cupy_array_on_second_device_if_present():
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("one GPU")
+    with cupy.cuda.Device(1):
+        x = cupy.random.standard_normal((1, 2, 5, 5), dtype=cupy.float32)
+        w = cupy.random.standard_normal((2, 2, 3, 3), dtype=cupy.float32)
+    y = cupyconv.conv_transpose2d(x, w)
+    assert y.device.id == 1
+
+
+def test_empty_batch():
+    x = cupy.zeros((0, 4, 5, 5), dtype=cupy.float32)
+    w = cupy.random.standard_normal((4, 2, 3, 3), dtype=cupy.float32)
+    y = cupyconv.conv_transpose2d(x, w)
+    assert y.shape == (0, 2, 7, 7)
+    gi, gw, gb = cupyconv.conv_transpose2d_backward(cupy.zeros((0, 2, 7, 7), dtype=cupy.float32), x, w)
+    assert gi.shape == x.shape and bool((gw == 0).all()) and bool((gb == 0).all())
