@@ -43,15 +43,19 @@ def _where(kind: str, device: Optional[int]) -> str:
     return "a NumPy array on the host" if kind == "numpy" else f"a CuPy array on cuda:{device}"
 
 
-def common_placement(arrays: Sequence[Tuple[str, object]]) -> Tuple[str, Optional[int], str]:
+def common_placement(arrays: Sequence[Tuple[str, object]], optional: Sequence[str] = ("bias",)
+                     ) -> Tuple[str, Optional[int], str]:
     """Check that the named arrays share kind, device and dtype; returns (kind, device, dtype).
 
-    ``arrays`` is a sequence of (argument name, array or None); ``None`` entries are skipped.
+    ``arrays`` is a sequence of (argument name, array); only the names in ``optional``
+    may be None.
     """
     first = None
     for name, array in arrays:
         if array is None:
-            continue
+            if name in optional:
+                continue
+            raise TypeError(f"{name} must be a NumPy or CuPy array, got None")
         kind = kind_of(array, name)
         device = device_of(array, kind)
         dtype = dtype_name(array, name)

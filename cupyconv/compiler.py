@@ -104,18 +104,22 @@ def clear_cache() -> None:
 
 
 def _build(spec: KernelSpec, device_id: int):
+    """Compile and load ``spec`` on ``device_id``; returns a CuPy ``RawKernel`` (``.kernel.ptr`` launches)."""
     import cupy
 
     source = spec.source()
     with cupy.cuda.Device(device_id):
         try:
-            return cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
+            kernel = cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
+            kernel.kernel  # compile and load now, under this device, not at the first launch
         except cupy.cuda.compiler.CompileException as exc:
             raise KernelCompileError(spec.function, COMPILE_OPTIONS, str(exc), source) from None
         except OSError:
             # A read-only or full CUPY_CACHE_DIR: keep working, without the disk cache.
             os.environ["CUPY_CACHE_IN_MEMORY"] = "1"
-            return cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
+            kernel = cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
+            kernel.kernel
+    return kernel
 
 
 def get_function(spec: KernelSpec, device_id: int, arch: Optional[str] = None):

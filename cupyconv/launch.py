@@ -70,17 +70,18 @@ class Plan:
     scratch_bytes: int = 0     # split-K partials the caller must provide
     _functions: Dict[int, object] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
-    def function(self, device_id: int):
+    def function(self, device_id: int) -> int:
+        """The CUfunction handle of this plan's kernel on ``device_id``."""
         fn = self._functions.get(device_id)
         if fn is None:
-            fn = self._functions[device_id] = get_function(self.spec, device_id)
+            fn = self._functions[device_id] = get_function(self.spec, device_id).kernel.ptr
         return fn
 
     def run(self, device_id: int, stream_ptr: int, pointers: Sequence[int]) -> None:
         launch(self.function(device_id), self.grid, self.block, pointers, self.scalars, self.index_t, stream_ptr)
 
 
-def launch(function, grid, block, pointers: Sequence[int], scalars: Sequence[int], index_t: str,
+def launch(function: int, grid, block, pointers: Sequence[int], scalars: Sequence[int], index_t: str,
            stream_ptr: int, shared_mem: int = 0) -> None:
     """cuLaunchKernel with a hand-built parameter block: no per-argument Python dispatch."""
     from cupy.cuda import driver
@@ -89,7 +90,7 @@ def launch(function, grid, block, pointers: Sequence[int], scalars: Sequence[int
     values: List[ctypes._SimpleCData] = [ctypes.c_void_p(p) for p in pointers]
     values += [scalar_type(s) for s in scalars]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    driver.launchKernel(function.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+    driver.launchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                         shared_mem, stream_ptr, ctypes.addressof(params), 0)
 
 

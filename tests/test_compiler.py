@@ -1,0 +1,112 @@
+"""NVRTC compilation of every kernel template, dtype and variant, with no GPU.
+
+The architecture is given explicitly, so this runs on CI machines without a device.
+"""
+import pytest
+
+from cupyconv import compiler, launch
+from cupyconv.compiler import KernelCompileError, KernelSpec, compile_ptx
+from cupyconv.geometry import ConvParams, geometry
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+ARCHS = ("compute_80", "compute_90")
+DTYPES = tuple(launch.DTYPES)
+
+# Layers chosen to reach every tiling branch of the planners: one or many stride phases
+# (OC_BLOCK 8, 2 and 1), one or several tap blocks for grad_weight, channel blocks that
+# do and do not divide the group, depthwise, and 64-bit offsets.
+VARIANT_LAYERS = {
+    "dense_3x5": ((2, 8, 9, 11), (8, 16, 3, 5), dict()),
+    "strided_2x3_grouped": ((2, 8, 9, 11), (8, 3, 3, 5), dict(stride=(2, 3), padding=(1, 2), groups=4,
+                                                              dilation=(2, 1), output_padding=(1, 0))),
+    "stride_4_depthwise": ((1, 6, 7, 7), (6, 1, 4, 4), dict(stride=4, groups=6)),
+    "stride_6_kernel_11": ((1, 2, 5, 5), (2, 5, 11, 11), dict(stride=6, dilation=2, padding=3)),
+    "huge_64bit": ((1, 1, 50000, 50000), (1, 2, 2, 2), dict(stride=2)),
+}
+
+
+def _plans():
+    seen = {}
+    for layer, (x_shape, w_shape, kwargs) in VARIANT_LAYERS.items():
+        g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+        for dtype in DTYPES:
+            for bias in (False, True):
+                for plan in launch.all_plans(g, dtype, bias):
+                    seen.setdefault(plan.spec, f"{layer}-{dtype}-{plan.spec.function}-{plan.index_t}")
+    return seen
+
+
+PLANS = _plans()
+
+
+def test_variants_reach_every_template_and_both_index_widths():
+    templates_used = {spec.template for spec in PLANS}
+    from cupyconv import templates
+
+    assert templates_used == set(templates.template_names())
+    widths = {dict(spec.constants)["INDEX_T"] for spec in PLANS}
+    assert widths == {"int", "long long"}
+    assert {dict(s.constants)["SCALAR_T"] for s in PLANS} == {"float", "double", "half_t", "bf16_t"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", list(PLANS), ids=list(PLANS.values()))
+def test_template_compiles(spec, arch):
+    ptx = compile_ptx(spec.source(), spec.function, arch)
+    assert f".entry {spec.function}" in ptx
+    assert f".target sm_{arch.split('_')[1]}" in ptx
+
+
+def test_index_width_follows_tensor_size():
+    assert launch.index_type(10, 2 ** 31 - 1) == "int"
+    assert launch.index_type(10, 2 ** 31) == "long long"
+    g = geometry((1, 1, 50000, 50000), (1, 2, 2, 2), None, ConvParams.from_args(stride=2))
+    assert launch.plan_forward(g, "float16", False).index_t == "long long"
+    small = geometry((1, 1, 50, 50), (1, 2, 2, 2), None, ConvParams.from_args(stride=2))
+    assert launch.plan_forward(small, "float16", False).index_t == "int"
+
+
+def test_spatial_size_is_a_runtime_argument():
+    params = ConvParams.from_args(stride=2, padding=1)
+    specs = {launch.plan_forward(geometry((n, 4) + hw, (4, 3, 3, 3), None, params), "float32", True).spec
+             for n, hw in ((1, (5, 5)), (7, (31, 9)), (2, (128, 64)))}
+    assert len(specs) == 1
+
+
+def test_compile_error_reports_kernel_options_and_lines():
+    source = "\n".join([
+        "extern \"C\" __global__ void broken(float* y) {",
+        "    int a = 1;",
+        "    y[0] = undefined_symbol + a;",
+        "}",
+    ])
+    with pytest.raises(KernelCompileError) as info:
+        compile_ptx(source, "broken", "compute_90")
+    message = str(info.value)
+    assert "broken" in message and "--std=c++17" in message and "compute_90" in message
+    assert "undefined_symbol" in message
+    assert ">>     3 |     y[0] = undefined_symbol + a;" in message
+    assert info.value.kernel == "broken"
+
+
+def test_clear_cache_empties_the_in_process_cache():
+    compiler._entries[("k",)] = compiler._Entry()
+    compiler.clear_cache()
+    assert not compiler._entries
+
+
+def test_kernel_spec_is_hashable_and_order_independent():
+    a = KernelSpec.make("reduce_partials.cu", "reduce_partials", {"BLOCK": 256, "INDEX_T": "int"})
+    b = KernelSpec.make("reduce_partials.cu", "reduce_partials", {"INDEX_T": "int", "BLOCK": 256})
+    assert a == b and hash(a) == hash(b)
+
+
+def test_importing_compiles_nothing():
+    import subprocess
+    import sys
+
+    code = ("import cupyconv, sys; from cupyconv import compiler; "
+            "assert compiler.compile_count() == 0; "
+            "assert 'cupy' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,78 @@
+"""Template discovery and rendering (pure Python, no GPU, no NVRTC)."""
+import re
+
+import pytest
+
+from cupyconv import templates
+
+EXPECTED = {
+    "conv_transpose2d_forward.cu",
+    "conv_transpose2d_grad_input.cu",
+    "conv_transpose2d_grad_weight.cu",
+    "conv_transpose2d_grad_bias.cu",
+    "reduce_partials.cu",
+}
+
+
+def test_every_template_is_found():
+    assert set(templates.template_names()) == EXPECTED
+    assert (templates.kernels_dir() / "common.cuh").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_includes_are_inlined_and_placeholders_listed(name):
+    text = templates.expanded(name)
+    assert '#include "common.cuh"' not in text
+    assert "warp_sum" in text  # from common.cuh
+    needed = templates.placeholders(name)
+    assert {"SCALAR_T", "ACC_T", "INDEX_T", "BLOCK"} <= needed
+
+
+def test_layer_templates_take_every_layer_constant():
+    layer_constants = {"KH", "KW", "SH", "SW", "PH", "PW", "OPH", "OPW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
+    for name in ("conv_transpose2d_forward.cu", "conv_transpose2d_grad_input.cu", "conv_transpose2d_grad_weight.cu"):
+        assert layer_constants <= templates.placeholders(name), name
+
+
+def _constants(name, **overrides):
+    values = {k: 1 for k in templates.placeholders(name)}
+    values.update(SCALAR_T="float", ACC_T="float", INDEX_T="int", HAS_BIAS=True, BLOCK=128)
+    values = {k: v for k, v in values.items() if k in templates.placeholders(name)}
+    values.update(overrides)
+    return values
+
+
+def test_render_substitutes_everything():
+    src = templates.render("conv_transpose2d_forward.cu", _constants("conv_transpose2d_forward.cu", KH=3, KW=5))
+    assert "{{" not in src
+    assert "constexpr int KH = 3, KW = 5;" in src
+    assert "constexpr bool HAS_BIAS = true;" in src
+    assert src.startswith("// cupyconv kernel conv_transpose2d_forward.cu:")
+
+
+def test_render_rejects_missing_and_unknown_constants():
+    constants = _constants("reduce_partials.cu")
+    missing = dict(constants)
+    missing.pop("BLOCK")
+    with pytest.raises(KeyError, match="BLOCK"):
+        templates.render("reduce_partials.cu", missing)
+    with pytest.raises(KeyError, match="NOT_A_CONSTANT"):
+        templates.render("reduce_partials.cu", {**constants, "NOT_A_CONSTANT": 1})
+
+
+def test_render_rejects_values_that_are_not_constants():
+    with pytest.raises(TypeError):
+        templates.render("reduce_partials.cu", _constants("reduce_partials.cu", SCALAR_T="float; evil()"))
+    with pytest.raises(TypeError):
+        templates.render("reduce_partials.cu", _constants("reduce_partials.cu", BLOCK=1.5))
+
+
+def test_unknown_template():
+    with pytest.raises(ValueError, match="no kernel template"):
+        templates.expanded("nope.cu")
+
+
+def test_content_hash_tracks_template_text():
+    hashes = {n: templates.content_hash(n) for n in EXPECTED}
+    assert len(set(hashes.values())) == len(EXPECTED)
+    assert all(re.fullmatch(r"[0-9a-f]{16}", h) for h in hashes.values())
