@@ -237,3 +237,33 @@ def test_empty_batch():
     assert y.shape == (0, 2, 7, 7)
     gi, gw, gb = cupyconv.conv_transpose2d_backward(cupy.zeros((0, 2, 7, 7), dtype=cupy.float32), x, w)
     assert gi.shape == x.shape and bool((gw == 0).all()) and bool((gb == 0).all())
+
+
+def test_numpy_bfloat16_on_gpu():
+    import numpy as np
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from cupyconv import reference
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 4, 6, 5)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((4, 3, 3, 2)).astype(ml_dtypes.bfloat16)
+    y = cupyconv.conv_transpose2d(x, w, None, stride=2, groups=2)
+    assert isinstance(y, np.ndarray) and y.dtype == x.dtype
+    ref = reference.conv_transpose2d(x, w, None, (2, 2), (0, 0), (0, 0), 2, (1, 1))
+    assert np.abs(y.astype(np.float64) - ref).max() <= 3e-2 * np.abs(ref).max()
+
+
+def test_unwritable_disk_cache_falls_back_to_memory(monkeypatch, tmp_path):
+    from cupyconv import reference
+
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    cupyconv.clear_cache()
+    x = cupy.random.standard_normal((2, 3, 5, 4), dtype=cupy.float64)
+    w = cupy.random.standard_normal((3, 5, 2, 7), dtype=cupy.float64)
+    y = cupyconv.conv_transpose2d(x, w, stride=(3, 1), dilation=(1, 2), padding=(0, 3))
+    ref = reference.conv_transpose2d(x.get(), w.get(), None, (3, 1), (0, 3), (0, 0), 1, (1, 2))
+    assert float(abs(y.get() - ref).max()) <= 1e-10 * float(abs(ref).max())

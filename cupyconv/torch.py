@@ -1,0 +1,648 @@
+"""PyTorch integration: custom ops, an autograd-aware functional and a drop-in ``nn.ConvTranspose2d``.
+
+Public API
+----------
+``conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1)``
+    ``torch.nn.functional.conv_transpose2d``'s signature and semantics.
+``ConvTranspose2d``
+    A subclass of ``torch.nn.ConvTranspose2d`` (same constructor, parameters, state_dict,
+    init and repr) whose forward runs cupyconv.
+``convert(module)``
+    Swaps every ``nn.ConvTranspose2d`` of a model for :class:`ConvTranspose2d`, in place,
+    keeping the very same Parameter objects.
+
+Operators (``torch.ops.cupyconv``)
+----------------------------------
+``conv_transpose2d(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding,
+int[] output_padding, int groups, int[] dilation) -> Tensor``
+
+``conv_transpose2d_backward(Tensor grad_output, Tensor input, Tensor weight, int[] stride,
+int[] padding, int[] output_padding, int groups, int[] dilation, bool[] output_mask)
+-> (Tensor?, Tensor?, Tensor?)``
+    ``(grad_input, grad_weight, grad_bias)``; an entry is None where ``output_mask`` is
+    False, so no kernel runs for a gradient nobody asked for.
+
+Both are ``torch.library.custom_op`` ops with fake (meta) kernels, so ``torch.compile``
+traces them without graph breaks.  The forward op's autograd formula calls the backward
+op; the backward op has an autograd formula of its own built from the two ops, so double
+backward (and higher) works.  Under autocast the forward op casts its floating inputs to
+the autocast dtype, as ``conv_transpose2d`` does in PyTorch.
+
+Execution: CUDA tensors run on :mod:`cupyconv.engine` (raw pointers, launched on
+``torch.cuda.current_stream(input.device)`` with the input's device current, outputs and
+split-K scratch from torch's caching allocator, no host synchronisation).  CPU tensors
+run on the float64 NumPy reference and are cast back to the input dtype, so everything
+(gradcheck, opcheck, torch.compile) can be tested without a GPU.
+
+Host cost: the op dispatcher and ``custom_op``'s generic autograd wrapper cost several
+times a cuDNN call's host time.  So plain eager calls (ordinary tensors, no compile,
+tracing, dispatch or function mode, functorch transform) take a fast path: the same
+implementation functions behind a lean ``torch.autograd.Function``, or called directly
+when no gradient is needed.  Everything else goes through the registered ops.  Both
+paths run identical kernels and give bitwise-identical results.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import engine as _engine
+from . import reference as _reference
+from .geometry import ConvParams, geometry as _geometry
+
+__all__ = ["conv_transpose2d", "conv_transpose2d_backward", "ConvTranspose2d", "convert", "tf32_allowed"]
+
+Tensor = torch.Tensor
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+_SUPPORTED = "float16, bfloat16, float32 or float64"
+
+
+def tf32_allowed() -> bool:
+    """Hook for a future TF32 path: whether PyTorch allows TF32 in convolutions.
+
+    The current kernels compute float32 in strict float32 and ignore it.
+    """
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _check_tensors(named: Sequence[Tuple[str, Optional[Tensor]]]) -> None:
+    """Every tensor a supported float dtype, all on one device, all of one dtype."""
+    first = None
+    for name, t in named:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"{name} must have dtype {_SUPPORTED}, got {t.dtype}")
+        if first is None:
+            first = (name, t)
+            continue
+        name0, t0 = first
+        if t.device != t0.device:
+            raise ValueError(
+                f"all tensors must be on the same device: {name0} is on {t0.device} but {name} is on {t.device}")
+        if t.dtype != t0.dtype:
+            raise TypeError(
+                f"all tensors must have the same dtype: {name0} is {t0.dtype} but {name} is {t.dtype}")
+
+
+def _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation):
+    _check_tensors((("input", x), ("weight", w), ("bias", b)))
+    params = ConvParams.from_args(stride, padding, output_padding, groups, dilation)
+    return _geometry(x.shape, w.shape, None if b is None else b.shape, params)
+
+
+def _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
+    _check_tensors((("grad_output", go), ("input", x), ("weight", w)))
+    if len(output_mask) != 3:
+        raise ValueError(f"output_mask must have three entries, got {list(output_mask)}")
+    params = ConvParams.from_args(stride, padding, output_padding, groups, dilation)
+    g = _geometry(x.shape, w.shape, None, params)
+    expected = g.user_shape(g.output_shape)
+    if tuple(go.shape) != expected:
+        raise ValueError(
+            f"grad_output must have the output's shape {expected}, got {tuple(go.shape)}")
+    return g
+
+
+def _channels_last(t: Tensor) -> bool:
+    """Whether a tensor is laid out channels_last (and not also plain contiguous)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _as_channels_last(t: Tensor) -> Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+# Per-configuration state of the hot path: validated geometry, dtype name, device.
+# Keyed by everything the validation looked at, so a hit needs no validation.
+_forward_cache: dict = {}
+_backward_cache: dict = {}
+_CACHE_LIMIT = 4096
+
+
+def _key_seq(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation):
+    if b is None:
+        key = (x.shape, w.shape, None, x.dtype, w.dtype, None, x.device, w.device, None,
+               _key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
+    else:
+        key = (x.shape, w.shape, b.shape, x.dtype, w.dtype, b.dtype, x.device, w.device, b.device,
+               _key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
+    entry = _forward_cache.get(key)
+    if entry is None:
+        g = _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation)
+        device = x.device
+        entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1,
+                 g.user_shape(g.output_shape))
+        if len(_forward_cache) >= _CACHE_LIMIT:
+            _forward_cache.clear()
+        _forward_cache[key] = entry
+    return entry
+
+
+def _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
+    key = (go.shape, x.shape, w.shape, go.dtype, x.dtype, w.dtype, go.device, x.device, w.device,
+           _key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
+    entry = _backward_cache.get(key)
+    if entry is None:
+        g = _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask)
+        device = x.device
+        entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1)
+        if len(_backward_cache) >= _CACHE_LIMIT:
+            _backward_cache.clear()
+        _backward_cache[key] = entry
+    elif len(output_mask) != 3:
+        raise ValueError(f"output_mask must have three entries, got {list(output_mask)}")
+    return entry
+
+
+# ------------------------------------------------------------------------ CUDA execution
+
+_cuda_ready = False
+_get_device = _set_device = _raw_stream = None
+
+
+def _init_cuda() -> None:
+    """Bind the few CUDA entry points of the hot path once (imports CuPy lazily)."""
+    global _cuda_ready, _get_device, _set_device, _raw_stream
+    from cupy.cuda import runtime
+
+    _get_device, _set_device = runtime.getDevice, runtime.setDevice
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    _raw_stream = raw if raw is not None else (lambda index: torch.cuda.current_stream(index).cuda_stream)
+    _cuda_ready = True
+
+
+def _enter_device(index: int) -> int:
+    """Make ``index`` the current CUDA device; returns the previous one to restore.
+
+    ``cudaSetDevice`` is called even when ``index`` is already current: on a fresh thread
+    (autograd's device threads) it also binds the primary context, which the driver-API
+    launch needs.
+    """
+    if not _cuda_ready:
+        _init_cuda()
+    prev = _get_device()
+    _set_device(index)
+    return prev
+
+
+def _scratch_allocator(device):
+    def alloc(nbytes: int):
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        return t, t.data_ptr()
+    return alloc
+
+
+def _cuda_forward(x, w, b, entry):
+    g, dt, device, index, out_shape = entry
+    cl = _channels_last(x)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
+    if b is not None and not b.is_contiguous():
+        b = b.contiguous()
+    out = torch.empty(out_shape, dtype=x.dtype, device=device)
+    prev = _enter_device(index)
+    try:
+        _engine.forward(g, dt, x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
+                        index, _raw_stream(index))
+    finally:
+        if prev != index:
+            _set_device(prev)
+    return _as_channels_last(out) if cl else out
+
+
+def _cuda_backward(go, x, w, mask, entry):
+    g, dt, device, index, = entry
+    cl = _channels_last(x)
+    go = go.contiguous()
+    gi = gw = gb = None
+    prev = _enter_device(index)
+    try:
+        stream = _raw_stream(index)
+        if mask[0]:
+            w = w.contiguous()
+            gi = torch.empty(x.shape, dtype=x.dtype, device=device)
+            _engine.grad_input(g, dt, go.data_ptr(), w.data_ptr(), gi.data_ptr(), index, stream)
+        if mask[1] or mask[2]:
+            alloc = _scratch_allocator(device)
+            if mask[1]:
+                x = x.contiguous()
+                gw = torch.empty(w.shape, dtype=w.dtype, device=device)
+                _engine.grad_weight(g, dt, x.data_ptr(), go.data_ptr(), gw.data_ptr(), index, stream, alloc)
+            if mask[2]:
+                gb = torch.empty((g.out_channels,), dtype=go.dtype, device=device)
+                _engine.grad_bias(g, dt, go.data_ptr(), gb.data_ptr(), index, stream, alloc)
+    finally:
+        if prev != index:
+            _set_device(prev)
+    if cl and gi is not None:
+        gi = _as_channels_last(gi)
+    return gi, gw, gb
+
+
+# ------------------------------------------------------------------- CPU (reference) path
+
+def _to_numpy64(t: Tensor):
+    return t.detach().to(torch.float64).resolve_neg().numpy()
+
+
+def _from_numpy(a, like: Tensor, shape) -> Tensor:
+    return torch.from_numpy(a).reshape(shape).to(like.dtype)
+
+
+def _cpu_forward(x, w, b, entry):
+    g = entry[0]
+    p = g.params
+    xn = _to_numpy64(x).reshape(g.input_shape)
+    y = _reference.conv_transpose2d(xn, _to_numpy64(w), None if b is None else _to_numpy64(b), p.stride,
+                                    p.padding, p.output_padding, p.groups, p.dilation)
+    out = _from_numpy(y, x, entry[4])
+    return _as_channels_last(out) if _channels_last(x) else out
+
+
+def _cpu_backward(go, x, w, mask, entry):
+    g = entry[0]
+    p = g.params
+    gi, gw, gb = _reference.conv_transpose2d_backward(
+        _to_numpy64(go).reshape(g.output_shape), _to_numpy64(x).reshape(g.input_shape), _to_numpy64(w),
+        p.stride, p.padding, p.output_padding, p.groups, p.dilation, tuple(bool(m) for m in mask))
+    gi = None if gi is None else _from_numpy(gi, x, x.shape)
+    if gi is not None and _channels_last(x):
+        gi = _as_channels_last(gi)
+    gw = None if gw is None else _from_numpy(gw, w, w.shape)
+    gb = None if gb is None else _from_numpy(gb, go, (g.out_channels,))
+    return gi, gw, gb
+
+
+# ------------------------------------------------------------------ the implementations
+
+def _forward_impl(x, w, b, stride, padding, output_padding, groups, dilation) -> Tensor:
+    entry = _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation)
+    if entry[3] >= 0:
+        return _cuda_forward(x, w, b, entry)
+    if entry[2].type != "cpu":
+        raise NotImplementedError(f"cupyconv runs CUDA and CPU tensors, got a tensor on {entry[2]}")
+    return _cpu_forward(x, w, b, entry)
+
+
+def _backward_impl(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
+    entry = _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation, output_mask)
+    if not (output_mask[0] or output_mask[1] or output_mask[2]):
+        return None, None, None
+    if entry[3] >= 0:
+        return _cuda_backward(go, x, w, output_mask, entry)
+    if entry[2].type != "cpu":
+        raise NotImplementedError(f"cupyconv runs CUDA and CPU tensors, got a tensor on {entry[2]}")
+    return _cpu_backward(go, x, w, output_mask, entry)
+
+
+# ----------------------------------------------------------------------- the custom ops
+
+_TAGS = (torch.Tag.needs_fixed_stride_order,) if hasattr(torch.Tag, "needs_fixed_stride_order") else ()
+
+_FORWARD_SCHEMA = ("(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] output_padding, "
+                   "int groups, int[] dilation) -> Tensor")
+_BACKWARD_SCHEMA = ("(Tensor grad_output, Tensor input, Tensor weight, int[] stride, int[] padding, "
+                    "int[] output_padding, int groups, int[] dilation, bool[] output_mask) "
+                    "-> (Tensor?, Tensor?, Tensor?)")
+
+
+@torch.library.custom_op("cupyconv::conv_transpose2d", mutates_args=(), schema=_FORWARD_SCHEMA, tags=_TAGS)
+def _conv_transpose2d_op(input, weight, bias, stride, padding, output_padding, groups, dilation):
+    return _forward_impl(input, weight, bias, stride, padding, output_padding, groups, dilation)
+
+
+@_conv_transpose2d_op.register_fake
+def _conv_transpose2d_fake(input, weight, bias, stride, padding, output_padding, groups, dilation):
+    g = _validate_forward(input, weight, bias, stride, padding, output_padding, groups, dilation)
+    out = input.new_empty(g.user_shape(g.output_shape))
+    return _as_channels_last(out) if _channels_last(input) else out
+
+
+@torch.library.custom_op("cupyconv::conv_transpose2d_backward", mutates_args=(), schema=_BACKWARD_SCHEMA,
+                         tags=_TAGS)
+def _conv_transpose2d_backward_op(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
+                                  output_mask):
+    return _backward_impl(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
+                          output_mask)
+
+
+@_conv_transpose2d_backward_op.register_fake
+def _conv_transpose2d_backward_fake(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
+                                    output_mask):
+    g = _validate_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
+                           output_mask)
+    gi = gw = gb = None
+    if output_mask[0]:
+        gi = input.new_empty(input.shape)
+        if _channels_last(input):
+            gi = _as_channels_last(gi)
+    if output_mask[1]:
+        gw = weight.new_empty(weight.shape)
+    if output_mask[2]:
+        gb = grad_output.new_empty((g.out_channels,))
+    return gi, gw, gb
+
+
+_OPS = torch.ops.cupyconv
+
+
+def _params_from(inputs):
+    stride, padding, output_padding, groups, dilation = inputs
+    return (_key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
+
+
+def _op_forward_setup(ctx, inputs, output):
+    x, w, b = inputs[:3]
+    ctx.params = _params_from(inputs[3:])
+    ctx.has_bias = b is not None
+    ctx.save_for_backward(x, w)
+
+
+def _op_forward_backward(ctx, grad_output):
+    x, w = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    mask = (needs[0], needs[1], ctx.has_bias and needs[2])
+    gi, gw, gb = _backward(grad_output, x, w, ctx.params, mask)
+    return gi, gw, gb, None, None, None, None, None
+
+
+def _op_backward_setup(ctx, inputs, output):
+    go, x, w = inputs[:3]
+    ctx.params = _params_from(inputs[3:8])
+    ctx.save_for_backward(go, x, w)
+
+
+def _op_backward_backward(ctx, ggi, ggw, ggb):
+    go, x, w = ctx.saved_tensors
+    grads = _double_backward(go, x, w, ctx.params, ctx.needs_input_grad[:3], ggi, ggw, ggb)
+    return grads + (None,) * 6
+
+
+_conv_transpose2d_op.register_autograd(_op_forward_backward, setup_context=_op_forward_setup)
+_conv_transpose2d_backward_op.register_autograd(_op_backward_backward, setup_context=_op_backward_setup)
+
+
+def _autocast_kernel(device_type: str):
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def kernel(_keyset, input, weight, bias, stride, padding, output_padding, groups, dilation):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            input, weight, bias = _autocast_cast(device_type, input, weight, bias)
+            return _OPS.conv_transpose2d.default(input, weight, bias, stride, padding, output_padding, groups,
+                                                 dilation)
+    return kernel
+
+
+# The autocast dtype is chosen at run time (float16 or bfloat16), which
+# torch.library.register_autocast cannot express, so the rule is registered by hand.
+_autocast_lib = torch.library.Library("cupyconv", "IMPL")
+for _device_type in ("cuda", "cpu"):
+    _autocast_lib.impl("conv_transpose2d", _autocast_kernel(_device_type),
+                       "Autocast" + torch._C._dispatch_key_for_device(_device_type), with_keyset=True)
+del _device_type
+
+
+def _autocast_cast(device_type: str, *tensors):
+    """Autocast's rule: floating tensors on ``device_type`` that are not float64 go to the autocast dtype."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.device.type == device_type
+                 and t.dtype is not torch.float64 else t for t in tensors)
+
+
+# ------------------------------------------------------------------- eager fast path
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_tracing_state = torch._C._get_tracing_state
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _plain_eager(a, b, c) -> bool:
+    """True for an ordinary eager call: plain tensors and nothing intercepting ops."""
+    return (type(a) in _PLAIN_TYPES and type(b) in _PLAIN_TYPES and (c is None or type(c) in _PLAIN_TYPES)
+            and not _is_compiling() and not _dispatch_modes() and not _function_mode()
+            and not _functorch_active() and _tracing_state() is None)
+
+
+def _autocast_on(device_type: str) -> bool:
+    if _any_autocast is not None and not _any_autocast():
+        return False
+    return torch.is_autocast_enabled(device_type)
+
+
+class _ConvTranspose2dFunction(torch.autograd.Function):
+    """Eager fast path of the forward op (same implementation, lean autograd)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, params):
+        ctx.params = params
+        ctx.has_bias = b is not None
+        ctx.save_for_backward(x, w)
+        return _forward_impl(x, w, b, *params)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, w = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        mask = (needs[0], needs[1], ctx.has_bias and needs[2])
+        gi, gw, gb = _backward(grad_output, x, w, ctx.params, mask)
+        return gi, gw, gb, None
+
+
+class _ConvTranspose2dBackwardFunction(torch.autograd.Function):
+    """Eager fast path of the backward op, used when the backward itself is differentiated."""
+
+    @staticmethod
+    def forward(ctx, go, x, w, params, mask):
+        ctx.params = params
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(go, x, w)
+        return _backward_impl(go, x, w, *params, mask)
+
+    @staticmethod
+    def backward(ctx, ggi, ggw, ggb):
+        go, x, w = ctx.saved_tensors
+        return _double_backward(go, x, w, ctx.params, ctx.needs_input_grad[:3], ggi, ggw, ggb) + (None, None)
+
+
+def _forward(x, w, b, params) -> Tensor:
+    """Differentiable forward: the fast path in plain eager mode, the op otherwise."""
+    if _plain_eager(x, w, b):
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+            return _ConvTranspose2dFunction.apply(x, w, b, params)
+        return _forward_impl(x, w, b, *params)
+    s, p, op, g, d = params
+    return _OPS.conv_transpose2d.default(x, w, b, list(s), list(p), list(op), g, list(d))
+
+
+def _backward(go, x, w, params, mask):
+    """Differentiable backward: (grad_input, grad_weight, grad_bias), None where ``mask`` is False."""
+    if not (mask[0] or mask[1] or mask[2]):
+        return None, None, None
+    mask = (bool(mask[0]), bool(mask[1]), bool(mask[2]))
+    if _plain_eager(go, x, w):
+        if torch.is_grad_enabled() and (go.requires_grad or x.requires_grad or w.requires_grad):
+            return _ConvTranspose2dBackwardFunction.apply(go, x, w, params, mask)
+        return _backward_impl(go, x, w, *params, mask)
+    s, p, op, g, d = params
+    return _OPS.conv_transpose2d_backward.default(go, x, w, list(s), list(p), list(op), g, list(d), list(mask))
+
+
+def _double_backward(go, x, w, params, needs, ggi, ggw, ggb):
+    """Gradients of (grad_input, grad_weight, grad_bias) = backward(go, x, w) w.r.t. go, x and w.
+
+    grad_input = A_w^T go, grad_weight = B(x, go) and grad_bias = sum(go), where A_w x is
+    the transposed convolution of x with weight w; every piece is the forward or the
+    backward op again, so this is itself differentiable.
+    """
+    need_go, need_x, need_w = needs
+    g_go = g_x = g_w = None
+    if need_go:
+        if ggi is not None:
+            g_go = _forward(ggi, w, None, params)
+        if ggw is not None:
+            term = _forward(x, ggw, None, params)
+            g_go = term if g_go is None else g_go + term
+        if ggb is not None:
+            shape = (-1, 1, 1) if go.dim() == 3 else (1, -1, 1, 1)
+            term = ggb.reshape(shape).expand(go.shape)
+            g_go = term if g_go is None else g_go + term
+    if need_x and ggw is not None:
+        g_x = _backward(go, x, ggw, params, (True, False, False))[0]
+    if need_w and ggi is not None:
+        g_w = _backward(go, ggi, w, params, (False, True, False))[1]
+    return g_x if False else g_go, g_x, g_w
+
+
+def _pair(v):
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v, v)
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+# --------------------------------------------------------------------------- public API
+
+def conv_transpose2d(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0,
+                     output_padding=0, groups: int = 1, dilation=1) -> Tensor:
+    """``torch.nn.functional.conv_transpose2d`` computed by cupyconv (differentiable).
+
+    ``input`` is (N, C_in, H, W) or unbatched (C_in, H, W), ``weight`` (C_in, C_out/groups,
+    kH, kW), ``bias`` (C_out,) or None; ``stride``, ``padding``, ``output_padding`` and
+    ``dilation`` are ints or pairs.  All tensors must share one device and one dtype
+    (float16, bfloat16, float32 or float64).  channels_last input gives channels_last output.
+    """
+    params = (_pair(stride), _pair(padding), _pair(output_padding), groups, _pair(dilation))
+    if _plain_eager(input, weight, bias):
+        if _autocast_on(input.device.type):
+            input, weight, bias = _autocast_cast(input.device.type, input, weight, bias)
+        if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            return _ConvTranspose2dFunction.apply(input, weight, bias, params)
+        return _forward_impl(input, weight, bias, *params)
+    for name, t in (("input", input), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    s, p, op, g, d = params
+    return _OPS.conv_transpose2d.default(input, weight, bias, list(s), list(p), list(op), g, list(d))
+
+
+def conv_transpose2d_backward(grad_output: Tensor, input: Tensor, weight: Tensor, stride=1, padding=0,
+                              output_padding=0, groups: int = 1, dilation=1,
+                              output_mask: Sequence[bool] = (True, True, True)):
+    """Gradients of :func:`conv_transpose2d`: ``(grad_input, grad_weight, grad_bias)``.
+
+    An entry is None where ``output_mask`` is False (and its kernel does not run).
+    grad_bias is ``grad_output`` summed over all but the channel axis, whether or not the
+    forward had a bias.  Differentiable (double backward).
+    """
+    if len(output_mask) != 3:
+        raise ValueError(f"output_mask must have three entries, got {list(output_mask)}")
+    params = (_pair(stride), _pair(padding), _pair(output_padding), groups, _pair(dilation))
+    return _backward(grad_output, input, weight, params, tuple(output_mask))
+
+
+class ConvTranspose2d(torch.nn.ConvTranspose2d):
+    """Drop-in ``torch.nn.ConvTranspose2d`` whose forward runs cupyconv.
+
+    Same constructor, parameters, state_dict keys, initialisation and repr as the torch
+    module (it is a subclass and inherits them); ``padding_mode`` other than 'zeros' is a
+    ValueError, as in torch.
+    """
+
+    def forward(self, input: Tensor, output_size: Optional[List[int]] = None) -> Tensor:
+        if self.padding_mode != "zeros":
+            raise ValueError("Only `zeros` padding mode is supported for ConvTranspose2d")
+        if output_size is None:
+            output_padding = self.output_padding
+        else:
+            output_padding = self._output_padding(input, output_size, self.stride, self.padding, self.kernel_size,
+                                                  2, self.dilation)
+        return conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, output_padding,
+                                self.groups, self.dilation)
+
+
+def _converted(old: torch.nn.ConvTranspose2d) -> ConvTranspose2d:
+    """A cupyconv module sharing ``old``'s parameters, buffers, hooks, attributes and training mode."""
+    new = ConvTranspose2d.__new__(ConvTranspose2d)
+    state = dict(old.__dict__)
+    for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+        if name in state:
+            state[name] = type(state[name])(state[name])
+    new.__dict__.update(state)
+    return new
+
+
+def _convertible(m) -> bool:
+    if not isinstance(m, torch.nn.ConvTranspose2d) or isinstance(m, ConvTranspose2d):
+        return False
+    lazy = getattr(m, "has_uninitialized_params", None)
+    return not (lazy is not None and lazy())
+
+
+def convert(module: torch.nn.Module) -> torch.nn.Module:
+    """Replace every ``nn.ConvTranspose2d`` (or subclass) in ``module`` by :class:`ConvTranspose2d`, in place.
+
+    The replacements keep the same Parameter objects (so optimisers and tied weights still
+    see them), device, dtype, hooks and training mode; a module used at several places
+    is replaced by one shared module.  Returns ``module``, or its replacement when
+    ``module`` itself is a transposed convolution.
+    """
+    done = {}
+
+    def swap(m):
+        key = id(m)
+        if key not in done:
+            done[key] = _converted(m)
+        return done[key]
+
+    if _convertible(module):
+        return swap(module)
+    for parent in module.modules():
+        for name, child in list(parent._modules.items()):
+            if child is not None and _convertible(child):
+                parent._modules[name] = swap(child)
+    return module
