@@ -5,6 +5,7 @@ cached per layer configuration.  Nothing is compiled, and neither CuPy nor torch
 imported, when this package is imported.
 """
 from .compiler import KernelCompileError
+from .explain import explain
 from .functional import backend, conv_transpose2d, conv_transpose2d_backward
 from .geometry import output_size
 
@@ -16,6 +17,7 @@ __all__ = [
     "clear_cache",
     "conv_transpose2d",
     "conv_transpose2d_backward",
+    "explain",
     "output_size",
     "__version__",
 ]

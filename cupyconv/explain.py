@@ -1,0 +1,715 @@
+"""``explain``: what cupyconv would launch for a layer, and how fast it could possibly be.
+
+For the forward pass and each gradient this reports the kernel (template, function and
+specialisation constants), its grid, block and runtime scalars, the split-K scratch, the
+fully substituted CUDA source, the FLOPs and minimum bytes of the pass, and a roofline
+floor on its time.  Register, shared- and local-memory use are read from the compiled
+kernel when a GPU is present.  Everything else is pure Python: ``explain`` works on a
+machine without a GPU, and imports torch only when it is given a torch module.
+
+    >>> from cupyconv.explain import explain
+    >>> e = explain((8, 32, 64, 64), (32, 16, 4, 4), stride=2, padding=1)
+    >>> print(e)                          # plain text; e.show_source = True for whole sources
+    >>> e.passes[0].floor_s, e.kernels[0].grid
+
+In a notebook the result renders as Markdown/HTML with collapsible sources.
+"""
+from __future__ import annotations
+
+import html
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import launch
+from .geometry import ConvParams, Geometry, geometry, output_padding_for
+
+__all__ = ["explain", "Explanation", "KernelRecord", "PassRecord", "Peak", "device_peak", "DEFAULT_PEAK",
+           "PEAK_TABLE"]
+
+NA_NO_GPU = "n/a without a GPU"
+
+
+# ------------------------------------------------------------------------------ peaks
+
+@dataclass(frozen=True)
+class Peak:
+    """Roofline peaks of one device: memory bandwidth and CUDA-core (not tensor-core) FLOP rates."""
+
+    name: str
+    bandwidth: float      # bytes per second, read + written, as a device-to-device copy achieves
+    flops_fp32: float     # FP32 FLOP/s on CUDA cores (fp16/bf16 kernels accumulate in fp32 there too)
+    flops_fp64: float     # FP64 FLOP/s on CUDA cores
+    source: str           # how the numbers were obtained; always an estimate
+
+    def flops(self, dtype: str) -> float:
+        return self.flops_fp64 if dtype == "float64" else self.flops_fp32
+
+
+# Sustained figures for common data-centre GPUs (name substring, bandwidth B/s, fp32, fp64).
+# Bandwidth is about what a device-to-device copy reaches, not the data-sheet number;
+# FLOP rates are CUDA-core peaks at boost clock, since the kernels do not use tensor cores.
+# The first matching row wins, so more specific names come first.
+PEAK_TABLE: Tuple[Tuple[str, float, float, float], ...] = (
+    ("GH200", 3.6e12, 67e12, 34e12),
+    ("H200", 4.3e12, 67e12, 34e12),
+    ("H100 PCIe", 1.7e12, 51e12, 26e12),
+    ("H100 NVL", 3.2e12, 60e12, 30e12),
+    ("H100", 3.0e12, 67e12, 34e12),
+    ("H800", 3.0e12, 67e12, 34e12),
+    ("A100-SXM4-80GB", 1.75e12, 19.5e12, 9.7e12),
+    ("A100 80GB PCIe", 1.6e12, 19.5e12, 9.7e12),
+    ("A100", 1.35e12, 19.5e12, 9.7e12),
+    ("L40S", 0.75e12, 91.6e12, 1.4e12),
+    ("L40", 0.75e12, 90.5e12, 1.4e12),
+    ("L4", 0.25e12, 30.3e12, 0.47e12),
+    ("A10", 0.5e12, 31.2e12, 0.98e12),
+    ("V100", 0.8e12, 15.7e12, 7.8e12),
+    ("RTX 4090", 0.9e12, 82.6e12, 1.3e12),
+    ("T4", 0.25e12, 8.1e12, 0.25e12),
+)
+
+DEFAULT_PEAK = Peak("NVIDIA H100 SXM (assumed)", 3.0e12, 67e12, 34e12,
+                    "no GPU here: H100 SXM defaults (3.0 TB/s copy bandwidth, 67 TFLOP/s fp32 CUDA cores); "
+                    "an estimate")
+
+# FP32 lanes per SM, by compute capability (major, minor); FP64 rate as a fraction of FP32.
+_FP32_LANES = {(6, 0): 64, (7, 0): 64, (7, 5): 64, (8, 0): 64, (9, 0): 128}
+_FP64_FULL = {(6, 0), (7, 0), (8, 0), (9, 0)}   # half-rate FP64 parts; the rest are 1/64
+
+
+def _table_peak(name: str) -> Optional[Peak]:
+    for key, bw, f32, f64 in PEAK_TABLE:
+        if key.lower() in name.lower():
+            return Peak(name, bw, f32, f64, f"table entry {key!r} for this device; an estimate")
+    return None
+
+
+def _attribute_peak(name: str, attrs: Dict[str, int], cc: Tuple[int, int]) -> Peak:
+    """A conservative estimate from device attributes, for devices not in the table."""
+    mem_khz = attrs.get("MemoryClockRate") or 0
+    bus_bits = attrs.get("GlobalMemoryBusWidth") or 0
+    sms = attrs.get("MultiProcessorCount") or 0
+    clock_khz = attrs.get("ClockRate") or 0
+    if mem_khz and bus_bits:
+        # Double data rate; a copy reaches roughly 80% of the interface's rate.
+        bandwidth = 0.8 * 2 * mem_khz * 1e3 * bus_bits / 8
+    else:
+        bandwidth = 0.5e12
+    lanes = _FP32_LANES.get(cc, 128 if cc[0] >= 8 or cc == (6, 1) else 64)
+    if sms and clock_khz:
+        flops32 = 2.0 * sms * lanes * clock_khz * 1e3
+    else:
+        flops32 = 10e12
+    flops64 = flops32 / 2 if cc in _FP64_FULL else flops32 / 64
+    return Peak(name, bandwidth, flops32, flops64,
+                f"estimated from device attributes (memory clock x bus width x 0.8, SMs x {lanes} fp32 lanes x "
+                f"clock); an estimate")
+
+
+def device_peak(device_id: int = 0) -> Peak:
+    """Roofline peaks for CUDA device ``device_id`` (table by name, else from its attributes)."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props.get("name", b"")
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    peak = _table_peak(name)
+    if peak is not None:
+        return peak
+    device = cupy.cuda.Device(device_id)
+    try:
+        attrs = dict(device.attributes)
+    except Exception:  # pragma: no cover - attribute query unavailable
+        attrs = {}
+    try:
+        cc = tuple(int(c) for c in (device.compute_capability[:-1], device.compute_capability[-1]))
+    except Exception:  # pragma: no cover
+        cc = (8, 0)
+    return _attribute_peak(name, attrs, cc)
+
+
+def _gpu_present() -> bool:
+    from .functional import _gpu_present as present
+
+    return present()
+
+
+# ---------------------------------------------------------------------------- records
+
+@dataclass
+class KernelRecord:
+    """One kernel launch of one pass."""
+
+    pass_name: str                 # "forward", "grad_input", "grad_weight" or "grad_bias"
+    stage: str                     # "main", "partial" (split-K pass) or "reduce"
+    template: str
+    function: str
+    variant: str                   # "template:function" plus the tile constants that select it
+    constants: Dict[str, object]
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    scalars: Dict[str, int]        # runtime arguments, by their names in the kernel signature
+    index_t: str
+    scratch_bytes: int
+    flops: int                     # this launch's arithmetic (reduces count their additions)
+    bytes: int                     # this launch's minimum traffic, split-K scratch included
+    floor_s: float
+    bound: str                     # "memory" or "compute"
+    registers: Optional[int] = None
+    shared_bytes: Optional[int] = None
+    local_bytes: Optional[int] = None
+    max_threads_per_block: Optional[int] = None
+    resources: str = NA_NO_GPU     # "from the compiled kernel on device N", or why not
+    source: str = field(default="", repr=False)
+
+    @property
+    def threads(self) -> int:
+        return _prod(self.grid) * _prod(self.block)
+
+
+@dataclass
+class PassRecord:
+    """The forward pass or one gradient: its useful work, minimum traffic and roofline floor."""
+
+    name: str
+    flops: int
+    bytes: int                     # inputs read once + outputs written once (no scratch)
+    compute_s: float
+    memory_s: float
+    floor_s: float
+    bound: str
+    kernels: List[KernelRecord]
+    note: str = ""
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out
+
+
+# --------------------------------------------------------------------------- formatting
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _time(seconds: float) -> str:
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def _bytes(n: int) -> str:
+    return f"{n} B" if n < 1000 else _si(n, "B")
+
+
+def _tuple(t) -> str:
+    return "(" + ", ".join(str(v) for v in t) + ")"
+
+
+def _kv(d: Dict[str, object]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+def _resources_text(k: KernelRecord) -> str:
+    if k.registers is None:
+        return f"registers / shared / local memory: {k.resources}"
+    return (f"registers {k.registers}/thread, shared {_bytes(k.shared_bytes or 0)}, local "
+            f"{_bytes(k.local_bytes or 0)}, max threads/block {k.max_threads_per_block} ({k.resources})")
+
+
+def _elide(source: str, head: int = 8, tail: int = 4) -> List[str]:
+    lines = source.splitlines()
+    if len(lines) <= head + tail + 1:
+        return lines
+    return lines[:head] + [f"... {len(lines) - head - tail} lines elided (show_source=True shows them) ..."] \
+        + lines[-tail:]
+
+
+# ------------------------------------------------------------------------ the explanation
+
+@dataclass
+class Explanation:
+    """What cupyconv launches for one layer and input shape; print it or show it in a notebook."""
+
+    layer: Dict[str, object]       # the layer's arguments, normalised
+    input_shape: Tuple[int, ...]
+    weight_shape: Tuple[int, ...]
+    output_shape: Tuple[int, ...]
+    dtype: str
+    geometry: Geometry
+    device: str                    # the GPU's name, or "no GPU"
+    gpu: bool
+    peak: Peak
+    sm_count: int
+    backend: str                   # cupyconv.backend() here: where NumPy inputs would run
+    passes: List[PassRecord]
+    notes: List[str]
+    show_source: bool = False
+
+    @property
+    def kernels(self) -> List[KernelRecord]:
+        """Every kernel launch, in pass order."""
+        return [k for p in self.passes for k in p.kernels]
+
+    def pass_(self, name: str) -> PassRecord:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pass {name!r}; have {[p.name for p in self.passes]}")
+
+    @property
+    def floor_s(self) -> float:
+        """Roofline floor of the forward plus every gradient reported."""
+        return sum(p.floor_s for p in self.passes)
+
+    def to_dict(self) -> dict:
+        """Plain data (JSON-friendly apart from tuples), sources included."""
+        return dict(layer=self.layer, input_shape=self.input_shape, weight_shape=self.weight_shape,
+                    output_shape=self.output_shape, dtype=self.dtype, device=self.device, gpu=self.gpu,
+                    peak=asdict(self.peak), sm_count=self.sm_count, backend=self.backend,
+                    passes=[dict(asdict(p), kernels=[dict(asdict(k), threads=k.threads) for k in p.kernels])
+                            for p in self.passes],
+                    notes=list(self.notes), floor_s=self.floor_s)
+
+    # -- headings shared by the renderings
+    def _title(self) -> str:
+        L = self.layer
+        return (f"ConvTranspose2d({L['in_channels']}, {L['out_channels']}, kernel_size={_tuple(L['kernel_size'])}, "
+                f"stride={_tuple(L['stride'])}, padding={_tuple(L['padding'])}, "
+                f"output_padding={_tuple(L['output_padding'])}, groups={L['groups']}, "
+                f"dilation={_tuple(L['dilation'])}, bias={L['bias']}), {self.dtype}")
+
+    def _peak_line(self) -> str:
+        p = self.peak
+        return (f"roofline peaks: {_si(p.bandwidth, 'B/s')}, {_si(p.flops(self.dtype), 'FLOP/s')} "
+                f"({'fp64' if self.dtype == 'float64' else 'fp32'} CUDA cores) - {p.source}")
+
+    def _pass_line(self, p: PassRecord) -> str:
+        other = p.compute_s if p.bound == "memory" else p.memory_s
+        return (f"{p.name}: {_si(p.flops, 'FLOP')}, {_bytes(p.bytes)} min traffic -> floor {_time(p.floor_s)} "
+                f"({p.bound}-bound; {'compute' if p.bound == 'memory' else 'memory'} term {_time(other)})")
+
+    # -- plain text
+    def text(self, show_source: Optional[bool] = None) -> str:
+        show = self.show_source if show_source is None else show_source
+        out = [f"cupyconv.explain: {self._title()}",
+               f"input {_tuple(self.input_shape)} x weight {_tuple(self.weight_shape)} -> output "
+               f"{_tuple(self.output_shape)}",
+               f"device: {self.device}; NumPy inputs run on backend {self.backend!r}",
+               self._peak_line()]
+        out += [f"note: {n}" for n in self.notes]
+        for p in self.passes:
+            out += ["", "== " + self._pass_line(p)]
+            if p.note:
+                out.append(f"   {p.note}")
+            for i, k in enumerate(p.kernels, 1):
+                out += [f"  [{i}] {k.stage}: {k.variant}",
+                        f"      constants: {_kv(k.constants)}",
+                        f"      grid {_tuple(k.grid)} x block {_tuple(k.block)} = {k.threads} threads; "
+                        f"index_t {k.index_t}; scratch {_bytes(k.scratch_bytes)}",
+                        f"      scalars: {_kv(k.scalars)}",
+                        f"      {_resources_text(k)}",
+                        f"      this launch: {_si(k.flops, 'FLOP')}, {_bytes(k.bytes)} -> floor {_time(k.floor_s)} "
+                        f"({k.bound}-bound)"]
+                lines = k.source.splitlines() if show else _elide(k.source)
+                out.append(f"      source ({len(k.source.splitlines())} lines):")
+                out += ["      | " + line for line in lines]
+        out += ["", f"total floor, forward + gradients: {_time(self.floor_s)}"]
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return (f"<Explanation {self._title()}; input {_tuple(self.input_shape)}; "
+                f"{len(self.kernels)} kernels; floor {_time(self.floor_s)}>")
+
+    # -- notebooks
+    def markdown(self) -> str:
+        md = [f"### cupyconv.explain: `{self._title()}`", "",
+              f"input `{_tuple(self.input_shape)}` x weight `{_tuple(self.weight_shape)}` -> output "
+              f"`{_tuple(self.output_shape)}`  ",
+              f"device: {self.device}; NumPy inputs run on backend `{self.backend}`  ",
+              self._peak_line()]
+        md += [f"- note: {n}" for n in self.notes]
+        md += ["", "| pass | FLOPs | min bytes | compute | memory | floor | bound | kernels |",
+               "|---|---|---|---|---|---|---|---|"]
+        for p in self.passes:
+            md.append(f"| {p.name} | {_si(p.flops, 'FLOP')} | {_bytes(p.bytes)} | {_time(p.compute_s)} | "
+                      f"{_time(p.memory_s)} | **{_time(p.floor_s)}** | {p.bound} | {len(p.kernels)} |")
+        md += ["", f"Total floor, forward + gradients: **{_time(self.floor_s)}**", ""]
+        md += ["| pass | stage | variant | grid | block | scalars | scratch | regs | shared | local |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
+        for k in self.kernels:
+            regs = NA_NO_GPU if k.registers is None else str(k.registers)
+            shared = "n/a" if k.shared_bytes is None else _bytes(k.shared_bytes)
+            local = "n/a" if k.local_bytes is None else _bytes(k.local_bytes)
+            md.append(f"| {k.pass_name} | {k.stage} | `{k.variant}` | {_tuple(k.grid)} | {_tuple(k.block)} | "
+                      f"{_kv(k.scalars)} | {_bytes(k.scratch_bytes)} | {regs} | {shared} | {local} |")
+        md.append("")
+        for k in self.kernels:
+            md += [f"<details><summary>{k.pass_name} / {k.stage}: {k.function} "
+                   f"({len(k.source.splitlines())} lines of CUDA)</summary>", "",
+                   f"constants: `{_kv(k.constants)}`", "", "```cuda", k.source.rstrip("\n"), "```", "",
+                   "</details>", ""]
+        return "\n".join(md)
+
+    def _repr_markdown_(self) -> str:
+        return self.markdown()
+
+    def html(self) -> str:
+        e = html.escape
+        h = [f"<div class='cupyconv-explain'><h4>cupyconv.explain: <code>{e(self._title())}</code></h4>",
+             f"<p>input <code>{_tuple(self.input_shape)}</code> &times; weight <code>{_tuple(self.weight_shape)}"
+             f"</code> &rarr; output <code>{_tuple(self.output_shape)}</code><br>"
+             f"device: {e(self.device)}; NumPy inputs run on backend <code>{e(self.backend)}</code><br>"
+             f"{e(self._peak_line())}</p>"]
+        if self.notes:
+            h.append("<ul>" + "".join(f"<li>{e(n)}</li>" for n in self.notes) + "</ul>")
+        h.append("<table><tr><th>pass</th><th>FLOPs</th><th>min bytes</th><th>compute</th><th>memory</th>"
+                 "<th>floor</th><th>bound</th></tr>")
+        for p in self.passes:
+            h.append(f"<tr><td>{e(p.name)}</td><td>{_si(p.flops, 'FLOP')}</td><td>{_bytes(p.bytes)}</td>"
+                     f"<td>{_time(p.compute_s)}</td><td>{_time(p.memory_s)}</td><td><b>{_time(p.floor_s)}</b></td>"
+                     f"<td>{p.bound}</td></tr>")
+        h.append(f"</table><p>Total floor, forward + gradients: <b>{_time(self.floor_s)}</b></p>")
+        h.append("<table><tr><th>pass</th><th>stage</th><th>variant</th><th>grid</th><th>block</th>"
+                 "<th>scalars</th><th>scratch</th><th>registers</th><th>shared</th><th>local</th></tr>")
+        for k in self.kernels:
+            regs = NA_NO_GPU if k.registers is None else str(k.registers)
+            shared = "n/a" if k.shared_bytes is None else _bytes(k.shared_bytes)
+            local = "n/a" if k.local_bytes is None else _bytes(k.local_bytes)
+            h.append(f"<tr><td>{e(k.pass_name)}</td><td>{e(k.stage)}</td><td><code>{e(k.variant)}</code></td>"
+                     f"<td>{_tuple(k.grid)}</td><td>{_tuple(k.block)}</td><td>{e(_kv(k.scalars))}</td>"
+                     f"<td>{_bytes(k.scratch_bytes)}</td><td>{e(regs)}</td><td>{shared}</td><td>{local}</td></tr>")
+        h.append("</table>")
+        for k in self.kernels:
+            h.append(f"<details><summary>{e(k.pass_name)} / {e(k.stage)}: <code>{e(k.function)}</code> "
+                     f"({len(k.source.splitlines())} lines of CUDA)</summary>"
+                     f"<p>constants: <code>{e(_kv(k.constants))}</code></p>"
+                     f"<pre><code class='language-cuda'>{e(k.source)}</code></pre></details>")
+        h.append("</div>")
+        return "\n".join(h)
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+
+# -------------------------------------------------------------------------- arguments
+
+def _scalar_names(source: str, function: str, count: int) -> List[str]:
+    """The names of the kernel's ``index_t`` parameters, read from its signature."""
+    for m in re.finditer(r"\b" + re.escape(function) + r"\s*\(([^)]*)\)", source):
+        names = re.findall(r"\bindex_t\s+(\w+)", m.group(1))
+        if len(names) == count:
+            return names
+    return [f"arg{i}" for i in range(count)]
+
+
+def _dtype_name(dtype) -> str:
+    """A dtype name from a string, a NumPy dtype or scalar type, or a torch dtype."""
+    if dtype is None:
+        return "float32"
+    if isinstance(dtype, str):
+        name = dtype
+    elif str(dtype).startswith("torch."):
+        name = str(dtype)[len("torch."):]
+    else:
+        try:
+            import numpy
+
+            name = numpy.dtype(dtype).name
+        except TypeError:
+            name = str(getattr(dtype, "name", dtype))
+    name = {"float": "float32", "double": "float64", "half": "float16"}.get(name, name)
+    if name not in launch.DTYPES:
+        raise TypeError(f"dtype must be one of {sorted(launch.DTYPES)}, got {dtype!r}")
+    return name
+
+
+def _shape(value, name: str) -> Tuple[int, ...]:
+    shape = getattr(value, "shape", value)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"{name} must be a shape (a sequence of ints) or an array, got {type(value).__name__}")
+    out = []
+    for v in shape:
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise TypeError(f"{name} must contain ints, got {tuple(shape)!r}")
+        out.append(int(v.__index__()))
+    return tuple(out)
+
+
+def _torch_module_class(obj):
+    """``torch.nn.Module`` when ``obj`` is one; never imports torch for other objects."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "nn"):
+        return None
+    return torch.nn.Module if isinstance(obj, torch.nn.Module) else None
+
+
+def _from_module(module, inp, dtype):
+    import torch  # only reached when a module was given
+
+    if not isinstance(module, torch.nn.ConvTranspose2d):
+        raise TypeError(f"explain() takes an nn.ConvTranspose2d module, got {type(module).__name__}")
+    if getattr(module, "padding_mode", "zeros") != "zeros":
+        raise ValueError(f"only padding_mode='zeros' is supported, got {module.padding_mode!r}")
+    if inp is None:
+        raise TypeError("explain(module, input): input (a tensor or a shape) is required")
+    dtype = _dtype_name(dtype if dtype is not None else module.weight.dtype)
+    layer = dict(stride=module.stride, padding=module.padding, output_padding=module.output_padding,
+                 groups=module.groups, dilation=module.dilation)
+    return _shape(inp, "input"), tuple(module.weight.shape), module.bias is not None, layer, dtype
+
+
+def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, output_padding=0, groups=1,
+            dilation=1, dtype=None, *, output_size=None, output_mask: Optional[Sequence[bool]] = None,
+            device: Optional[int] = None, peak: Optional[Peak] = None, sm_count: Optional[int] = None,
+            compile: bool = True, show_source: bool = False) -> Explanation:
+    """Explain the kernels cupyconv launches for a layer applied to an input shape.
+
+    Two forms:
+
+    - ``explain(input_shape, weight_shape, bias=True, stride=1, padding=0, output_padding=0,
+      groups=1, dilation=1, dtype="float32")`` with torch's argument conventions. Shapes may be
+      given as arrays (their ``.shape`` is used; a NumPy/CuPy array's dtype too when ``dtype``
+      is None). ``bias`` is a bool, a shape or an array.
+    - ``explain(module, input)`` with an ``nn.ConvTranspose2d`` (``cupyconv.torch.ConvTranspose2d``
+      too) and an input tensor or shape; the dtype is the module weight's.
+
+    ``output_size`` picks the output_padding as ``ConvTranspose2d.forward(x, output_size)`` does.
+    ``output_mask`` (grad_input, grad_weight, grad_bias) chooses the gradients reported; by
+    default all, grad_bias only when the layer has a bias. On a GPU (``device``, default 0) each
+    kernel is compiled (``compile=False`` skips that) to read its register and memory use, and
+    the peaks come from the device; without one, H100 peaks are assumed. ``peak`` overrides them
+    and ``sm_count`` the SM count that sizes the split-K grids. Bad arguments raise ValueError or
+    TypeError, as the layer itself would.
+    """
+    if _torch_module_class(input_shape) is not None:
+        given = dict(stride=stride, padding=padding, output_padding=output_padding, groups=groups,
+                     dilation=dilation)
+        defaults = dict(stride=1, padding=0, output_padding=0, groups=1, dilation=1)
+        changed = [k for k in given if given[k] != defaults[k]] + ([] if bias is True else ["bias"])
+        if changed:
+            raise TypeError(f"explain(module, input) reads the layer from the module; do not pass {changed}")
+        in_shape, w_shape, has_bias, layer, dtype = _from_module(input_shape, weight_shape, dtype)
+        source_kind = f"module {type(input_shape).__name__}"
+    else:
+        if weight_shape is None:
+            raise TypeError("explain(input_shape, weight_shape, ...) needs weight_shape (or pass a module and input)")
+        if dtype is None:
+            dtype = getattr(input_shape, "dtype", None)
+        dtype = _dtype_name(dtype)
+        in_shape, w_shape = _shape(input_shape, "input_shape"), _shape(weight_shape, "weight_shape")
+        layer = dict(stride=stride, padding=padding, output_padding=output_padding, groups=groups,
+                     dilation=dilation)
+        has_bias = bias
+        source_kind = "arguments"
+
+    if isinstance(has_bias, bool):
+        bias_shape = None
+    elif has_bias is None:
+        has_bias, bias_shape = False, None
+    else:
+        bias_shape = _shape(has_bias, "bias")
+        has_bias = True
+
+    params = ConvParams.from_args(**layer)
+    if output_size is not None:
+        if len(w_shape) != 4:
+            raise ValueError(f"weight must be 4-D (C_in, C_out/groups, kH, kW), got shape {w_shape}")
+        op = output_padding_for(output_size, in_shape, w_shape[2:], params.stride, params.padding,
+                                params.dilation)
+        params = ConvParams.from_args(params.stride, params.padding, op, params.groups, params.dilation)
+    g = geometry(in_shape, w_shape, bias_shape, params)
+
+    if output_mask is None:
+        mask = (True, True, bool(has_bias))
+    else:
+        if not isinstance(output_mask, (tuple, list)) or len(output_mask) != 3 \
+                or not all(isinstance(v, bool) for v in output_mask):
+            raise TypeError(f"output_mask must be a sequence of three bools, got {output_mask!r}")
+        mask = tuple(output_mask)
+
+    if peak is not None and not isinstance(peak, Peak):
+        raise TypeError(f"peak must be a cupyconv.explain.Peak, got {type(peak).__name__}")
+    if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
+        raise ValueError(f"sm_count must be a positive int, got {sm_count!r}")
+
+    notes: List[str] = []
+    gpu = _gpu_present()
+    device_id = 0 if device is None else int(device)
+    if gpu:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
+        device_name = f"GPU {device_id}: {name.decode() if isinstance(name, bytes) else name}"
+        if peak is None:
+            peak = device_peak(device_id)
+        if sm_count is None:
+            from .engine import sm_count as engine_sm_count
+
+            sm_count = engine_sm_count(device_id)
+    else:
+        device_name = "no GPU"
+        if peak is None:
+            peak = DEFAULT_PEAK
+        if sm_count is None:
+            sm_count = 132
+            notes.append("no GPU: split-K grids sized for 132 SMs (an H100); a real device may differ")
+    from .functional import backend
+
+    try:
+        backend_name = backend()
+    except (RuntimeError, ValueError) as exc:
+        backend_name = f"unavailable ({exc})"
+    if backend_name == "numpy":
+        notes.append("NumPy inputs run on the float64 NumPy reference here, not on these kernels; "
+                     "CuPy arrays and CUDA torch tensors on a GPU run the kernels below")
+    if dtype in ("float16", "bfloat16"):
+        notes.append(f"{dtype} is stored in 2 bytes and accumulated in fp32; the compute term uses the fp32 "
+                     "CUDA-core peak")
+    notes.append("FLOPs count 2 per multiply-add over every tap, cropped ones included (bias adds are not "
+                 "counted); min bytes = each input read once + each output written once; the floors leave out "
+                 "launch overhead (a few microseconds per kernel), which dominates small layers")
+
+    explanation = Explanation(
+        layer=dict(in_channels=g.in_channels, out_channels=g.out_channels, kernel_size=g.kernel,
+                   stride=params.stride, padding=params.padding, output_padding=params.output_padding,
+                   groups=params.groups, dilation=params.dilation, bias=bool(has_bias), source=source_kind),
+        input_shape=g.user_shape(g.input_shape), weight_shape=g.weight_shape,
+        output_shape=g.user_shape(g.output_shape), dtype=dtype, geometry=g, device=device_name, gpu=gpu,
+        peak=peak, sm_count=sm_count, backend=backend_name,
+        passes=_passes(g, dtype, bool(has_bias), mask, sm_count, peak), notes=notes, show_source=show_source)
+
+    if gpu and compile:
+        _read_resources(explanation, device_id)
+    elif gpu:
+        for k in explanation.kernels:
+            k.resources = "not compiled (compile=False)"
+    return explanation
+
+
+# ---------------------------------------------------------------------- passes and plans
+
+def _roofline(flops: int, nbytes: int, peak: Peak, dtype: str) -> Tuple[float, float, float, str]:
+    compute = flops / peak.flops(dtype)
+    memory = nbytes / peak.bandwidth
+    return compute, memory, max(compute, memory), "compute" if compute > memory else "memory"
+
+
+def _record(pass_name: str, stage: str, plan: launch.Plan, flops: int, nbytes: int, peak: Peak,
+            dtype: str) -> KernelRecord:
+    spec = plan.spec
+    constants = dict(spec.constants)
+    source = spec.source()
+    tiles = {k: constants[k] for k in ("OC_BLOCK", "IC_BLOCK", "TAP_BLOCK", "BLOCK") if k in constants}
+    variant = f"{spec.template}:{spec.function}" + (f" [{_kv(tiles)}, index_t {plan.index_t}]")
+    names = _scalar_names(source, spec.function, len(plan.scalars))
+    _, _, floor, bound = _roofline(flops, nbytes, peak, dtype)
+    return KernelRecord(pass_name=pass_name, stage=stage, template=spec.template, function=spec.function,
+                        variant=variant, constants=constants, grid=tuple(plan.grid), block=tuple(plan.block),
+                        scalars=dict(zip(names, plan.scalars)), index_t=plan.index_t,
+                        scratch_bytes=plan.scratch_bytes, flops=int(flops), bytes=int(nbytes), floor_s=floor,
+                        bound=bound, source=source)
+
+
+def _pass(name: str, flops: int, nbytes: int, kernels: List[KernelRecord], peak: Peak, dtype: str,
+          note: str = "") -> PassRecord:
+    compute, memory, floor, bound = _roofline(flops, nbytes, peak, dtype)
+    return PassRecord(name, int(flops), int(nbytes), compute, memory, floor, bound, kernels, note)
+
+
+def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: Peak) -> List[PassRecord]:
+    size = launch.DTYPES[dtype][2]
+    acc = launch.accumulator_bytes(dtype)
+    x = _prod(g.input_shape) * size
+    y = _prod(g.output_shape) * size
+    w = _prod(g.weight_shape) * size
+    b = g.out_channels * size
+    mac_flops = g.flops()
+    bias_flops = _prod(g.output_shape)     # one addition per output element
+    empty = g.batch == 0
+    passes = []
+
+    def none(name, nbytes, what):
+        return _pass(name, 0, nbytes, [], peak, dtype, note=f"batch is 0: {what}")
+
+    # forward
+    fwd_bytes = x + w + (b if has_bias else 0) + y
+    if empty:
+        passes.append(none("forward", 0, "nothing is launched"))
+    else:
+        plan = launch.plan_forward(g, dtype, has_bias)
+        passes.append(_pass("forward", mac_flops, fwd_bytes,
+                            [_record("forward", "main", plan, mac_flops, fwd_bytes, peak, dtype)], peak, dtype))
+    # grad_input = conv2d(grad_output, weight)
+    if mask[0]:
+        gi_bytes = y + w + x
+        if empty:
+            passes.append(none("grad_input", 0, "nothing is launched"))
+        else:
+            plan = launch.plan_grad_input(g, dtype)
+            passes.append(_pass("grad_input", mac_flops, gi_bytes,
+                                [_record("grad_input", "main", plan, mac_flops, gi_bytes, peak, dtype)], peak,
+                                dtype))
+    # grad_weight: split-K partials, then a fixed-order reduction
+    if mask[1]:
+        gw_bytes = x + y + w
+        if empty:
+            passes.append(none("grad_weight", w, "grad_weight is zero-filled with a memset"))
+        else:
+            partial, reduce = launch.plan_grad_weight(g, dtype, sm_count)
+            chunks = partial.grid[0]
+            kernels = [_record("grad_weight", "partial", partial, mac_flops, x + y + partial.scratch_bytes, peak,
+                               dtype),
+                       _record("grad_weight", "reduce", reduce, (chunks - 1) * _prod(g.weight_shape),
+                               partial.scratch_bytes + w, peak, dtype)]
+            passes.append(_pass("grad_weight", mac_flops, gw_bytes, kernels, peak, dtype,
+                                note=f"split-K over {chunks} chunks of {partial.scalars[-1]} rows; "
+                                     f"{_bytes(partial.scratch_bytes)} of {acc}-byte partials"))
+    # grad_bias = grad_output.sum((0, 2, 3)), split-K likewise
+    if mask[2]:
+        gb_bytes = y + b
+        if empty:
+            passes.append(none("grad_bias", b, "grad_bias is zero-filled with a memset"))
+        else:
+            partial, reduce = launch.plan_grad_bias(g, dtype, sm_count)
+            chunks = partial.grid[0]
+            kernels = [_record("grad_bias", "partial", partial, bias_flops, y + partial.scratch_bytes, peak, dtype),
+                       _record("grad_bias", "reduce", reduce, (chunks - 1) * g.out_channels,
+                               partial.scratch_bytes + b, peak, dtype)]
+            passes.append(_pass("grad_bias", bias_flops, gb_bytes, kernels, peak, dtype,
+                                note=f"split-K over {chunks} chunks of {partial.scalars[-1]} rows"))
+    return passes
+
+
+def _read_resources(explanation: Explanation, device_id: int) -> None:
+    from .compiler import get_function
+
+    for k in explanation.kernels:
+        spec = _spec_of(k)
+        try:
+            fn = get_function(spec, device_id)
+            k.registers = int(fn.num_regs)
+            k.shared_bytes = int(fn.shared_size_bytes)
+            k.local_bytes = int(fn.local_size_bytes)
+            k.max_threads_per_block = int(fn.max_threads_per_block)
+            k.resources = f"from the compiled kernel on device {device_id}"
+        except Exception as exc:  # report, do not fail: explain is a diagnostic
+            k.resources = f"could not compile: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _spec_of(k: KernelRecord):
+    from .compiler import KernelSpec
+
+    return KernelSpec.make(k.template, k.function, k.constants)

@@ -1,0 +1,315 @@
+"""cupyconv.explain: launch plans, work, traffic and roofline of a layer, with or without a GPU."""
+import html
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from cupyconv import launch
+from cupyconv.explain import (DEFAULT_PEAK, NA_NO_GPU, Explanation, Peak, _attribute_peak, _table_peak,
+                              explain)
+from cupyconv.functional import _gpu_present
+from cupyconv.geometry import ConvParams, geometry
+from cupyconv.templates import format_constant
+
+GPU = _gpu_present()
+
+# (input shape, weight shape, layer kwargs, dtype)
+LAYERS = {
+    "dense_3x5": ((2, 8, 9, 11), (8, 16, 3, 5), dict(), "float32"),
+    "seed_grouped_dilated": ((16, 32, 128, 256), (32, 16, 3, 5),
+                             dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4, bias=False), "float32"),
+    "strided_outpad": ((3, 6, 7, 5), (6, 2, 4, 4), dict(stride=3, padding=1, output_padding=(2, 1)), "float64"),
+    "unbatched_depthwise": ((6, 7, 7), (6, 1, 4, 4), dict(stride=4, groups=6), "float16"),
+    "dilated_bf16": ((1, 4, 5, 5), (4, 5, 11, 11), dict(stride=6, dilation=2, padding=3, groups=2), "bfloat16"),
+    "huge_64bit": ((1, 1, 50000, 50000), (1, 2, 2, 2), dict(stride=2), "float32"),
+}
+ALL_PASSES = ["forward", "grad_input", "grad_weight", "grad_bias"]
+
+
+def _explain(name, **extra):
+    x_shape, w_shape, kwargs, dtype = LAYERS[name]
+    return explain(x_shape, w_shape, **kwargs, dtype=dtype, **extra)
+
+
+def _geometry(name):
+    x_shape, w_shape, kwargs, _ = LAYERS[name]
+    kwargs = {k: v for k, v in kwargs.items() if k != "bias"}
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_reports_every_pass_with_the_plans(name):
+    x_shape, w_shape, kwargs, dtype = LAYERS[name]
+    has_bias = kwargs.get("bias", True)
+    e = _explain(name, output_mask=(True, True, True))
+    assert isinstance(e, Explanation)
+    assert [p.name for p in e.passes] == ALL_PASSES
+    assert [(k.pass_name, k.stage) for k in e.kernels] == [
+        ("forward", "main"), ("grad_input", "main"), ("grad_weight", "partial"), ("grad_weight", "reduce"),
+        ("grad_bias", "partial"), ("grad_bias", "reduce")]
+    g = _geometry(name)
+    assert e.geometry == g and e.input_shape == tuple(x_shape) and e.dtype == dtype
+    assert e.output_shape == g.user_shape(g.output_shape) and len(e.output_shape) == len(x_shape)
+    sm = e.sm_count
+    plans = [launch.plan_forward(g, dtype, has_bias), launch.plan_grad_input(g, dtype),
+             *launch.plan_grad_weight(g, dtype, sm), *launch.plan_grad_bias(g, dtype, sm)]
+    for k, plan in zip(e.kernels, plans):
+        assert k.template == plan.spec.template and k.function == plan.spec.function
+        assert k.function in k.variant and k.template in k.variant
+        assert k.constants == dict(plan.spec.constants)
+        assert k.grid == plan.grid and k.block == plan.block
+        assert tuple(k.scalars.values()) == plan.scalars
+        assert not any(n.startswith("arg") for n in k.scalars), k.scalars   # names read from the signature
+        assert k.index_t == plan.index_t and k.scratch_bytes == plan.scratch_bytes
+        assert k.threads == math.prod(plan.grid) * math.prod(plan.block)
+        assert k.source == plan.spec.source()
+        header = k.source.splitlines()[0]
+        for key, value in k.constants.items():     # every constant, substituted
+            assert f"{key}={format_constant(value)}" in header
+        assert "{{" not in k.source
+    # The forward's scalars match the geometry; the split-K scratch is there.
+    fwd = e.kernels[0]
+    assert (fwd.scalars["N"], fwd.scalars["H_out"], fwd.scalars["W_out"]) == (g.batch,) + g.out_size
+    assert e.kernels[2].scratch_bytes > 0 and e.kernels[4].scratch_bytes > 0
+    assert e.kernels[3].scalars == {"elements": math.prod(g.weight_shape), "chunks": e.kernels[2].grid[0]}
+    if name == "huge_64bit":
+        assert fwd.index_t == "long long" and "typedef long long index_t" in fwd.source
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_flops_bytes_and_roofline(name):
+    x_shape, w_shape, kwargs, dtype = LAYERS[name]
+    has_bias = kwargs.get("bias", True)
+    e = _explain(name)
+    g = _geometry(name)
+    n, c_in, h, w = g.input_shape
+    c_out, groups = g.out_channels, g.groups
+    kh, kw = g.kernel
+    size = launch.DTYPES[dtype][2]
+    fwd = e.pass_("forward")
+    assert fwd.flops == 2 * n * c_in * (c_out // groups) * h * w * kh * kw
+    x_b, w_b, y_b = (math.prod(s) * size for s in (g.input_shape, g.weight_shape, g.output_shape))
+    b_b = c_out * size
+    assert fwd.bytes == x_b + w_b + y_b + (b_b if has_bias else 0)
+    assert e.pass_("grad_input").flops == fwd.flops == e.pass_("grad_weight").flops
+    assert e.pass_("grad_input").bytes == e.pass_("grad_weight").bytes == x_b + w_b + y_b
+    if has_bias:
+        assert e.pass_("grad_bias").flops == math.prod(g.output_shape)
+        assert e.pass_("grad_bias").bytes == y_b + b_b
+    else:
+        assert [p.name for p in e.passes] == ALL_PASSES[:3]
+    flop_rate = e.peak.flops_fp64 if dtype == "float64" else e.peak.flops_fp32
+    for p in e.passes:
+        assert p.flops > 0 and p.bytes > 0
+        assert p.compute_s == pytest.approx(p.flops / flop_rate)
+        assert p.memory_s == pytest.approx(p.bytes / e.peak.bandwidth)
+        assert p.floor_s == max(p.compute_s, p.memory_s) > 0
+        assert p.bound == ("compute" if p.compute_s > p.memory_s else "memory")
+        assert sum(k.floor_s for k in p.kernels) >= p.floor_s * (1 - 1e-12)
+        for k in p.kernels:
+            assert k.bytes > 0 and k.flops >= 0 and k.floor_s > 0 and k.bound in ("compute", "memory")
+    partial, reduce = e.pass_("grad_weight").kernels
+    assert partial.bytes == x_b + y_b + partial.scratch_bytes
+    assert reduce.bytes == partial.scratch_bytes + w_b
+    assert e.floor_s == pytest.approx(sum(p.floor_s for p in e.passes))
+
+
+def test_seed_layer_numbers_are_sane():
+    e = _explain("seed_grouped_dilated")
+    fwd = e.pass_("forward")
+    # 16*32*16*128*256*15*2 = 8.05 GFLOP; 873 MB of fp32 traffic -> memory bound on an H100
+    assert fwd.flops == 8_053_063_680
+    assert 0.8e9 < fwd.bytes < 0.9e9
+    if not GPU:
+        assert e.peak == DEFAULT_PEAK
+        assert fwd.bound == "memory" and fwd.floor_s == pytest.approx(fwd.bytes / 3.0e12)
+        assert 250e-6 < fwd.floor_s < 350e-6
+
+
+def test_resources_without_a_gpu():
+    if GPU:
+        e = _explain("dense_3x5")
+        for k in e.kernels:
+            assert k.registers > 0 and k.max_threads_per_block >= k.block[0]
+            assert k.shared_bytes >= 0 and k.local_bytes >= 0
+        return
+    e = _explain("dense_3x5")
+    assert e.gpu is False and e.device == "no GPU" and e.sm_count == 132
+    for k in e.kernels:
+        assert k.registers is None and k.shared_bytes is None and k.local_bytes is None
+        assert k.resources == NA_NO_GPU
+    assert "H100" in e.peak.source and "estimate" in e.peak.source
+    assert any("132 SMs" in n for n in e.notes)
+
+
+def test_text_rendering():
+    e = _explain("seed_grouped_dilated")
+    text = str(e)
+    for needle in ("ConvTranspose2d(32, 64", "stride=(2, 3)", "groups=4", "bias=False", "float32",
+                   "(16, 64, 257, 766)", "conv_transpose2d_forward.cu:conv_transpose2d_forward",
+                   "reduce_partials", "grid (", "block (128, 1, 1)", "scalars: N=16, H=128", "rows_per_chunk=",
+                   "scratch", "memory-bound", "floor", "GFLOP", "lines elided", "total floor"):
+        assert needle in text, needle
+    if not GPU:
+        assert NA_NO_GPU in text and "H100" in text and "estimate" in text
+    full = e.text(show_source=True)
+    assert "lines elided" not in full
+    for k in e.kernels:
+        assert all(("      | " + line) in full for line in k.source.splitlines()[::10])
+    e.show_source = True
+    assert str(e) == full
+    assert "Explanation" in repr(e) and len(repr(e)) < 400
+
+
+def test_markdown_and_html_renderings():
+    e = _explain("strided_outpad")
+    md = e._repr_markdown_()
+    assert md == e.markdown()
+    for needle in ("| forward |", "| grad_bias |", "`conv_transpose2d_grad_input.cu:conv_transpose2d_grad_input",
+                   "<details>", "</details>", "```cuda", "reduce_partials", "float64", "compute", "memory"):
+        assert needle in md, needle
+    assert md.count("<details>") == len(e.kernels)
+    for k in e.kernels:
+        assert k.source.rstrip("\n") in md
+    page = e._repr_html_()
+    assert page == e.html()
+    assert page.count("<details>") == len(e.kernels) == page.count("</details>")
+    for needle in ("<table>", "grad_weight", "partial", "reduce", "<th>grid</th>", "floor", "float64"):
+        assert needle in page
+    for k in e.kernels:
+        assert html.escape(k.source) in page
+    if not GPU:
+        assert NA_NO_GPU in md and NA_NO_GPU in page
+
+
+def test_to_dict_is_json():
+    d = _explain("dense_3x5").to_dict()
+    text = json.dumps(d)
+    assert d["passes"][0]["name"] == "forward" and d["passes"][0]["kernels"][0]["threads"] > 0
+    assert "conv_transpose2d_forward" in text and d["floor_s"] > 0
+
+
+def test_arrays_and_bias_forms():
+    np = pytest.importorskip("numpy")
+    x = np.zeros((2, 4, 5, 6), np.float16)
+    w = np.zeros((4, 3, 3, 3), np.float16)
+    e = explain(x, w, bias=np.zeros(3, np.float16))
+    assert e.dtype == "float16" and e.layer["bias"] and [p.name for p in e.passes] == ALL_PASSES
+    assert any("fp32" in n for n in e.notes)
+    assert explain(x, w, bias=None).layer["bias"] is False
+    assert explain(x, w, dtype=np.float64).dtype == "float64"
+    assert [p.name for p in explain(x, w, output_mask=(False, True, False)).passes] == ["forward", "grad_weight"]
+    e = explain((1, 4, 5, 6), (4, 3, 3, 3), stride=2, output_size=(12, 13))
+    assert e.output_shape == (1, 3, 12, 13) and e.layer["output_padding"] == (1, 0)
+
+
+def test_custom_peak_and_sm_count():
+    slow_memory = Peak("toy", bandwidth=1e9, flops_fp32=1e15, flops_fp64=1e15, source="made up")
+    e = _explain("dense_3x5", peak=slow_memory, sm_count=4)
+    assert all(p.bound == "memory" for p in e.passes) and e.peak is slow_memory and e.sm_count == 4
+    g = _geometry("dense_3x5")
+    assert e.pass_("grad_weight").kernels[0].grid == launch.plan_grad_weight(g, "float32", 4)[0].grid
+    slow_math = Peak("toy", bandwidth=1e15, flops_fp32=1e6, flops_fp64=1e6, source="made up")
+    assert explain((2, 8, 9, 11), (8, 16, 3, 5), peak=slow_math).pass_("forward").bound == "compute"
+
+
+def test_batch_zero_launches_nothing():
+    e = explain((0, 4, 5, 5), (4, 2, 3, 3))
+    assert e.kernels == [] and [p.name for p in e.passes] == ALL_PASSES
+    assert e.pass_("forward").flops == 0 and "batch is 0" in str(e)
+    assert e.pass_("grad_weight").bytes == 4 * 2 * 9 * 4
+
+
+def test_peak_table_and_attribute_estimate():
+    assert _table_peak("NVIDIA H100 80GB HBM3").bandwidth == 3.0e12
+    assert _table_peak("NVIDIA H100 80GB HBM3").flops_fp32 == 67e12
+    assert _table_peak("NVIDIA H100 PCIe").bandwidth < 3.0e12
+    assert _table_peak("NVIDIA H200").bandwidth > 3.0e12
+    assert _table_peak("NVIDIA A100-SXM4-40GB").flops_fp32 == 19.5e12
+    assert _table_peak("NVIDIA L40S").flops_fp64 < 2e12
+    assert _table_peak("Some Future GPU") is None
+    # H100 SXM-like attributes: 2.6 GHz HBM on a 5120-bit bus, 132 SMs at 1.98 GHz.
+    est = _attribute_peak("Future GPU", dict(MemoryClockRate=2_619_000, GlobalMemoryBusWidth=5120,
+                                             MultiProcessorCount=132, ClockRate=1_980_000), (9, 0))
+    assert 2.0e12 < est.bandwidth < 3.4e12 and 60e12 < est.flops_fp32 < 70e12
+    assert est.flops_fp64 == est.flops_fp32 / 2 and "estimate" in est.source
+    consumer = _attribute_peak("Consumer", dict(MultiProcessorCount=10, ClockRate=1_000_000), (8, 9))
+    assert consumer.bandwidth > 0 and consumer.flops_fp64 == consumer.flops_fp32 / 64
+    assert _attribute_peak("Unknown", {}, (7, 5)).flops_fp32 > 0
+
+
+BAD = {
+    "channels": (((1, 2, 3, 3), (3, 2, 3, 3)), {}, ValueError),
+    "rank": (((2, 3, 3), (2, 2, 3)), {}, ValueError),
+    "stride0": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(stride=0), ValueError),
+    "groups": (((1, 4, 3, 3), (4, 2, 3, 3)), dict(groups=3), ValueError),
+    "outpad": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(stride=2, output_padding=2), ValueError),
+    "negative_output": (((1, 2, 1, 1), (2, 2, 1, 1)), dict(padding=1), ValueError),
+    "bias_shape": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(bias=(3,)), ValueError),
+    "output_size": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(stride=2, output_size=(20, 20)), ValueError),
+    "float_stride": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(stride=1.5), TypeError),
+    "bool_groups": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(groups=True), TypeError),
+    "dtype": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(dtype="int32"), TypeError),
+    "shape_type": (("abc", (2, 2, 3, 3)), {}, TypeError),
+    "float_shape": (((1, 2, 3.0, 3), (2, 2, 3, 3)), {}, TypeError),
+    "no_weight": (((1, 2, 3, 3),), {}, TypeError),
+    "mask": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(output_mask=(1, 1, 1)), TypeError),
+    "peak": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(peak=3e12), TypeError),
+    "sm_count": (((1, 2, 3, 3), (2, 2, 3, 3)), dict(sm_count=0), ValueError),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_invalid_arguments(name):
+    args, kwargs, error = BAD[name]
+    with pytest.raises(error):
+        explain(*args, **kwargs)
+
+
+def test_does_not_import_torch():
+    code = ("import sys; from cupyconv.explain import explain; explain((1, 2, 3, 3), (2, 2, 3, 3)); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------- torch modules
+
+def test_module_and_input():
+    torch = pytest.importorskip("torch")
+    m = torch.nn.ConvTranspose2d(8, 6, (3, 2), stride=2, padding=1, output_padding=1, groups=2, dilation=(1, 2))
+    x = torch.randn(2, 8, 7, 7)
+    e = explain(m, x)
+    assert e.output_shape == tuple(m(x).shape) and e.dtype == "float32"
+    assert [p.name for p in e.passes] == ALL_PASSES and e.layer["source"] == "module ConvTranspose2d"
+    same = explain((2, 8, 7, 7), (8, 3, 3, 2), stride=2, padding=1, output_padding=1, groups=2, dilation=(1, 2))
+    assert [(k.grid, k.constants, k.scalars) for k in e.kernels] == \
+        [(k.grid, k.constants, k.scalars) for k in same.kernels]
+    # unbatched shape, float64, no bias, output_size as in forward(x, output_size)
+    m = torch.nn.ConvTranspose2d(4, 4, 3, stride=2, bias=False).double()
+    e = explain(m, (4, 5, 5), output_size=(12, 12))
+    assert e.dtype == "float64" and e.output_shape == tuple(m(torch.randn(4, 5, 5).double(), (12, 12)).shape)
+    assert [p.name for p in e.passes] == ALL_PASSES[:3]
+
+
+def test_module_errors():
+    torch = pytest.importorskip("torch")
+    m = torch.nn.ConvTranspose2d(4, 4, 3)
+    with pytest.raises(TypeError):
+        explain(m)                                  # no input
+    with pytest.raises(TypeError):
+        explain(m, (1, 4, 5, 5), stride=2)          # layer arguments come from the module
+    with pytest.raises(TypeError):
+        explain(torch.nn.Conv2d(4, 4, 3), (1, 4, 5, 5))
+    with pytest.raises(ValueError):
+        explain(m, (1, 3, 5, 5))                    # wrong channel count
+
+
+def test_cupyconv_torch_module():
+    pytest.importorskip("torch")
+    cct = pytest.importorskip("cupyconv.torch")
+    m = cct.ConvTranspose2d(4, 8, 4, stride=2, padding=1)
+    e = explain(m, (3, 4, 6, 6))
+    assert e.output_shape == (3, 8, 12, 12) and e.layer["source"] == "module ConvTranspose2d"
