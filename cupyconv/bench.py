@@ -163,6 +163,53 @@ def run(layers: List[BenchLayer], dtype: str = "float32", repeat: int = 20, allo
     return rows
 
 
+def host_cost(calls: int = 2000) -> List[dict]:
+    """Per-call host time (µs) of cupyconv.torch against F.conv_transpose2d on a tiny layer.
+
+    The layer is small enough that the GPU finishes each kernel faster than the host can
+    issue the next, so wall time over many unsynchronised calls measures the host path.
+    """
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from . import torch as cc_torch
+
+    x = torch.randn(1, 8, 8, 8, device="cuda", requires_grad=True)
+    w = torch.randn(8, 8, 3, 3, device="cuda", requires_grad=True)
+    b = torch.randn(8, device="cuda", requires_grad=True)
+    go = torch.randn(1, 8, 17, 17, device="cuda")
+
+    def per_call_us(fn) -> float:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    rows = []
+    for label, mode in (("forward, no_grad", "nograd"), ("forward, autograd", "grad"),
+                        ("forward+backward", "backward")):
+        timings = {}
+        for name, conv in (("torch", F.conv_transpose2d), ("cupyconv", cc_torch.conv_transpose2d)):
+            def call(conv=conv):
+                if mode == "nograd":
+                    with torch.no_grad():
+                        conv(x, w, b, stride=2)
+                elif mode == "grad":
+                    conv(x, w, b, stride=2)
+                else:
+                    conv(x, w, b, stride=2).backward(go)
+            timings[name] = per_call_us(call)
+        rows.append(dict(call=label, torch_us=timings["torch"], cupyconv_us=timings["cupyconv"],
+                         ratio=timings["cupyconv"] / timings["torch"]))
+    return rows
+
+
 def environment() -> dict:
     import cupy
     import torch
@@ -191,7 +238,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--dtype", action="append", choices=("float32", "float16", "bfloat16", "float64"))
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--host-cost", action="store_true",
+                        help="measure per-call host time against F.conv_transpose2d instead")
     args = parser.parse_args(argv)
+    if args.host_cost:
+        env = environment()
+        print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {env['commit']}")
+        print(f"{'call (tiny layer)':<20} {'torch us':>9} {'cupyconv us':>12} {'ratio':>6}")
+        for r in host_cost():
+            print(f"{r['call']:<20} {r['torch_us']:>9.1f} {r['cupyconv_us']:>12.1f} {r['ratio']:>6.2f}")
+        return
     layers = SEED_LAYERS if args.suite == "seeds" else SUITE
     rows = []
     for dtype in args.dtype or ["float32"]:

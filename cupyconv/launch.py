@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -68,7 +69,8 @@ class Plan:
     scalars: Tuple[int, ...]   # runtime sizes, passed as index_t
     index_t: str
     scratch_bytes: int = 0     # split-K partials the caller must provide
-    _functions: Dict[int, object] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _functions: Dict[int, int] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _params: Dict[int, "_ParamBlock"] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def function(self, device_id: int) -> int:
         """The CUfunction handle of this plan's kernel on ``device_id``."""
@@ -78,20 +80,47 @@ class Plan:
         return fn
 
     def run(self, device_id: int, stream_ptr: int, pointers: Sequence[int]) -> None:
-        launch(self.function(device_id), self.grid, self.block, pointers, self.scalars, self.index_t, stream_ptr)
+        block = self._params.get(len(pointers))
+        if block is None:
+            block = self._params[len(pointers)] = _ParamBlock(len(pointers), self.scalars, self.index_t)
+        block.launch(self.function(device_id), self.grid, self.block, pointers, stream_ptr)
+
+
+class _ParamBlock:
+    """A kernel's parameter block, built once per plan; each launch only rewrites the pointers.
+
+    cuLaunchKernel copies the parameters, so the block can be reused at once; the lock
+    keeps two threads launching the same plan from interleaving their pointer writes.
+    """
+
+    def __init__(self, n_pointers: int, scalars: Sequence[int], index_t: str):
+        scalar_type = ctypes.c_int64 if index_t == "long long" else ctypes.c_int32
+        self.pointers = [ctypes.c_void_p() for _ in range(n_pointers)]
+        self.values = self.pointers + [scalar_type(s) for s in scalars]
+        self.array = (ctypes.c_void_p * len(self.values))(*[ctypes.addressof(v) for v in self.values])
+        self.address = ctypes.addressof(self.array)
+        self.lock = threading.Lock()
+
+    def launch(self, function: int, grid, block, pointers: Sequence[int], stream_ptr: int,
+               shared_mem: int = 0) -> None:
+        with self.lock:
+            for slot, ptr in zip(self.pointers, pointers):
+                slot.value = ptr
+            _driver().launchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                   shared_mem, stream_ptr, self.address, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    from cupy.cuda import driver
+
+    return driver
 
 
 def launch(function: int, grid, block, pointers: Sequence[int], scalars: Sequence[int], index_t: str,
            stream_ptr: int, shared_mem: int = 0) -> None:
-    """cuLaunchKernel with a hand-built parameter block: no per-argument Python dispatch."""
-    from cupy.cuda import driver
-
-    scalar_type = ctypes.c_int64 if index_t == "long long" else ctypes.c_int32
-    values: List[ctypes._SimpleCData] = [ctypes.c_void_p(p) for p in pointers]
-    values += [scalar_type(s) for s in scalars]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    driver.launchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                        shared_mem, stream_ptr, ctypes.addressof(params), 0)
+    """One-off cuLaunchKernel with a freshly built parameter block."""
+    _ParamBlock(len(pointers), scalars, index_t).launch(function, grid, block, pointers, stream_ptr, shared_mem)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -9,7 +9,8 @@ Public API
     init and repr) whose forward runs cupyconv.
 ``convert(module)``
     Swaps every ``nn.ConvTranspose2d`` of a model for :class:`ConvTranspose2d`, in place,
-    keeping the very same Parameter objects.
+    keeping the very same Parameter objects (parametrized and uninitialised lazy modules
+    are left alone).
 
 Operators (``torch.ops.cupyconv``)
 ----------------------------------
@@ -37,13 +38,14 @@ run on the float64 NumPy reference and are cast back to the input dtype, so ever
 Host cost: the op dispatcher and ``custom_op``'s generic autograd wrapper cost several
 times a cuDNN call's host time.  So plain eager calls (ordinary tensors, no compile,
 tracing, dispatch or function mode, functorch transform) take a fast path: the same
-implementation functions behind a lean ``torch.autograd.Function``, or called directly
-when no gradient is needed.  Everything else goes through the registered ops.  Both
-paths run identical kernels and give bitwise-identical results.
+implementation functions behind a lean ``torch.autograd.Function`` (applied through its
+C++ base), or called directly when no gradient is needed.  Everything else goes through
+the registered ops.  Both paths run identical kernels and give bitwise-identical
+results.  Per configuration (shapes, dtypes, devices, parameters) the validated
+geometry is cached, so a repeated call does no validation.
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -211,8 +213,9 @@ def _scratch_allocator(device):
 
 def _cuda_forward(x, w, b, entry):
     g, dt, device, index, out_shape = entry
-    cl = _channels_last(x)
+    cl = False
     if not x.is_contiguous():
+        cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
         x = x.contiguous()
     if not w.is_contiguous():
         w = w.contiguous()
@@ -436,7 +439,8 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _tracing_state = torch._C._get_tracing_state
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_grad_enabled = torch.is_grad_enabled
 
 
 def _plain_eager(a, b, c) -> bool:
@@ -444,12 +448,6 @@ def _plain_eager(a, b, c) -> bool:
     return (type(a) in _PLAIN_TYPES and type(b) in _PLAIN_TYPES and (c is None or type(c) in _PLAIN_TYPES)
             and not _is_compiling() and not _dispatch_modes() and not _function_mode()
             and not _functorch_active() and _tracing_state() is None)
-
-
-def _autocast_on(device_type: str) -> bool:
-    if _any_autocast is not None and not _any_autocast():
-        return False
-    return torch.is_autocast_enabled(device_type)
 
 
 class _ConvTranspose2dFunction(torch.autograd.Function):
@@ -487,13 +485,23 @@ class _ConvTranspose2dBackwardFunction(torch.autograd.Function):
         return _double_backward(go, x, w, ctx.params, ctx.needs_input_grad[:3], ggi, ggw, ggb) + (None, None)
 
 
+# Function.apply's Python wrapper re-checks what _plain_eager already established
+# (no functorch transform active) and binds default args we don't have; its C++ base
+# does the actual work.  Calling the base directly saves several microseconds a call.
+_FunctionBase_apply = torch._C._FunctionBase.__dict__["apply"]
+_apply_forward = _FunctionBase_apply.__get__(None, _ConvTranspose2dFunction)
+_apply_backward = _FunctionBase_apply.__get__(None, _ConvTranspose2dBackwardFunction)
+_unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", lambda t: t)
+
+
 def _forward(x, w, b, params) -> Tensor:
     """Differentiable forward: the fast path in plain eager mode, the op otherwise."""
     if _plain_eager(x, w, b):
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-            return _ConvTranspose2dFunction.apply(x, w, b, params)
+            return _apply_forward(x, w, b, params)
         return _forward_impl(x, w, b, *params)
-    s, p, op, g, d = params
+    s, p, op, d = (_pair(params[i]) for i in (0, 1, 2, 4))
+    g = params[3]
     return _OPS.conv_transpose2d.default(x, w, b, list(s), list(p), list(op), g, list(d))
 
 
@@ -504,9 +512,10 @@ def _backward(go, x, w, params, mask):
     mask = (bool(mask[0]), bool(mask[1]), bool(mask[2]))
     if _plain_eager(go, x, w):
         if torch.is_grad_enabled() and (go.requires_grad or x.requires_grad or w.requires_grad):
-            return _ConvTranspose2dBackwardFunction.apply(go, x, w, params, mask)
+            return _apply_backward(go, x, w, params, mask)
         return _backward_impl(go, x, w, *params, mask)
-    s, p, op, g, d = params
+    s, p, op, d = (_pair(params[i]) for i in (0, 1, 2, 4))
+    g = params[3]
     return _OPS.conv_transpose2d_backward.default(go, x, w, list(s), list(p), list(op), g, list(d), list(mask))
 
 
@@ -533,7 +542,7 @@ def _double_backward(go, x, w, params, needs, ggi, ggw, ggb):
         g_x = _backward(go, x, ggw, params, (True, False, False))[0]
     if need_w and ggi is not None:
         g_w = _backward(go, ggi, w, params, (False, True, False))[1]
-    return g_x if False else g_go, g_x, g_w
+    return g_go, g_x, g_w
 
 
 def _pair(v):
@@ -555,19 +564,24 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
     ``dilation`` are ints or pairs.  All tensors must share one device and one dtype
     (float16, bfloat16, float32 or float64).  channels_last input gives channels_last output.
     """
-    params = (_pair(stride), _pair(padding), _pair(output_padding), groups, _pair(dilation))
     if _plain_eager(input, weight, bias):
-        if _autocast_on(input.device.type):
+        if _any_autocast() and torch.is_autocast_enabled(input.device.type):
             input, weight, bias = _autocast_cast(input.device.type, input, weight, bias)
-        if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad)):
-            return _ConvTranspose2dFunction.apply(input, weight, bias, params)
+        # Ints and tuples key the per-configuration cache as they are; lists are not hashable.
+        params = (stride if type(stride) is not list else tuple(stride),
+                  padding if type(padding) is not list else tuple(padding),
+                  output_padding if type(output_padding) is not list else tuple(output_padding),
+                  groups, dilation if type(dilation) is not list else tuple(dilation))
+        if _grad_enabled() and (input.requires_grad or weight.requires_grad
+                                or (bias is not None and bias.requires_grad)):
+            return _apply_forward(_unwrap_if_dead(input), _unwrap_if_dead(weight),
+                                  None if bias is None else _unwrap_if_dead(bias), params)
         return _forward_impl(input, weight, bias, *params)
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    s, p, op, g, d = params
-    return _OPS.conv_transpose2d.default(input, weight, bias, list(s), list(p), list(op), g, list(d))
+    return _OPS.conv_transpose2d.default(input, weight, bias, list(_pair(stride)), list(_pair(padding)),
+                                         list(_pair(output_padding)), groups, list(_pair(dilation)))
 
 
 def conv_transpose2d_backward(grad_output: Tensor, input: Tensor, weight: Tensor, stride=1, padding=0,
@@ -620,7 +634,11 @@ def _convertible(m) -> bool:
     if not isinstance(m, torch.nn.ConvTranspose2d) or isinstance(m, ConvTranspose2d):
         return False
     lazy = getattr(m, "has_uninitialized_params", None)
-    return not (lazy is not None and lazy())
+    if lazy is not None and lazy():
+        return False
+    # torch.nn.utils.parametrize swaps the class for a generated one that owns the
+    # parametrized attributes: such modules are left as they are.
+    return not torch.nn.utils.parametrize.is_parametrized(m)
 
 
 def convert(module: torch.nn.Module) -> torch.nn.Module:
@@ -641,7 +659,7 @@ def convert(module: torch.nn.Module) -> torch.nn.Module:
 
     if _convertible(module):
         return swap(module)
-    for parent in module.modules():
+    for parent in list(module.modules()):
         for name, child in list(parent._modules.items()):
             if child is not None and _convertible(child):
                 parent._modules[name] = swap(child)
