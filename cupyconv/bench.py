@@ -1,7 +1,9 @@
 """Benchmark cupyconv against PyTorch (cuDNN) in the same process.
 
-``python -m cupyconv.bench`` times the forward pass and forward+backward (grad input,
-grad weight and, with a bias, grad bias) of each layer with CUDA events, after a warm-up,
+``python -m cupyconv.bench`` times ``cupyconv.torch.conv_transpose2d`` and
+``torch.nn.functional.conv_transpose2d`` through the same calls: the forward pass under
+no_grad, and forward+backward through autograd (grad input, grad weight and, with a bias,
+grad bias).  Each is timed with CUDA events, after a warm-up,
 taking the median of repeated runs.  Torch is timed with cudnn.benchmark off and on and
 the better of the two is the reference.
 """
@@ -69,71 +71,42 @@ def cuda_time_ms(fn: Callable[[], None], warmup: int = 3, repeat: int = 20) -> f
     return statistics.median(times)
 
 
-class _RawRunner:
-    """Runs a layer through the raw-pointer engine on torch tensors (no autograd overhead)."""
+def _pass_times(conv, layer: BenchLayer, x, w, b, go, repeat: int) -> Tuple[float, float]:
+    """Forward (no grad) and forward+backward times of ``conv``, an F.conv_transpose2d-like function."""
+    import torch
 
-    def __init__(self, layer: BenchLayer, x, w, b, go):
-        import torch
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    br = None if b is None else b.detach().requires_grad_()
 
-        from . import engine
-        from .geometry import ConvParams, geometry
+    def fwd():
+        with torch.no_grad():
+            conv(x, w, b, **layer.kwargs())
 
-        self.torch, self.engine = torch, engine
-        params = ConvParams.from_args(**layer.kwargs())
-        self.g = geometry(x.shape, w.shape, None if b is None else b.shape, params)
-        self.dtype = str(x.dtype).replace("torch.", "")
-        self.x, self.w, self.b, self.go = x, w, b, go
-        self.dev = x.device.index
-        self.y = torch.empty(self.g.output_shape, dtype=x.dtype, device=x.device)
-        self.gi, self.gw = torch.empty_like(x), torch.empty_like(w)
-        self.gb = None if b is None else torch.empty_like(b)
+    def fwd_bwd():
+        conv(xr, wr, br, **layer.kwargs()).backward(go)
 
-    def _alloc(self, nbytes):
-        t = self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, device=self.x.device)
-        return t, t.data_ptr()
-
-    def forward(self):
-        s = self.torch.cuda.current_stream().cuda_stream
-        self.engine.forward(self.g, self.dtype, self.x.data_ptr(), self.w.data_ptr(),
-                            None if self.b is None else self.b.data_ptr(), self.y.data_ptr(), self.dev, s)
-
-    def forward_backward(self):
-        self.forward()
-        s = self.torch.cuda.current_stream().cuda_stream
-        e, g, d = self.engine, self.g, self.dtype
-        e.grad_input(g, d, self.go.data_ptr(), self.w.data_ptr(), self.gi.data_ptr(), self.dev, s)
-        e.grad_weight(g, d, self.x.data_ptr(), self.go.data_ptr(), self.gw.data_ptr(), self.dev, s, self._alloc)
-        if self.gb is not None:
-            e.grad_bias(g, d, self.go.data_ptr(), self.gb.data_ptr(), self.dev, s, self._alloc)
+    return cuda_time_ms(fwd, repeat=repeat), cuda_time_ms(fwd_bwd, repeat=repeat)
 
 
 def _torch_times(layer: BenchLayer, x, w, b, go, repeat: int) -> Tuple[float, float]:
+    """torch's times: the better of cudnn.benchmark off and on, per pass."""
     import torch
     import torch.nn.functional as F
 
-    best_f = best_fb = float("inf")
+    times = []
     for benchmark in (False, True):
         torch.backends.cudnn.benchmark = benchmark
-        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
-        br = None if b is None else b.detach().requires_grad_()
-
-        def fwd():
-            with torch.no_grad():
-                F.conv_transpose2d(x, w, b, **layer.kwargs())
-
-        def fwd_bwd():
-            y = F.conv_transpose2d(xr, wr, br, **layer.kwargs())
-            y.backward(go)
-
-        best_f = min(best_f, cuda_time_ms(fwd, repeat=repeat))
-        best_fb = min(best_fb, cuda_time_ms(fwd_bwd, repeat=repeat))
+        times.append(_pass_times(F.conv_transpose2d, layer, x, w, b, go, repeat))
     torch.backends.cudnn.benchmark = False
-    return best_f, best_fb
+    return min(t[0] for t in times), min(t[1] for t in times)
 
 
 def run(layers: List[BenchLayer], dtype: str = "float32", repeat: int = 20, allow_tf32: bool = True,
         progress: bool = True) -> List[dict]:
     import torch
+
+    from . import torch as cc_torch
+    from .geometry import ConvParams, geometry
 
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     torch.backends.cudnn.allow_tf32 = allow_tf32
@@ -150,15 +123,14 @@ def run(layers: List[BenchLayer], dtype: str = "float32", repeat: int = 20, allo
         w = torch.randn((layer.in_channels, layer.out_channels // layer.groups) + layer.kernel, generator=gen,
                         device="cuda").to(dt)
         b = torch.randn((layer.out_channels,), generator=gen, device="cuda").to(dt) if layer.bias else None
-        runner = _RawRunner(layer, x, w, b, None)
-        runner.go = torch.randn(runner.g.output_shape, generator=gen, device="cuda").to(dt)
-        ours_f = cuda_time_ms(runner.forward, repeat=repeat)
-        ours_fb = cuda_time_ms(runner.forward_backward, repeat=repeat)
-        torch_f, torch_fb = _torch_times(layer, x, w, b, runner.go, repeat)
+        out_shape = geometry(x.shape, w.shape, None, ConvParams.from_args(**layer.kwargs())).output_shape
+        go = torch.randn(out_shape, generator=gen, device="cuda").to(dt)
+        ours_f, ours_fb = _pass_times(cc_torch.conv_transpose2d, layer, x, w, b, go, repeat)
+        torch_f, torch_fb = _torch_times(layer, x, w, b, go, repeat)
         for pass_name, ms, ref in (("forward", ours_f, torch_f), ("forward+backward", ours_fb, torch_fb)):
             rows.append(dict(name=layer.name, dtype=dtype, layout="nchw", **{"pass": pass_name}, ms=ms,
                              torch_ms=ref, speedup=ref / ms))
-        del x, w, b, runner
+        del x, w, b, go
         torch.cuda.empty_cache()
     return rows
 

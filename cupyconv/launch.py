@@ -101,13 +101,12 @@ class _ParamBlock:
         self.address = ctypes.addressof(self.array)
         self.lock = threading.Lock()
 
-    def launch(self, function: int, grid, block, pointers: Sequence[int], stream_ptr: int,
-               shared_mem: int = 0) -> None:
+    def launch(self, function: int, grid, block, pointers: Sequence[int], stream_ptr: int) -> None:
         with self.lock:
             for slot, ptr in zip(self.pointers, pointers):
                 slot.value = ptr
             _driver().launchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                   shared_mem, stream_ptr, self.address, 0)
+                                   0, stream_ptr, self.address, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,12 +114,6 @@ def _driver():
     from cupy.cuda import driver
 
     return driver
-
-
-def launch(function: int, grid, block, pointers: Sequence[int], scalars: Sequence[int], index_t: str,
-           stream_ptr: int, shared_mem: int = 0) -> None:
-    """One-off cuLaunchKernel with a freshly built parameter block."""
-    _ParamBlock(len(pointers), scalars, index_t).launch(function, grid, block, pointers, stream_ptr, shared_mem)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -139,12 +139,9 @@ def _key_seq(v):
 
 
 def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation):
-    if b is None:
-        key = (x.shape, w.shape, None, x.dtype, w.dtype, None, x.device, w.device, None,
-               _key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
-    else:
-        key = (x.shape, w.shape, b.shape, x.dtype, w.dtype, b.dtype, x.device, w.device, b.device,
-               _key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
+    bias_key = (None, None, None) if b is None else (b.shape, b.dtype, b.device)
+    key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, bias_key,
+           _key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
     entry = _forward_cache.get(key)
     if entry is None:
         g = _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation)

@@ -6,7 +6,6 @@ also skip where torch sees none.  Run from the repository root with ``PYTHONPATH
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 
@@ -475,30 +474,3 @@ def test_training_run_matches_nn_convtranspose2d_fp64():
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         assert_close(q, p, 1e-9, f"float64 parameter {name} after 200 steps")
 
-
-def test_print_host_time_comparison():
-    """Not a benchmark assertion: prints the per-call host time of eager calls, for the record."""
-
-    def host_us(fn, n=200):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        return (t1 - t0) / n * 1e6
-
-    for name, shape, c_out in (("tiny", (2, 8, 4, 4), 8), ("dcgan_up", (64, 512, 8, 8), 256)):
-        x = torch.randn(shape, device="cuda", requires_grad=True)
-        ref = nn.ConvTranspose2d(shape[1], c_out, 4, 2, 1, device="cuda")
-        ours = ct.convert(copy.deepcopy(ref))
-        go = torch.randn_like(ref(x))
-        with torch.no_grad():
-            times = [host_us(lambda: ref(x)), host_us(lambda: ours(x))]
-        times += [host_us(lambda: ref(x)), host_us(lambda: ours(x))]
-        times += [host_us(lambda: ref(x).backward(go), 50), host_us(lambda: ours(x).backward(go), 50)]
-        print(f"\nhost us per call ({name}, torch vs cupyconv): no_grad forward {times[0]:.1f} vs {times[1]:.1f}; "
-              f"forward with autograd {times[2]:.1f} vs {times[3]:.1f}; forward+backward {times[4]:.1f} vs "
-              f"{times[5]:.1f}")
