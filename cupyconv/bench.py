@@ -1,22 +1,33 @@
 """Benchmark cupyconv against PyTorch (cuDNN) in the same process.
 
 ``python -m cupyconv.bench`` times ``cupyconv.torch.conv_transpose2d`` and
-``torch.nn.functional.conv_transpose2d`` through the same calls: the forward pass under
-no_grad, and forward+backward through autograd (grad input, grad weight and, with a bias,
-grad bias).  Each is timed with CUDA events, after a warm-up,
+``torch.nn.functional.conv_transpose2d`` through the same calls, for every layer x dtype x
+layout: the forward pass under no_grad, and forward+backward through autograd (grad input,
+grad weight and, with a bias, grad bias).  Each is timed with CUDA events, after a warm-up,
 taking the median of repeated runs.  Torch is timed with cudnn.benchmark off and on and
-the better of the two is the reference.
+the better of the two is the reference.  Next to the speedup each row gives cupyconv's
+achieved TFLOP/s and the share of the measured device-to-device copy bandwidth that the
+minimal bytes of the pass imply.
+
+``--from-json`` reprints (and with ``--plot`` redraws) saved results without a GPU,
+importing neither CuPy nor torch.
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
+import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from .geometry import output_size
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,10 @@ class BenchLayer:
         return dict(stride=self.stride, padding=self.padding, output_padding=self.output_padding,
                     groups=self.groups, dilation=self.dilation)
 
+    def out_size(self) -> Tuple[int, int]:
+        return tuple(output_size(self.size[a], self.kernel[a], self.stride[a], self.padding[a],
+                                 self.output_padding[a], self.dilation[a]) for a in range(2))
+
 
 SEED_LAYERS = [
     BenchLayer("grouped_dilated", 16, 32, 64, (3, 5), (2, 3), (1, 2), (2, 1), 4, (128, 256), bias=False),
@@ -53,6 +68,96 @@ SUITE = SEED_LAYERS + [
     BenchLayer("batch1_latency", 1, 64, 64, (4, 4), (2, 2), (1, 1), size=(32, 32)),
 ]
 
+# "tf32" is float32 tensors with TF32 allowed in torch (cuDNN and matmul) and in cupyconv;
+# "float32" is strict float32 on both sides.
+DTYPES = ("tf32", "float32", "float16", "bfloat16")
+DTYPE_CHOICES = DTYPES + ("float64",)
+ELEMENT_BYTES = {"tf32": 4, "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+LAYOUTS = ("nchw", "channels_last")
+PASSES = ("forward", "forward+backward")
+# grad input and grad weight each cost as many multiply-adds as the forward pass.
+_PASS_FLOP_FACTOR = {"forward": 1, "forward+backward": 3}
+
+
+# ----------------------------------------------------------------------------- work per pass
+
+def _check_pass(pass_name: str) -> None:
+    if pass_name not in PASSES:
+        raise ValueError(f"unknown pass {pass_name!r}; choose from {PASSES}")
+
+
+def layer_flops(layer: BenchLayer, pass_name: str) -> int:
+    """FLOP of ``pass_name``: two per multiply-add, taps that land outside the output included."""
+    _check_pass(pass_name)
+    kh, kw = layer.kernel
+    h, w = layer.size
+    forward = 2 * layer.batch * layer.in_channels * (layer.out_channels // layer.groups) * h * w * kh * kw
+    return forward * _PASS_FLOP_FACTOR[pass_name]
+
+
+def layer_bytes(layer: BenchLayer, dtype: str, pass_name: str) -> int:
+    """The fewest bytes ``pass_name`` can move: each operand read or written once per kernel."""
+    _check_pass(pass_name)
+    x = layer.batch * layer.in_channels * layer.size[0] * layer.size[1]
+    w = layer.in_channels * (layer.out_channels // layer.groups) * layer.kernel[0] * layer.kernel[1]
+    y = layer.batch * layer.out_channels * layer.out_size()[0] * layer.out_size()[1]
+    b = layer.out_channels if layer.bias else 0
+    elements = x + w + y + b
+    if pass_name == "forward+backward":
+        grad_input = y + w + x
+        # grad bias reduces the grad_output that grad weight reads anyway: only its write counts.
+        grad_weight = x + y + w + b
+        elements += grad_input + grad_weight
+    return elements * ELEMENT_BYTES[dtype]
+
+
+def make_row(layer: BenchLayer, dtype: str, layout: str, pass_name: str, ms: Optional[float],
+             torch_ms: Optional[float], copy_gbps: Optional[float], error: Optional[str] = None) -> dict:
+    """One result row; the derived metrics are None where a time they need is missing."""
+    seconds = None if ms is None else ms * 1e-3
+    row = {"name": layer.name, "dtype": dtype, "layout": layout, "pass": pass_name, "ms": ms,
+           "torch_ms": torch_ms,
+           "speedup": None if ms is None or torch_ms is None else torch_ms / ms,
+           "tflops": None if seconds is None else layer_flops(layer, pass_name) / seconds / 1e12,
+           "bandwidth_pct": None if seconds is None or not copy_gbps
+           else 100 * layer_bytes(layer, dtype, pass_name) / seconds / (copy_gbps * 1e9)}
+    if error:
+        row["error"] = error
+    return row
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def case_rows(layer: BenchLayer, dtype: str, layout: str, setup: Callable[[], Callable[[str, str], float]],
+              copy_gbps: Optional[float]) -> List[dict]:
+    """Both passes of one (layer, dtype, layout) case.
+
+    ``setup()`` allocates the case and returns ``time_pass(impl, pass_name)`` in ms, impl
+    being "cupyconv" or "torch".  A failure (out of memory, an unsupported layer) becomes
+    an error row instead of ending the run, so one bad case does not cost the others.
+    """
+    try:
+        time_pass = setup()
+    except Exception as exc:
+        return [make_row(layer, dtype, layout, p, None, None, copy_gbps, f"setup: {_describe(exc)}")
+                for p in PASSES]
+    rows = []
+    for pass_name in PASSES:
+        times, errors = {}, []
+        for impl in ("cupyconv", "torch"):
+            try:
+                times[impl] = time_pass(impl, pass_name)
+            except Exception as exc:
+                times[impl] = None
+                errors.append(f"{impl}: {_describe(exc)}")
+        rows.append(make_row(layer, dtype, layout, pass_name, times["cupyconv"], times["torch"], copy_gbps,
+                             "; ".join(errors) or None))
+    return rows
+
+
+# ----------------------------------------------------------------------------- timing (GPU)
 
 def cuda_time_ms(fn: Callable[[], None], warmup: int = 3, repeat: int = 20) -> float:
     """Median milliseconds of ``fn`` over ``repeat`` runs, timed with CUDA events."""
@@ -71,67 +176,132 @@ def cuda_time_ms(fn: Callable[[], None], warmup: int = 3, repeat: int = 20) -> f
     return statistics.median(times)
 
 
-def _pass_times(conv, layer: BenchLayer, x, w, b, go, repeat: int) -> Tuple[float, float]:
-    """Forward (no grad) and forward+backward times of ``conv``, an F.conv_transpose2d-like function."""
+def copy_bandwidth_gbps(nbytes: int = 1 << 30, repeat: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting both the read and the write."""
     import torch
 
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = functools.partial(dst.copy_, src)
+    ms = cuda_time_ms(copy, repeat=repeat)
+    del src, dst, copy
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _case_tensors(layer: BenchLayer, dtype: str, layout: str):
+    """x, w, b and grad_output of one case, laid out as a torch user of that layout has them."""
+    import torch
+
+    dt = torch.float32 if dtype == "tf32" else getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, device="cuda").to(dt)
+
+    x = randn((layer.batch, layer.in_channels) + layer.size)
+    w = randn((layer.in_channels, layer.out_channels // layer.groups) + layer.kernel)
+    b = randn((layer.out_channels,)) if layer.bias else None
+    go = randn((layer.batch, layer.out_channels) + layer.out_size())
+    if layout == "channels_last":
+        # model.to(memory_format=torch.channels_last) converts the weights too.
+        x, w, go = (t.contiguous(memory_format=torch.channels_last) for t in (x, w, go))
+    return x, w, b, go
+
+
+def _pass_fn(conv, layer: BenchLayer, pass_name: str, x, w, b, go) -> Callable[[], None]:
+    """One call of ``pass_name`` through ``conv``, an F.conv_transpose2d-like function."""
+    import torch
+
+    kwargs = layer.kwargs()
+    if pass_name == "forward":
+        def forward():
+            with torch.no_grad():
+                conv(x, w, b, **kwargs)
+        return forward
     xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
     br = None if b is None else b.detach().requires_grad_()
+    leaves = [t for t in (xr, wr, br) if t is not None]
 
-    def fwd():
-        with torch.no_grad():
-            conv(x, w, b, **layer.kwargs())
-
-    def fwd_bwd():
-        conv(xr, wr, br, **layer.kwargs()).backward(go)
-
-    return cuda_time_ms(fwd, repeat=repeat), cuda_time_ms(fwd_bwd, repeat=repeat)
+    def forward_backward():
+        # As zero_grad(set_to_none=True) does in training: no accumulation kernels get timed.
+        for t in leaves:
+            t.grad = None
+        conv(xr, wr, br, **kwargs).backward(go)
+    return forward_backward
 
 
-def _torch_times(layer: BenchLayer, x, w, b, go, repeat: int) -> Tuple[float, float]:
-    """torch's times: the better of cudnn.benchmark off and on, per pass."""
+def _torch_ms(layer: BenchLayer, pass_name: str, tensors, repeat: int) -> float:
+    """torch's time: the better of cudnn.benchmark off and on."""
     import torch
     import torch.nn.functional as F
 
     times = []
     for benchmark in (False, True):
         torch.backends.cudnn.benchmark = benchmark
-        times.append(_pass_times(F.conv_transpose2d, layer, x, w, b, go, repeat))
-    torch.backends.cudnn.benchmark = False
-    return min(t[0] for t in times), min(t[1] for t in times)
+        times.append(cuda_time_ms(_pass_fn(F.conv_transpose2d, layer, pass_name, *tensors), repeat=repeat))
+    return min(times)
 
 
-def run(layers: List[BenchLayer], dtype: str = "float32", repeat: int = 20, allow_tf32: bool = True,
-        progress: bool = True) -> List[dict]:
+def _case_timer(layer: BenchLayer, dtype: str, layout: str, repeat: int) -> Callable[[str, str], float]:
+    from . import torch as cc_torch
+
+    tensors = _case_tensors(layer, dtype, layout)
+
+    def time_pass(impl: str, pass_name: str) -> float:
+        if impl == "torch":
+            return _torch_ms(layer, pass_name, tensors, repeat)
+        return cuda_time_ms(_pass_fn(cc_torch.conv_transpose2d, layer, pass_name, *tensors), repeat=repeat)
+    return time_pass
+
+
+def _resolve_dtype(dtype: str, allow_tf32: Optional[bool]) -> str:
+    """The row's dtype name, where an explicit allow_tf32 decides between tf32 and strict float32."""
+    if allow_tf32 is None or dtype not in ("tf32", "float32"):
+        return dtype
+    return "tf32" if allow_tf32 else "float32"
+
+
+def run(layers: List[BenchLayer], dtype: Union[str, Sequence[str]] = "float32", repeat: int = 20,
+        allow_tf32: Optional[bool] = None, progress: bool = True, layouts: Sequence[str] = ("nchw",),
+        copy_gbps: Optional[float] = None) -> List[dict]:
+    """Time every layer x dtype x layout, both passes; one row each, in that order.
+
+    ``dtype`` is one name of DTYPE_CHOICES or a sequence of them.  ``allow_tf32``, when
+    given, runs float32 and tf32 alike with TF32 on (True) or off (False), and the rows are
+    named for what ran.  ``copy_gbps`` is measured here unless given.
+    """
     import torch
 
-    from . import torch as cc_torch
-    from .geometry import ConvParams, geometry
-
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    torch.backends.cudnn.allow_tf32 = allow_tf32
-    rows = []
+    dtypes = list(dict.fromkeys(_resolve_dtype(d, allow_tf32)
+                                for d in ([dtype] if isinstance(dtype, str) else dtype)))
+    unknown = [d for d in dtypes if d not in DTYPE_CHOICES]
+    if unknown:
+        raise ValueError(f"unknown dtype {unknown}; choose from {DTYPE_CHOICES}")
+    if set(layouts) - set(LAYOUTS):
+        raise ValueError(f"unknown layout {sorted(set(layouts) - set(LAYOUTS))}; choose from {LAYOUTS}")
+    if copy_gbps is None:
+        copy_gbps = copy_bandwidth_gbps()
+    cases = list(itertools.product(layers, dtypes, layouts))
     try:
         from tqdm import tqdm
-        iterator = tqdm(layers, desc=f"bench {dtype}", disable=not progress)
+        iterator = tqdm(cases, desc="bench", unit="case", disable=not progress)
     except ImportError:
-        iterator = layers
-    for layer in iterator:
-        dt = getattr(torch, dtype)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn((layer.batch, layer.in_channels) + layer.size, generator=gen, device="cuda").to(dt)
-        w = torch.randn((layer.in_channels, layer.out_channels // layer.groups) + layer.kernel, generator=gen,
-                        device="cuda").to(dt)
-        b = torch.randn((layer.out_channels,), generator=gen, device="cuda").to(dt) if layer.bias else None
-        out_shape = geometry(x.shape, w.shape, None, ConvParams.from_args(**layer.kwargs())).output_shape
-        go = torch.randn(out_shape, generator=gen, device="cuda").to(dt)
-        ours_f, ours_fb = _pass_times(cc_torch.conv_transpose2d, layer, x, w, b, go, repeat)
-        torch_f, torch_fb = _torch_times(layer, x, w, b, go, repeat)
-        for pass_name, ms, ref in (("forward", ours_f, torch_f), ("forward+backward", ours_fb, torch_fb)):
-            rows.append(dict(name=layer.name, dtype=dtype, layout="nchw", **{"pass": pass_name}, ms=ms,
-                             torch_ms=ref, speedup=ref / ms))
-        del x, w, b, go
-        torch.cuda.empty_cache()
+        iterator = cases
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.benchmark)
+    rows = []
+    try:
+        for layer, dt, layout in iterator:
+            if hasattr(iterator, "set_postfix_str"):
+                iterator.set_postfix_str(f"{layer.name} {dt} {layout}")
+            # cupyconv.torch reads the cuDNN flag to decide, so one setting governs both sides.
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"
+            rows += case_rows(layer, dt, layout, lambda: _case_timer(layer, dt, layout, repeat), copy_gbps)
+            torch.cuda.empty_cache()
+    finally:
+        (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+         torch.backends.cudnn.benchmark) = saved
     return rows
 
 
@@ -196,23 +366,166 @@ def environment() -> dict:
                 cudnn=torch.backends.cudnn.version(), commit=commit)
 
 
+# ----------------------------------------------------------------------------- reporting
+
+def geomean_speedups(rows: List[dict]) -> Dict[str, Optional[float]]:
+    """Geometric mean speedup overall and per pass, over the rows that have one."""
+    def geomean(values):
+        values = list(values)
+        return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+    timed = [r for r in rows if r.get("speedup")]
+    means = {"overall": geomean(r["speedup"] for r in timed)}
+    for pass_name in PASSES:
+        means[pass_name] = geomean(r["speedup"] for r in timed if r["pass"] == pass_name)
+    return means
+
+
+def _cell(value: Optional[float], width: int, fmt: str, suffix: str = "") -> str:
+    return f"{'-':>{width}}" if value is None else f"{format(value, fmt) + suffix:>{width}}"
+
+
 def format_table(rows: List[dict]) -> str:
-    lines = [f"{'layer':<18} {'dtype':<9} {'pass':<17} {'cupyconv ms':>12} {'torch ms':>10} {'speedup':>8}"]
+    """The rows as a text table, ending with the geometric mean speedups."""
+    lines = [f"{'layer':<18} {'dtype':<8} {'layout':<13} {'pass':<16} {'cupyconv ms':>11} {'torch ms':>9} "
+             f"{'speedup':>8} {'TFLOP/s':>8} {'%copy-BW':>8}"]
     for r in rows:
-        lines.append(f"{r['name']:<18} {r['dtype']:<9} {r['pass']:<17} {r['ms']:>12.3f} {r['torch_ms']:>10.3f} "
-                     f"{r['speedup']:>7.2f}x")
+        line = (f"{r['name']:<18} {r['dtype']:<8} {r.get('layout', 'nchw'):<13} {r['pass']:<16} "
+                f"{_cell(r['ms'], 11, '.3f')} {_cell(r['torch_ms'], 9, '.3f')} "
+                f"{_cell(r.get('speedup'), 8, '.2f', 'x')} {_cell(r.get('tflops'), 8, '.2f')} "
+                f"{_cell(r.get('bandwidth_pct'), 8, '.1f')}")
+        if r.get("error"):
+            # torch's out-of-memory message runs over several lines; the JSON keeps all of it.
+            line += f"  error: {r['error'].splitlines()[0]}"
+        lines.append(line)
+    means = geomean_speedups(rows)
+    if means["overall"] is None:
+        lines.append("geomean speedup: n/a (no row has both times)")
+    else:
+        per_pass = ", ".join(f"{p} {means[p]:.2f}x" for p in PASSES if means[p] is not None)
+        lines.append(f"geomean speedup: {means['overall']:.2f}x overall ({per_pass})")
+    failed = sum(1 for r in rows if r.get("error"))
+    if failed:
+        lines[-1] += f"; {failed} of {len(rows)} rows failed"
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def format_header(env: dict) -> str:
+    copy = env.get("copy_gbps")
+    return (f"device {env.get('device')}, torch {env.get('torch')}, cupy {env.get('cupy')}, "
+            f"cudnn {env.get('cudnn')}, commit {env.get('commit')}, "
+            f"copy bandwidth {'n/a' if copy is None else f'{copy:.0f} GB/s'}")
+
+
+def write_results(path: Path, env: dict, rows: List[dict]) -> None:
+    Path(path).write_text(json.dumps({**env, "rows": rows}, indent=1))
+
+
+def load_results(path: Path) -> Tuple[dict, List[dict]]:
+    """The environment and rows of a file written by ``write_results``."""
+    data = json.loads(Path(path).read_text())
+    rows = data.pop("rows")
+    return data, rows
+
+
+def select_rows(rows: List[dict], names: Optional[Sequence[str]] = None, dtypes: Optional[Sequence[str]] = None,
+                layouts: Optional[Sequence[str]] = None) -> List[dict]:
+    """The rows matching every selection that is given (None selects all)."""
+    return [r for r in rows
+            if (names is None or r["name"] in names) and (dtypes is None or r["dtype"] in dtypes)
+            and (layouts is None or r.get("layout", "nchw") in layouts)]
+
+
+def plot_speedups(env: dict, rows: List[dict], path: Path) -> None:
+    """A bar chart of the speedup per layer, one bar per dtype/layout, a panel per pass."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
+
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    series = list(dict.fromkeys((r["dtype"], r.get("layout", "nchw")) for r in rows))
+    passes = [p for p in PASSES if any(r["pass"] == p for r in rows)]
+    speedup = {(r["name"], r["dtype"], r.get("layout", "nchw"), r["pass"]): r.get("speedup") for r in rows}
+    colors = {d: f"C{i}" for i, d in enumerate(dict.fromkeys(d for d, _ in series))}
+    hatches = {layout: "" if i == 0 else "//" for i, layout in enumerate(dict.fromkeys(lay for _, lay in series))}
+
+    known = [s for s in speedup.values() if s]
+    low, high = min(known + [1.0]) / 1.3, max(known + [1.0]) * 1.3
+    height = 0.8 / max(len(series), 1)
+    legend_rows = math.ceil(len(series) / 4)
+    fig_height = 1.8 + 0.2 * legend_rows + len(names) * max(0.5, 0.22 * len(series))
+    fig = Figure(figsize=(5.5 * max(len(passes), 1), fig_height))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, max(len(passes), 1), sharey=True, squeeze=False)[0]
+    for ax, pass_name in zip(axes, passes):
+        for j, (dtype, layout) in enumerate(series):
+            for i, name in enumerate(names):
+                y = i + (j - (len(series) - 1) / 2) * height
+                s = speedup.get((name, dtype, layout, pass_name))
+                if s:
+                    # Bars grow from 1x, so slowdowns and speedups point opposite ways on the log axis.
+                    ax.barh(y, s - 1.0, left=1.0, height=height, color=colors[dtype], hatch=hatches[layout],
+                            edgecolor="white", linewidth=0.5)
+                elif (name, dtype, layout, pass_name) in speedup:
+                    ax.text(1.0, y, " failed", va="center", fontsize=6, color="gray")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(low, high)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.set_title(pass_name)
+        ax.set_xlabel("speedup over torch (torch ms / cupyconv ms)")
+        ax.grid(axis="x", which="major", linewidth=0.3)
+    axes[0].set_yticks(range(len(names)))
+    axes[0].set_yticklabels(names)
+    axes[0].invert_yaxis()
+    fig.legend(handles=[Patch(facecolor=colors[d], hatch=hatches[lay], edgecolor="white", label=f"{d}, {lay}")
+                        for d, lay in series], loc="lower center", ncol=min(len(series), 4), fontsize=8,
+               frameon=False)
+    fig.suptitle(f"cupyconv vs torch (cuDNN) on {env.get('device', 'unknown device')}, "
+                 f"commit {env.get('commit', 'unknown')}")
+    # Room in inches for the legend below and the title above, whatever the figure's height.
+    fig.tight_layout(rect=(0, (0.1 + 0.2 * legend_rows) / fig_height, 1, 1 - 0.3 / fig_height))
+    fig.savefig(path, dpi=150)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The parsed command line, plus the resolved ``dtypes``, ``layouts`` and ``layers``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=("seeds", "all"), default="all")
-    parser.add_argument("--dtype", action="append", choices=("float32", "float16", "bfloat16", "float64"))
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--layer", action="append", metavar="NAME", help="only this layer (repeatable)")
+    parser.add_argument("--dtype", action="append", choices=DTYPE_CHOICES,
+                        help=f"repeatable; default {' '.join(DTYPES)}")
+    parser.add_argument("--layout", action="append", choices=LAYOUTS, help="repeatable; default both")
+    parser.add_argument("--repeat", type=int, default=20, help="timed runs per measurement (the median is kept)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--host-cost", action="store_true",
+    parser.add_argument("--plot", type=Path, help="draw the speedups into this image (needs matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--from-json", type=Path, metavar="PATH",
+                        help="report saved results instead of measuring (no GPU needed)")
+    source.add_argument("--host-cost", action="store_true",
                         help="measure per-call host time against F.conv_transpose2d instead")
     args = parser.parse_args(argv)
+    args.dtypes = list(dict.fromkeys(args.dtype or DTYPES))
+    args.layouts = list(dict.fromkeys(args.layout or LAYOUTS))
+    suite = SEED_LAYERS if args.suite == "seeds" else SUITE
+    # Saved results may hold layers of any name, so only a measured run checks them.
+    unknown = sorted(set(args.layer or ()) - {layer.name for layer in suite})
+    if unknown and args.from_json is None:
+        parser.error(f"no layer {', '.join(unknown)} in suite {args.suite}; "
+                     f"choose from {', '.join(layer.name for layer in suite)}")
+    args.layers = [layer for layer in suite if args.layer is None or layer.name in args.layer]
+    # Fail before a long GPU run, not after it.
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib (pip install 'cupyconv[bench]')")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
     if args.host_cost:
         env = environment()
         print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {env['commit']}")
@@ -220,16 +533,21 @@ def main(argv: Optional[List[str]] = None) -> None:
         for r in host_cost():
             print(f"{r['call']:<20} {r['torch_us']:>9.1f} {r['cupyconv_us']:>12.1f} {r['ratio']:>6.2f}")
         return
-    layers = SEED_LAYERS if args.suite == "seeds" else SUITE
-    rows = []
-    for dtype in args.dtype or ["float32"]:
-        rows += run(layers, dtype, args.repeat)
-    env = environment()
-    print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, cudnn {env['cudnn']}, "
-          f"commit {env['commit']}")
+    if args.from_json:
+        env, rows = load_results(args.from_json)
+        rows = select_rows(rows, args.layer, args.dtype, args.layout)
+    else:
+        env = environment()
+        env["copy_gbps"] = copy_bandwidth_gbps()
+        rows = run(args.layers, args.dtypes, args.repeat, progress=not args.no_progress, layouts=args.layouts,
+                   copy_gbps=env["copy_gbps"])
+    print(format_header(env))
     print(format_table(rows))
     if args.json:
-        args.json.write_text(json.dumps({**env, "rows": rows}, indent=1))
+        write_results(args.json, env, rows)
+    if args.plot:
+        plot_speedups(env, rows, args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

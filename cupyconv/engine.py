@@ -7,12 +7,15 @@ stream handle.  Nothing here synchronises the host.
 from __future__ import annotations
 
 import math
+import os
 from typing import Dict, Optional
 
 from . import launch
 from .geometry import Geometry
 
+TENSOR_CORES_ENV = "CUPYCONV_TENSOR_CORES"
 _sm_counts: Dict[int, int] = {}
+_tensor_core_devices: Dict[int, bool] = {}
 
 
 def sm_count(device_id: int) -> int:
@@ -31,35 +34,82 @@ def _zero(ptr: int, nbytes: int, stream_ptr: int) -> None:
         runtime.memsetAsync(ptr, 0, nbytes, stream_ptr)
 
 
+def _tensor_cores(device_id: int) -> bool:
+    ok = _tensor_core_devices.get(device_id)
+    if ok is None:
+        import cupy
+
+        major = int(cupy.cuda.Device(device_id).compute_capability[:-1] or 0)
+        ok = _tensor_core_devices[device_id] = major >= 8
+    return ok
+
+
+def uses_gemm(g: Geometry, dtype: str, device_id: int) -> bool:
+    """Whether this layer runs on the tensor-core implicit-GEMM kernels on ``device_id``.
+
+    Those need sm_80 or newer and a GEMM with at least 16 channels per group on both
+    sides; thinner layers (grouped, depthwise) waste most of each mma on padding and
+    run faster on the direct kernels.  ``CUPYCONV_TENSOR_CORES=0`` turns them off.
+    Only the GEMM kernels read channels_last memory directly.
+    """
+    if os.environ.get(TENSOR_CORES_ENV, "1").strip() == "0":
+        return False
+    return (min(g.in_per_group, g.out_per_group) >= 16 and launch.gemm_fits(g, dtype)
+            and _tensor_cores(device_id))
+
+
+def _direct_only(layout: str, what: str) -> None:
+    if layout != "nchw":
+        raise ValueError(f"{what}: layout {layout!r} needs the tensor-core kernels; pass NCHW memory")
+
+
 def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], out: int, device_id: int,
-            stream_ptr: int) -> None:
-    """out = conv_transpose2d(x, weight, bias); all pointers to contiguous NCHW buffers."""
+            stream_ptr: int, layout: str = "nchw", precision: str = "strict") -> None:
+    """out = conv_transpose2d(x, weight, bias).
+
+    Activations are contiguous in ``layout`` ("nchw", or "nhwc" for channels_last) and the
+    weight is contiguous (C_in, C_out/groups, kH, kW).  ``precision`` is "strict" (fp32
+    accuracy for float32) or "tf32"; it only matters for float32.
+    """
     if g.batch == 0:
         return
-    plan = launch.plan_forward(g, dtype, bias is not None)
+    if uses_gemm(g, dtype, device_id):
+        plan = launch.plan_forward_gemm(g, dtype, bias is not None, layout, precision)
+    else:
+        _direct_only(layout, "forward")
+        plan = launch.plan_forward(g, dtype, bias is not None)
     plan.run(device_id, stream_ptr, (x, weight, bias or 0, out))
 
 
 def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, device_id: int,
-               stream_ptr: int) -> None:
+               stream_ptr: int, layout: str = "nchw", precision: str = "strict") -> None:
     if g.batch == 0:
         return
-    launch.plan_grad_input(g, dtype).run(device_id, stream_ptr, (grad_out, weight, out))
+    if uses_gemm(g, dtype, device_id):
+        plan = launch.plan_grad_input_gemm(g, dtype, layout, precision)
+        plan.run(device_id, stream_ptr, (grad_out, weight, 0, out))
+    else:
+        _direct_only(layout, "grad_input")
+        launch.plan_grad_input(g, dtype).run(device_id, stream_ptr, (grad_out, weight, out))
 
 
 def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, device_id: int, stream_ptr: int,
-                alloc: launch.Allocator) -> None:
+                alloc: launch.Allocator, layout: str = "nchw", precision: str = "strict") -> None:
     if g.batch == 0:
         _zero(out, math.prod(g.weight_shape) * launch.DTYPES[dtype][2], stream_ptr)
         return
-    partial, reduce = launch.plan_grad_weight(g, dtype, sm_count(device_id))
+    if uses_gemm(g, dtype, device_id):
+        partial, reduce = launch.plan_grad_weight_gemm(g, dtype, sm_count(device_id), layout, precision)
+    else:
+        _direct_only(layout, "grad_weight")
+        partial, reduce = launch.plan_grad_weight(g, dtype, sm_count(device_id))
     launch.run_split_k(partial, reduce, device_id, stream_ptr, (x, grad_out), out, alloc)
 
 
 def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, device_id: int, stream_ptr: int,
-              alloc: launch.Allocator) -> None:
+              alloc: launch.Allocator, layout: str = "nchw") -> None:
     if g.batch == 0:
         _zero(out, g.out_channels * launch.DTYPES[dtype][2], stream_ptr)
         return
-    partial, reduce = launch.plan_grad_bias(g, dtype, sm_count(device_id))
+    partial, reduce = launch.plan_grad_bias(g, dtype, sm_count(device_id), layout)
     launch.run_split_k(partial, reduce, device_id, stream_ptr, (grad_out,), out, alloc)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 

@@ -14,7 +14,7 @@ import math
 import threading
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .compiler import KernelSpec, get_function
 from .geometry import Geometry
@@ -38,6 +38,14 @@ def index_type(*element_counts: int) -> str:
 
 def accumulator_bytes(dtype: str) -> int:
     return 8 if DTYPES[dtype][1] == "double" else 4
+
+
+LAYOUTS = ("nchw", "nhwc")
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def _check_dtype(dtype: str) -> None:
@@ -192,17 +200,24 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_grad_bias(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan]:
+def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Plan]:
     _check_dtype(dtype)
+    _check_layout(layout)
     block = 256
     h_out, w_out = g.out_size
-    rows = g.batch * h_out
-    chunks, rows_per_chunk = _chunks(rows, g.out_channels, block // 32, sm_count)
+    if layout == "nhwc":
+        channel_blocks = _cdiv(g.out_channels, block)
+        chunks, rows_per_chunk = _chunks(g.batch * h_out * w_out, channel_blocks, 64, sm_count)
+        grid_y = min(channel_blocks, _GRID_YZ_LIMIT)
+    else:
+        chunks, rows_per_chunk = _chunks(g.batch * h_out, g.out_channels, block // 32, sm_count)
+        grid_y = min(g.out_channels, _GRID_YZ_LIMIT)
     index_t = index_type(_numel(g.output_shape), chunks * g.out_channels)
     scalar_t, acc_t, _ = DTYPES[dtype]
-    constants = dict(SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block)
+    constants = dict(SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block,
+                     CHANNELS_LAST=layout == "nhwc")
     spec = KernelSpec.make("conv_transpose2d_grad_bias.cu", "conv_transpose2d_grad_bias_partial", constants)
-    partial = Plan(spec, (chunks, min(g.out_channels, _GRID_YZ_LIMIT), 1), (block, 1, 1),
+    partial = Plan(spec, (chunks, grid_y, 1), (block, 1, 1),
                    (g.batch, h_out, w_out, rows_per_chunk), index_t,
                    scratch_bytes=chunks * g.out_channels * accumulator_bytes(dtype))
     return partial, plan_reduce(dtype, g.out_channels, chunks, index_t)
@@ -233,6 +248,129 @@ def run_split_k(partial: Plan, reduce: Plan, device_id: int, stream_ptr: int, in
     del keep
 
 
+# ------------------------------------------------------------ tensor-core implicit GEMM
+
+# mma.cuh's MMA_* codes; float32 is TF32 when allowed and 3xTF32 (fp32 accuracy) otherwise.
+_MMA_KINDS = {"float16": 0, "bfloat16": 1}
+MMA_TF32, MMA_3XTF32 = 2, 3
+PRECISIONS = ("strict", "tf32")
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A block tile of the implicit GEMM and how its warps split it."""
+
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn}"
+
+
+TILES = {t.name: t for t in (Tile(128, 128, 2, 4), Tile(128, 64, 2, 2), Tile(128, 32, 4, 1),
+                             Tile(64, 128, 1, 4), Tile(64, 64, 2, 2))}
+
+
+def mma_kind(dtype: str, precision: str) -> int:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if dtype == "float32":
+        return MMA_TF32 if precision == "tf32" else MMA_3XTF32
+    if dtype not in _MMA_KINDS:
+        raise TypeError(f"tensor-core kernels take float16, bfloat16 or float32, got {dtype}")
+    return _MMA_KINDS[dtype]
+
+
+def _gemm_constants(g: Geometry, dtype: str, layout: str, precision: str, tile: Tile, index_t: str) -> dict:
+    _check_layout(layout)
+    p = g.params
+    return dict(SCALAR_T=DTYPES[dtype][0], INDEX_T=index_t, MMA_KIND=mma_kind(dtype, precision),
+                CHANNELS_LAST=layout == "nhwc", KH=g.kernel[0], KW=g.kernel[1], SH=p.stride[0], SW=p.stride[1],
+                PH=p.padding[0], PW=p.padding[1], DH=p.dilation[0], DW=p.dilation[1], GROUPS=p.groups,
+                CIN_G=g.in_per_group, COUT_G=g.out_per_group, BM=tile.bm, BN=tile.bn, WARPS_M=tile.warps_m,
+                WARPS_N=tile.warps_n)
+
+
+def gemm_tile(rows: int, cols: int) -> Tile:
+    """Heuristic block tile for a GEMM whose N is ``cols`` (and M ``rows``)."""
+    if cols <= 32:
+        return TILES["128x32"]
+    if cols <= 64:
+        return TILES["128x64"] if rows > 64 else TILES["64x64"]
+    return TILES["128x128"] if rows > 64 else TILES["64x128"]
+
+
+def _gemm_index_t(g: Geometry) -> str:
+    return index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward_gemm(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", precision: str = "strict",
+                      tile: Optional[Tile] = None) -> Plan:
+    """Forward as one implicit GEMM per stride phase (grid z)."""
+    sh, sw = g.params.stride
+    h_out, w_out = g.out_size
+    m_max = g.batch * _cdiv(h_out, sh) * _cdiv(w_out, sw)
+    tile = tile or gemm_tile(m_max, g.out_per_group)
+    index_t = _gemm_index_t(g)
+    constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
+    constants.update(MODE=0, HAS_BIAS=bool(has_bias))
+    spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
+    grid = (_cdiv(m_max, tile.bm), g.groups * _cdiv(g.out_per_group, tile.bn), sh * sw)
+    return Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), (g.batch,) + g.in_size + g.out_size, index_t)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_input_gemm(g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict",
+                         tile: Optional[Tile] = None) -> Plan:
+    """grad_input (a strided conv2d of grad_output) as one implicit GEMM."""
+    h, w = g.in_size
+    m = g.batch * h * w
+    tile = tile or gemm_tile(m, g.in_per_group)
+    index_t = _gemm_index_t(g)
+    constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
+    constants.update(MODE=1, HAS_BIAS=False)
+    spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
+    grid = (_cdiv(m, tile.bm), g.groups * _cdiv(g.in_per_group, tile.bn), 1)
+    return Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), (g.batch,) + g.out_size + g.in_size, index_t)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw", precision: str = "strict",
+                          tile: Optional[Tile] = None) -> Tuple[Plan, Plan]:
+    """grad_weight as a split-K implicit GEMM per (group, tap), and the fixed-order reduction."""
+    tile = tile or gemm_tile(g.in_per_group, g.out_per_group)
+    taps = g.kernel[0] * g.kernel[1]
+    h, w = g.in_size
+    bk = 64 // DTYPES[dtype][2] if dtype != "float64" else 8
+    k_tiles = _cdiv(g.batch * h * w, bk)
+    base_blocks = _cdiv(g.in_per_group, tile.bm) * _cdiv(g.out_per_group, tile.bn) * g.groups * taps
+    # Enough K ranges to give every SM two blocks, each at least four K tiles long.
+    splits = max(1, min(_cdiv(2 * sm_count, base_blocks), _cdiv(k_tiles, 4), 256))
+    per_split = _cdiv(k_tiles, splits)
+    splits = _cdiv(k_tiles, per_split)
+    weight_elems = _numel(g.weight_shape)
+    index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), splits * weight_elems)
+    constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
+    spec = KernelSpec.make("conv_transpose2d_grad_weight_igemm.cu", "conv_transpose2d_grad_weight_igemm", constants)
+    grid = (splits, _cdiv(g.in_per_group, tile.bm) * _cdiv(g.out_per_group, tile.bn), g.groups * taps)
+    partial = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1),
+                   (g.batch, h, w) + g.out_size + (per_split,), index_t, scratch_bytes=splits * weight_elems * 4)
+    return partial, plan_reduce(dtype, weight_elems, splits, index_t)
+
+
+def gemm_fits(g: Geometry, dtype: str) -> bool:
+    """Whether the tensor-core kernels can run this layer at all (grid and dtype limits)."""
+    if dtype not in ("float16", "bfloat16", "float32"):
+        return False
+    taps = g.kernel[0] * g.kernel[1]
+    return g.groups * taps <= _GRID_YZ_LIMIT and g.groups * _cdiv(max(g.in_per_group, g.out_per_group), 32) \
+        <= _GRID_YZ_LIMIT and taps <= 256
+
+
 def all_plans(g: Geometry, dtype: str, has_bias: bool, sm_count: int = 132) -> List[Plan]:
     """Every launch the forward and the three grads of this layer need (for compiling ahead)."""
     plans = [plan_forward(g, dtype, has_bias), plan_grad_input(g, dtype)]
@@ -241,6 +379,15 @@ def all_plans(g: Geometry, dtype: str, has_bias: bool, sm_count: int = 132) -> L
     return plans
 
 
+def all_gemm_plans(g: Geometry, dtype: str, has_bias: bool, layout: str, precision: str,
+                   sm_count: int = 132) -> List[Plan]:
+    """The tensor-core launches of this layer, for one layout and precision."""
+    plans = [plan_forward_gemm(g, dtype, has_bias, layout, precision),
+             plan_grad_input_gemm(g, dtype, layout, precision)]
+    return plans + list(plan_grad_weight_gemm(g, dtype, sm_count, layout, precision))
+
+
 def clear_plan_cache() -> None:
-    for planner in (plan_forward, plan_grad_input, plan_grad_weight, plan_grad_bias, plan_reduce):
+    for planner in (plan_forward, plan_grad_input, plan_grad_weight, plan_grad_bias, plan_reduce,
+                    plan_forward_gemm, plan_grad_input_gemm, plan_grad_weight_gemm):
         planner.cache_clear()

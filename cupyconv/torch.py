@@ -68,9 +68,11 @@ _SUPPORTED = "float16, bfloat16, float32 or float64"
 
 
 def tf32_allowed() -> bool:
-    """Hook for a future TF32 path: whether PyTorch allows TF32 in convolutions.
+    """Whether PyTorch allows TF32 in convolutions (``torch.backends.cudnn.allow_tf32``).
 
-    The current kernels compute float32 in strict float32 and ignore it.
+    When it does, float32 layers on the tensor-core kernels multiply in TF32 as cuDNN
+    would; otherwise they use three TF32 products per term (3xTF32), which keeps float32
+    accuracy.
     """
     return bool(torch.backends.cudnn.allow_tf32)
 
@@ -208,52 +210,70 @@ def _scratch_allocator(device):
     return alloc
 
 
+def _precision(dtype: str) -> str:
+    return "tf32" if dtype == "float32" and tf32_allowed() else "strict"
+
+
+def _layout_for(x: Tensor, g, dt: str, index: int) -> str:
+    """channels_last memory is read in place when the tensor-core kernels run the layer."""
+    return "nhwc" if _channels_last(x) and _engine.uses_gemm(g, dt, index) else "nchw"
+
+
+def _in_layout(t: Tensor, layout: str) -> Tensor:
+    return t.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else t.contiguous()
+
+
+def _empty(shape, like: Tensor, device, layout: str) -> Tensor:
+    memory_format = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    return torch.empty(shape, dtype=like.dtype, device=device, memory_format=memory_format)
+
+
 def _cuda_forward(x, w, b, entry):
     g, dt, device, index, out_shape = entry
-    cl = False
-    if not x.is_contiguous():
-        cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-        x = x.contiguous()
-    if not w.is_contiguous():
-        w = w.contiguous()
-    if b is not None and not b.is_contiguous():
+    cl = _channels_last(x)
+    layout = _layout_for(x, g, dt, index)
+    x, w = _in_layout(x, layout), w.contiguous()
+    if b is not None:
         b = b.contiguous()
-    out = torch.empty(out_shape, dtype=x.dtype, device=device)
+    out = _empty(out_shape, x, device, layout)
     prev = _enter_device(index)
     try:
         _engine.forward(g, dt, x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                        index, _raw_stream(index))
+                        index, _raw_stream(index), layout, _precision(dt))
     finally:
         if prev != index:
             _set_device(prev)
-    return _as_channels_last(out) if cl else out
+    return _as_channels_last(out) if cl and layout == "nchw" else out
 
 
 def _cuda_backward(go, x, w, mask, entry):
     g, dt, device, index, = entry
     cl = _channels_last(x)
-    go = go.contiguous()
+    layout = _layout_for(x, g, dt, index)
+    precision = _precision(dt)
+    go = _in_layout(go, layout)
     gi = gw = gb = None
     prev = _enter_device(index)
     try:
         stream = _raw_stream(index)
         if mask[0]:
             w = w.contiguous()
-            gi = torch.empty(x.shape, dtype=x.dtype, device=device)
-            _engine.grad_input(g, dt, go.data_ptr(), w.data_ptr(), gi.data_ptr(), index, stream)
+            gi = _empty(x.shape, x, device, layout)
+            _engine.grad_input(g, dt, go.data_ptr(), w.data_ptr(), gi.data_ptr(), index, stream, layout, precision)
         if mask[1] or mask[2]:
             alloc = _scratch_allocator(device)
             if mask[1]:
-                x = x.contiguous()
+                x = _in_layout(x, layout)
                 gw = torch.empty(w.shape, dtype=w.dtype, device=device)
-                _engine.grad_weight(g, dt, x.data_ptr(), go.data_ptr(), gw.data_ptr(), index, stream, alloc)
+                _engine.grad_weight(g, dt, x.data_ptr(), go.data_ptr(), gw.data_ptr(), index, stream, alloc, layout,
+                                    precision)
             if mask[2]:
                 gb = torch.empty((g.out_channels,), dtype=go.dtype, device=device)
-                _engine.grad_bias(g, dt, go.data_ptr(), gb.data_ptr(), index, stream, alloc)
+                _engine.grad_bias(g, dt, go.data_ptr(), gb.data_ptr(), index, stream, alloc, layout)
     finally:
         if prev != index:
             _set_device(prev)
-    if cl and gi is not None:
+    if cl and gi is not None and layout == "nchw":
         gi = _as_channels_last(gi)
     return gi, gw, gb
 

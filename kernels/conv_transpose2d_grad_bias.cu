@@ -1,6 +1,7 @@
 // grad_bias = grad_out.sum((0, 2, 3)), first pass of a deterministic split-K:
-// blockIdx.x takes a fixed chunk of the (n, oh) rows of one channel and writes
-// one partial; reduce_partials.cu adds the chunks in a fixed order.
+// blockIdx.x takes a fixed chunk of the (n, oh) rows of one channel (NCHW) or of
+// the pixels of every channel (channels_last) and writes one partial per channel;
+// reduce_partials.cu adds the chunks in a fixed order.
 #include "common.cuh"
 
 typedef {{SCALAR_T}} scalar_t;
@@ -8,12 +9,31 @@ typedef {{ACC_T}} acc_t;
 typedef {{INDEX_T}} index_t;
 
 constexpr int COUT = {{COUT}};
+constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
 constexpr int BLOCK = {{BLOCK}};
 constexpr int WARPS = BLOCK / 32;
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, acc_t* __restrict__ partial,
                                    index_t N, index_t H_out, index_t W_out, index_t rows_per_chunk) {
+    if constexpr (CHANNELS_LAST) {
+        // One thread per channel walks the chunk's pixels: a warp reads 32 adjacent
+        // channels of one pixel per step, and each sum keeps a fixed order.
+        const index_t pixels = N * H_out * W_out;
+        const index_t p0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
+        const index_t p1 = p0 + rows_per_chunk < pixels ? p0 + rows_per_chunk : pixels;
+        for (index_t c = static_cast<index_t>(blockIdx.y) * BLOCK + threadIdx.x; c < COUT;
+             c += static_cast<index_t>(gridDim.y) * BLOCK) {
+            acc_t acc[4] = {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
+            index_t p = p0;
+            for (; p + 4 <= p1; p += 4)
+#pragma unroll
+                for (int u = 0; u < 4; ++u) acc[u] += static_cast<acc_t>(load(grad_out + (p + u) * COUT + c));
+            for (; p < p1; ++p) acc[0] += static_cast<acc_t>(load(grad_out + p * COUT + c));
+            partial[static_cast<index_t>(blockIdx.x) * COUT + c] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        }
+        return;
+    }
     __shared__ acc_t warp_partials[WARPS];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;

@@ -2,6 +2,8 @@
 
 The architecture is given explicitly, so this runs on CI machines without a device.
 """
+import itertools
+
 import pytest
 
 from cupyconv import compiler, launch
@@ -37,7 +39,36 @@ def _plans():
     return seen
 
 
-PLANS = _plans()
+# The tensor-core kernels: every dtype/precision, both layouts, every block tile, and
+# both index widths.
+GEMM_LAYERS = {
+    "gemm_dense_3x5": ((2, 32, 9, 11), (32, 48, 3, 5), dict()),
+    "gemm_strided_grouped": ((2, 64, 9, 11), (64, 16, 4, 3), dict(stride=(2, 3), padding=(1, 0), groups=2,
+                                                                  dilation=(1, 2), output_padding=(1, 2))),
+    "gemm_huge_64bit": ((1, 16, 24000, 24000), (16, 16, 2, 2), dict(stride=2)),
+}
+GEMM_CASES = (("float16", "strict"), ("bfloat16", "strict"), ("float32", "strict"), ("float32", "tf32"))
+
+
+def _gemm_plans():
+    seen = {}
+    for layer, (x_shape, w_shape, kwargs) in GEMM_LAYERS.items():
+        g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+        for (dtype, precision), layout in itertools.product(GEMM_CASES, launch.LAYOUTS):
+            plans = launch.all_gemm_plans(g, dtype, True, layout, precision)
+            plans += launch.plan_grad_bias(g, dtype, 132, layout)
+            for plan in plans:
+                seen.setdefault(plan.spec, f"{layer}-{dtype}-{precision}-{layout}-{plan.spec.function}-{plan.index_t}")
+    g = geometry(*GEMM_LAYERS["gemm_dense_3x5"][:2], None, ConvParams.from_args())
+    for tile in launch.TILES.values():
+        for plan in (launch.plan_forward_gemm(g, "float16", False, "nhwc", tile=tile),
+                     launch.plan_grad_input_gemm(g, "bfloat16", "nchw", tile=tile),
+                     launch.plan_grad_weight_gemm(g, "float32", 132, "nchw", "tf32", tile=tile)[0]):
+            seen.setdefault(plan.spec, f"tile-{tile.name}-{plan.spec.function}")
+    return seen
+
+
+PLANS = {**_plans(), **_gemm_plans()}
 
 
 def test_variants_reach_every_template_and_both_index_widths():

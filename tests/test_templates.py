@@ -12,11 +12,20 @@ EXPECTED = {
     "conv_transpose2d_grad_bias.cu",
     "reduce_partials.cu",
 }
+GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
 
 
 def test_every_template_is_found():
-    assert set(templates.template_names()) == EXPECTED
+    assert set(templates.template_names()) == EXPECTED | GEMM
     assert (templates.kernels_dir() / "common.cuh").is_file()
+    assert (templates.kernels_dir() / "mma.cuh").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(GEMM))
+def test_gemm_templates_inline_the_mma_header(name):
+    text = templates.expanded(name)
+    assert '#include "mma.cuh"' not in text and "ldmatrix_x4" in text and "warp_sum" in text
+    assert {"SCALAR_T", "INDEX_T", "MMA_KIND", "CHANNELS_LAST", "BM", "BN"} <= templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

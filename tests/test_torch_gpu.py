@@ -37,7 +37,7 @@ LAYER_IDS = ["dcgan_up", "grouped_dilated_op", "depthwise", "unbatched", "k1_s3_
 
 @pytest.fixture(autouse=True)
 def strict_fp32():
-    """Strict float32 on the torch side too (cupyconv has no TF32 path)."""
+    """Strict float32 on both sides: cupyconv follows torch's TF32 flag, as cuDNN does."""
     saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False

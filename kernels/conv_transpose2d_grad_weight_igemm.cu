@@ -1,0 +1,187 @@
+// grad_weight of a transposed convolution as a split-K tensor-core implicit GEMM.
+//
+// For each group and tap (blockIdx.z) it is a GEMM with M = input channels of the
+// group, N = output channels of the group and K = every input pixel:
+//   grad_weight[ic, oc, kh, kw] = sum over (n, i, j) of
+//       x[n, ic, i, j] * grad_out[n, oc, SH*i - PH + kh*DH, SW*j - PW + kw*DW]
+// blockIdx.x picks a fixed range of K; each block writes its partial product (no
+// atomics) and reduce_partials.cu adds the ranges in a fixed order, so the result
+// is bitwise reproducible.  The pixels of the next K tile are decoded into a small
+// shared table one tile ahead, so the loaders do no division.
+#include "common.cuh"
+#include "mma.cuh"
+
+typedef {{SCALAR_T}} scalar_t;
+typedef {{INDEX_T}} index_t;
+
+constexpr int KIND = {{MMA_KIND}};
+constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
+constexpr int KH = {{KH}}, KW = {{KW}};
+constexpr int SH = {{SH}}, SW = {{SW}};
+constexpr int PH = {{PH}}, PW = {{PW}};
+constexpr int DH = {{DH}}, DW = {{DW}};
+constexpr int GROUPS = {{GROUPS}};
+constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
+constexpr int BM = {{BM}}, BN = {{BN}};
+constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
+
+constexpr int THREADS = WARPS_M * WARPS_N * 32;
+constexpr int TAPS = KH * KW;
+constexpr int CIN = CIN_G * GROUPS, COUT = COUT_G * GROUPS;
+constexpr int PER_WORD = 4 / sizeof(scalar_t);
+constexpr int BK = TILE_K_WORDS * PER_WORD;
+constexpr int M_TILES = (CIN_G + BM - 1) / BM;
+constexpr int N_TILES = (COUT_G + BN - 1) / BN;
+constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+constexpr int MI = WM / 16, NI = WN / 8;
+// NCHW: pixels (K) are adjacent, so threads run along K; channels_last: along channels.
+constexpr bool ROWS_FASTEST = CHANNELS_LAST;
+constexpr int A_WORDS = BM * TILE_K_WORDS / THREADS;
+constexpr int B_WORDS = BN * TILE_K_WORDS / THREADS;
+
+static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole 16x16 mma pairs");
+static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS == 0, "loader mapping");
+static_assert(A_WORDS >= 1 && B_WORDS >= 1, "every thread loads at least one word of each tile");
+
+template <int ROWS>
+struct TileMap {
+    static constexpr int WORDS = ROWS * TILE_K_WORDS / THREADS;
+    __device__ static int row(int tid, int q) {
+        return ROWS_FASTEST ? tid % ROWS : tid / TILE_K_WORDS + q * (THREADS / TILE_K_WORDS);
+    }
+    __device__ static int word(int tid, int q) { return ROWS_FASTEST ? (tid / ROWS) * WORDS + q : tid % TILE_K_WORDS; }
+    __device__ static void store(unsigned* tile, int tid, const unsigned (&v)[WORDS]) {
+        if constexpr (ROWS_FASTEST && WORDS % 4 == 0) {
+#pragma unroll
+            for (int q = 0; q < WORDS; q += 4)
+                *reinterpret_cast<uint4*>(tile + row(tid, q) * ROW_WORDS + word(tid, q)) =
+                    make_uint4(v[q], v[q + 1], v[q + 2], v[q + 3]);
+        } else {
+#pragma unroll
+            for (int q = 0; q < WORDS; ++q) tile[row(tid, q) * ROW_WORDS + word(tid, q)] = v[q];
+        }
+    }
+};
+
+struct Pixel { int n, i, j; };
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
+                                   float* __restrict__ partial, index_t N, index_t H, index_t W,
+                                   index_t H_out, index_t W_out, index_t k_tiles_per_split) {
+    __shared__ __align__(16) unsigned a_tile[2][BM * ROW_WORDS];
+    __shared__ __align__(16) unsigned b_tile[2][BN * ROW_WORDS];
+    __shared__ Pixel pixels[2][BK];
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = blockIdx.z / TAPS, t = blockIdx.z % TAPS;
+    const int dh = (t / KW) * DH - PH, dw = (t % KW) * DW - PW;
+    const int m0 = (blockIdx.y / N_TILES) * BM, n0 = (blockIdx.y % N_TILES) * BN;
+    const index_t plane = H * W, plane_out = H_out * W_out;
+    const index_t K = N * plane;
+    const index_t k_tiles_total = (K + BK - 1) / BK;
+    const index_t kt0 = static_cast<index_t>(blockIdx.x) * k_tiles_per_split;
+    const index_t kt1 = kt0 + k_tiles_per_split < k_tiles_total ? kt0 + k_tiles_per_split : k_tiles_total;
+    const int k_tiles = kt1 > kt0 ? static_cast<int>(kt1 - kt0) : 0;
+
+    auto decode = [&](int slot, int kt) {
+        for (int e = tid; e < BK; e += THREADS) {
+            const index_t p = (kt0 + kt) * BK + e;
+            Pixel px{-1, 0, 0};
+            if (p < K) {
+                const index_t rem = p % plane;
+                px = Pixel{static_cast<int>(p / plane), static_cast<int>(rem / W), static_cast<int>(rem % W)};
+            }
+            pixels[slot][e] = px;
+        }
+    };
+
+    const index_t c_stride = CHANNELS_LAST ? 1 : plane;
+    const index_t c_stride_out = CHANNELS_LAST ? 1 : plane_out;
+    const scalar_t* x_group = x + static_cast<index_t>(g * CIN_G + m0) * c_stride;
+    const scalar_t* go_group = grad_out + static_cast<index_t>(g * COUT_G + n0) * c_stride_out;
+
+    unsigned a_regs[A_WORDS], b_regs[B_WORDS];
+    auto load_tiles = [&](int slot) {
+#pragma unroll
+        for (int q = 0; q < A_WORDS; ++q) {
+            const int r = TileMap<BM>::row(tid, q);
+            const int kk = TileMap<BM>::word(tid, q) * PER_WORD;
+            unsigned word = 0;
+#pragma unroll
+            for (int e = 0; e < PER_WORD; ++e) {
+                const Pixel px = pixels[slot][kk + e];
+                const index_t pixel = static_cast<index_t>(px.i) * W + px.j;
+                const scalar_t* p = x_group + px.n * plane * CIN + (CHANNELS_LAST ? pixel * CIN : pixel) + r * c_stride;
+                word |= raw_bits(p, px.n >= 0 && m0 + r < CIN_G) << (16 * e);
+            }
+            a_regs[q] = word;
+        }
+#pragma unroll
+        for (int q = 0; q < B_WORDS; ++q) {
+            const int r = TileMap<BN>::row(tid, q);
+            const int kk = TileMap<BN>::word(tid, q) * PER_WORD;
+            unsigned word = 0;
+#pragma unroll
+            for (int e = 0; e < PER_WORD; ++e) {
+                const Pixel px = pixels[slot][kk + e];
+                const index_t oh = static_cast<index_t>(SH) * px.i + dh;
+                const index_t ow = static_cast<index_t>(SW) * px.j + dw;
+                const bool ok = px.n >= 0 && n0 + r < COUT_G && oh >= 0 && oh < H_out && ow >= 0 && ow < W_out;
+                const index_t pixel = oh * W_out + ow;
+                const scalar_t* p = go_group + px.n * plane_out * COUT + (CHANNELS_LAST ? pixel * COUT : pixel)
+                                    + r * c_stride_out;
+                word |= raw_bits(p, ok) << (16 * e);
+            }
+            b_regs[q] = word;
+        }
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.f;
+
+    const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
+    if (k_tiles > 0) {
+        decode(0, 0);
+        __syncthreads();
+        load_tiles(0);
+        TileMap<BM>::store(a_tile[0], tid, a_regs);
+        TileMap<BN>::store(b_tile[0], tid, b_regs);
+        if (k_tiles > 1) decode(1, 1);
+        __syncthreads();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int cur = kt & 1;
+        if (kt + 1 < k_tiles) load_tiles(cur ^ 1);
+        warp_tile_mma<KIND, MI, NI>(acc, a_tile[cur], b_tile[cur], warp_row, warp_col, lane);
+        if (kt + 1 < k_tiles) {
+            TileMap<BM>::store(a_tile[cur ^ 1], tid, a_regs);
+            TileMap<BN>::store(b_tile[cur ^ 1], tid, b_regs);
+        }
+        if (kt + 2 < k_tiles) decode(cur, kt + 2);
+        __syncthreads();
+    }
+
+    // partial[split][g*CIN_G + ic][oc][t]: the weight's own layout, one copy per split
+    float* out = partial + static_cast<index_t>(blockIdx.x) * CIN * COUT_G * TAPS
+                 + static_cast<index_t>(g) * CIN_G * COUT_G * TAPS + t;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int ic = m0 + warp_row + mi * 16 + (lane >> 2) + h * 8;
+            if (ic >= CIN_G) continue;
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int oc = n0 + warp_col + ni * 8 + (lane & 3) * 2 + q;
+                    if (oc < COUT_G) out[(static_cast<index_t>(ic) * COUT_G + oc) * TAPS] = acc[mi][ni][h * 2 + q];
+                }
+        }
+}

@@ -1,0 +1,225 @@
+// Forward and grad_input of a transposed convolution as tensor-core implicit GEMMs.
+//
+// Both passes gather from an activation tensor ("src") and scatter into another
+// ("dst"), with M = dst pixels, N = dst channels of the group and K = src channels
+// of the group times kernel taps:
+//   forward (MODE 0): src = x, dst = y, one GEMM per stride phase (blockIdx.z).
+//     Output rows oh = rh + SH*i of phase rh read input rows i + (rh + PH - kh*DH)/SH
+//     for exactly the taps kh with (rh + PH - kh*DH) % SH == 0, so no tap is
+//     multiplied by a structural zero; a phase without taps stores the bias.
+//   grad_input (MODE 1): src = grad_out, dst = grad_in, a strided conv2d:
+//     grad_in row i reads grad_out rows SH*i + kh*DH - PH for every tap.
+// K runs tap-major, then channel chunks, so one K tile shares one tap and the
+// bounds test is per row, not per element.  Tiles go global -> registers -> shared
+// memory with two shared buffers: the next tile's loads are in flight while the
+// tensor cores work on the current one.
+#include "common.cuh"
+#include "mma.cuh"
+
+typedef {{SCALAR_T}} scalar_t;
+typedef {{INDEX_T}} index_t;
+
+constexpr int MODE = {{MODE}};
+constexpr int KIND = {{MMA_KIND}};
+constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
+constexpr int KH = {{KH}}, KW = {{KW}};
+constexpr int SH = {{SH}}, SW = {{SW}};
+constexpr int PH = {{PH}}, PW = {{PW}};
+constexpr int DH = {{DH}}, DW = {{DW}};
+constexpr int GROUPS = {{GROUPS}};
+constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
+constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
+constexpr int BM = {{BM}}, BN = {{BN}};
+constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
+
+constexpr int THREADS = WARPS_M * WARPS_N * 32;
+constexpr int TAPS = KH * KW;
+constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;  // src channels per group: the K of the GEMM
+constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;  // dst channels per group: the N of the GEMM
+constexpr int C_SRC = CG_K * GROUPS, C_DST = CG_N * GROUPS;
+constexpr int PER_WORD = 4 / sizeof(scalar_t);
+constexpr int BK = TILE_K_WORDS * PER_WORD;
+constexpr int CHUNKS = (CG_K + BK - 1) / BK;
+constexpr int N_TILES = (CG_N + BN - 1) / BN;
+constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+constexpr int MI = WM / 16, NI = WN / 8;
+// weight[g*CIN_G + ic][oc][kh][kw]: strides of the GEMM's k and n in it
+constexpr int W_K_STRIDE = MODE == 0 ? COUT_G * TAPS : TAPS;
+constexpr int W_N_STRIDE = MODE == 0 ? TAPS : COUT_G * TAPS;
+constexpr bool A_ROWS_FASTEST = !CHANNELS_LAST;   // NCHW: neighbouring pixels are adjacent
+constexpr bool B_ROWS_FASTEST = MODE == 0;        // the smaller weight stride goes across threads
+constexpr int A_WORDS = BM * TILE_K_WORDS / THREADS;
+constexpr int B_WORDS = BN * TILE_K_WORDS / THREADS;
+
+static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole 16x16 mma pairs");
+static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS == 0, "loader mapping");
+static_assert(A_WORDS >= 1 && B_WORDS >= 1, "every thread loads at least one word of each tile");
+
+// Which (row, word) of a ROWS x TILE_K_WORDS tile a thread's q-th word is.  Rows
+// fastest gives each thread one row and a run of adjacent words (stored as 16-byte
+// vectors); K fastest gives each thread one word column across several rows.
+template <int ROWS, bool ROWS_FASTEST>
+struct TileMap {
+    static constexpr int WORDS = ROWS * TILE_K_WORDS / THREADS;
+    __device__ static int row(int tid, int q) {
+        return ROWS_FASTEST ? tid % ROWS : tid / TILE_K_WORDS + q * (THREADS / TILE_K_WORDS);
+    }
+    __device__ static int word(int tid, int q) { return ROWS_FASTEST ? (tid / ROWS) * WORDS + q : tid % TILE_K_WORDS; }
+    __device__ static void store(unsigned* tile, int tid, const unsigned (&v)[WORDS]) {
+        if constexpr (ROWS_FASTEST && WORDS % 4 == 0) {
+#pragma unroll
+            for (int q = 0; q < WORDS; q += 4)
+                *reinterpret_cast<uint4*>(tile + row(tid, q) * ROW_WORDS + word(tid, q)) =
+                    make_uint4(v[q], v[q + 1], v[q + 2], v[q + 3]);
+        } else {
+#pragma unroll
+            for (int q = 0; q < WORDS; ++q) tile[row(tid, q) * ROW_WORDS + word(tid, q)] = v[q];
+        }
+    }
+};
+typedef TileMap<BM, A_ROWS_FASTEST> AMap;
+typedef TileMap<BN, B_ROWS_FASTEST> BMap;
+
+struct Tap { int dh, dw, w; };
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restrict__ weight,
+                       const scalar_t* __restrict__ bias, scalar_t* __restrict__ dst,
+                       index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST) {
+    __shared__ __align__(16) unsigned a_tile[2][BM * ROW_WORDS];
+    __shared__ __align__(16) unsigned b_tile[2][BN * ROW_WORDS];
+    __shared__ int row_n[BM], row_i[BM], row_j[BM];
+    __shared__ Tap taps[TAPS];
+    __shared__ int tap_count;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    // Rows i, cols j of this GEMM's M grid map to dst (O_SH*i + rh, O_SW*j + rw) and
+    // read src (A_SH*i + tap.dh, A_SW*j + tap.dw).
+    const int rh = MODE == 0 ? static_cast<int>(blockIdx.z) / SW : 0;
+    const int rw = MODE == 0 ? static_cast<int>(blockIdx.z) % SW : 0;
+    constexpr int O_SH = MODE == 0 ? SH : 1, O_SW = MODE == 0 ? SW : 1;
+    constexpr int A_SH = MODE == 0 ? 1 : SH, A_SW = MODE == 0 ? 1 : SW;
+    const index_t MH = rh < H_DST ? (H_DST - rh + O_SH - 1) / O_SH : 0;
+    const index_t MW = rw < W_DST ? (W_DST - rw + O_SW - 1) / O_SW : 0;
+    const index_t M = N * MH * MW;
+    const index_t m0 = static_cast<index_t>(blockIdx.x) * BM;
+    if (m0 >= M) return;
+    const int g = blockIdx.y / N_TILES;
+    const int n0 = (blockIdx.y % N_TILES) * BN;
+
+    if (tid == 0) {
+        int count = 0;
+        for (int kh = 0; kh < KH; ++kh) {
+            const int th = MODE == 0 ? rh + PH - kh * DH : kh * DH - PH;
+            if (MODE == 0 && th % SH != 0) continue;
+            for (int kw = 0; kw < KW; ++kw) {
+                const int tw = MODE == 0 ? rw + PW - kw * DW : kw * DW - PW;
+                if (MODE == 0 && tw % SW != 0) continue;
+                taps[count++] = Tap{MODE == 0 ? th / SH : th, MODE == 0 ? tw / SW : tw, kh * KW + kw};
+            }
+        }
+        tap_count = count;
+    }
+    for (int r = tid; r < BM; r += THREADS) {
+        const index_t m = m0 + r;
+        if (m < M) {
+            const index_t pix = m % (MH * MW);
+            row_n[r] = static_cast<int>(m / (MH * MW));
+            row_i[r] = static_cast<int>(pix / MW);
+            row_j[r] = static_cast<int>(pix % MW);
+        } else {
+            row_n[r] = -1; row_i[r] = 0; row_j[r] = 0;
+        }
+    }
+    __syncthreads();
+    const int k_tiles = tap_count * CHUNKS;
+
+    const index_t src_plane = H_SRC * W_SRC;
+    const index_t src_batch = src_plane * C_SRC;
+    constexpr index_t SRC_C_STRIDE_NHWC = 1;
+    const index_t src_c_stride = CHANNELS_LAST ? SRC_C_STRIDE_NHWC : src_plane;
+    const scalar_t* src_group = src + static_cast<index_t>(g) * CG_K * src_c_stride;
+    const scalar_t* w_group = weight + static_cast<index_t>(g) * CIN_G * COUT_G * TAPS;
+
+    unsigned a_regs[A_WORDS], b_regs[B_WORDS];
+    auto load_tiles = [&](int kt) {
+        const Tap tap = taps[kt / CHUNKS];
+        const int c0 = (kt % CHUNKS) * BK;
+#pragma unroll
+        for (int q = 0; q < A_WORDS; ++q) {
+            const int r = AMap::row(tid, q);
+            const int k = c0 + AMap::word(tid, q) * PER_WORD;
+            const index_t ih = static_cast<index_t>(A_SH) * row_i[r] + tap.dh;
+            const index_t iw = static_cast<index_t>(A_SW) * row_j[r] + tap.dw;
+            const bool ok = row_n[r] >= 0 && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC;
+            const index_t pixel = ih * W_SRC + iw;
+            const scalar_t* p = src_group + row_n[r] * src_batch + (CHANNELS_LAST ? pixel * C_SRC : pixel)
+                                + k * src_c_stride;
+            unsigned word = 0;
+#pragma unroll
+            for (int e = 0; e < PER_WORD; ++e)
+                word |= raw_bits(p + e * src_c_stride, ok && k + e < CG_K) << (16 * e);
+            a_regs[q] = word;
+        }
+#pragma unroll
+        for (int q = 0; q < B_WORDS; ++q) {
+            const int n = n0 + BMap::row(tid, q);
+            const int k = c0 + BMap::word(tid, q) * PER_WORD;
+            const scalar_t* p = w_group + n * W_N_STRIDE + k * W_K_STRIDE + tap.w;
+            unsigned word = 0;
+#pragma unroll
+            for (int e = 0; e < PER_WORD; ++e)
+                word |= raw_bits(p + e * W_K_STRIDE, n < CG_N && k + e < CG_K) << (16 * e);
+            b_regs[q] = word;
+        }
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.f;
+
+    const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
+    if (k_tiles > 0) {
+        load_tiles(0);
+        AMap::store(a_tile[0], tid, a_regs);
+        BMap::store(b_tile[0], tid, b_regs);
+        __syncthreads();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int cur = kt & 1;
+        if (kt + 1 < k_tiles) load_tiles(kt + 1);
+        warp_tile_mma<KIND, MI, NI>(acc, a_tile[cur], b_tile[cur], warp_row, warp_col, lane);
+        if (kt + 1 < k_tiles) {
+            AMap::store(a_tile[cur ^ 1], tid, a_regs);
+            BMap::store(b_tile[cur ^ 1], tid, b_regs);
+        }
+        __syncthreads();
+    }
+
+    const index_t dst_plane = H_DST * W_DST;
+    const index_t dst_c_stride = CHANNELS_LAST ? 1 : dst_plane;
+    scalar_t* dst_group = dst + static_cast<index_t>(g) * CG_N * dst_c_stride;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = warp_row + mi * 16 + (lane >> 2) + h * 8;
+            if (row_n[r] < 0) continue;
+            const index_t pixel = (static_cast<index_t>(O_SH) * row_i[r] + rh) * W_DST + O_SW * row_j[r] + rw;
+            scalar_t* out = dst_group + row_n[r] * dst_plane * C_DST + (CHANNELS_LAST ? pixel * C_DST : pixel);
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int n = n0 + warp_col + ni * 8 + (lane & 3) * 2 + q;
+                    if (n >= CG_N) continue;
+                    float v = acc[mi][ni][h * 2 + q];
+                    if constexpr (HAS_BIAS) v += load(bias + g * CG_N + n);
+                    store(out + n * dst_c_stride, v);
+                }
+        }
+}

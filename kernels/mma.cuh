@@ -1,0 +1,141 @@
+// Tensor-core building blocks shared by the implicit-GEMM kernels (sm_80 and newer).
+//
+// Operand tiles live in shared memory as [rows][K] with K contiguous, 64 bytes of K
+// per stage (32 fp16/bf16 values or 16 fp32 values) and a 16-byte pad per row.  The
+// 80-byte row pitch puts the eight 16-byte rows that one ldmatrix phase reads on
+// disjoint banks, and the same byte addressing serves every element type: an fp32
+// word read by ldmatrix as two b16 halves lands exactly where the m16n8k8 TF32
+// fragment wants it, so fp16, bf16 and TF32 share one fragment loader.
+#pragma once
+
+#define MMA_F16 0
+#define MMA_BF16 1
+#define MMA_TF32 2
+#define MMA_3XTF32 3  // fp32 split into big + small TF32 parts: fp32-level accuracy
+
+constexpr int TILE_K_WORDS = 16;              // 64 bytes of K per stage
+constexpr int ROW_WORDS = TILE_K_WORDS + 4;   // 80-byte pitch: conflict-free ldmatrix
+constexpr int KSTEP_WORDS = 8;                // one mma consumes 32 bytes of K
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ unsigned to_tf32(unsigned bits) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(__uint_as_float(bits)));
+    return r;
+}
+
+// The part of an fp32 value that its TF32 rounding dropped, itself rounded to TF32.
+__device__ __forceinline__ unsigned tf32_residual(unsigned bits, unsigned big) {
+    return to_tf32(__float_as_uint(__uint_as_float(bits) - __uint_as_float(big)));
+}
+
+template <int KIND>
+__device__ __forceinline__ void mma_16x8(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
+
+template <>
+__device__ __forceinline__ void mma_16x8<MMA_F16>(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <>
+__device__ __forceinline__ void mma_16x8<MMA_BF16>(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <>
+__device__ __forceinline__ void mma_16x8<MMA_TF32>(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One warp's share of a block tile: MI x NI mma tiles of 16 x 8 fed from [rows][K]
+// shared-memory tiles, for the 64 bytes of K of one stage.
+template <int KIND, int MI, int NI>
+__device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const unsigned* a_tile,
+                                              const unsigned* b_tile, int warp_row, int warp_col, int lane) {
+    static_assert(NI % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+#pragma unroll
+    for (int ks = 0; ks < TILE_K_WORDS / KSTEP_WORDS; ++ks) {
+        unsigned a[MI][4], b[NI][2];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            const int row = warp_row + mi * 16 + (lane & 15);
+            ldmatrix_x4(a[mi], smem_addr(a_tile + row * ROW_WORDS + ks * KSTEP_WORDS + (lane >> 4) * 4));
+        }
+#pragma unroll
+        for (int ni = 0; ni < NI; ni += 2) {
+            const int row = warp_col + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
+            unsigned r[4];
+            ldmatrix_x4(r, smem_addr(b_tile + row * ROW_WORDS + ks * KSTEP_WORDS + ((lane >> 3) & 1) * 4));
+            b[ni][0] = r[0]; b[ni][1] = r[1]; b[ni + 1][0] = r[2]; b[ni + 1][1] = r[3];
+        }
+        if constexpr (KIND == MMA_F16 || KIND == MMA_BF16) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni) mma_16x8<KIND>(acc[mi][ni], a[mi], b[ni]);
+        } else {
+            unsigned a_big[MI][4], b_big[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) a_big[mi][q] = to_tf32(a[mi][q]);
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) b_big[ni][q] = to_tf32(b[ni][q]);
+            if constexpr (KIND == MMA_3XTF32) {
+                // Small cross terms first, so they are not lost against the big product.
+                unsigned a_small[MI][4], b_small[NI][2];
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) a_small[mi][q] = tf32_residual(a[mi][q], a_big[mi][q]);
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) b_small[ni][q] = tf32_residual(b[ni][q], b_big[ni][q]);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni) {
+                        mma_16x8<MMA_TF32>(acc[mi][ni], a_small[mi], b_big[ni]);
+                        mma_16x8<MMA_TF32>(acc[mi][ni], a_big[mi], b_small[ni]);
+                    }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni) mma_16x8<MMA_TF32>(acc[mi][ni], a_big[mi], b_big[ni]);
+        }
+    }
+}
+
+// Raw storage bits of one element, zero when masked off; 16-bit types are packed in
+// pairs (lower K index in the low half), fp32 is one value per word.
+template <typename T>
+__device__ __forceinline__ unsigned raw_bits(const T* p, bool ok) {
+    if constexpr (sizeof(T) == 2) {
+        return ok ? static_cast<unsigned>(__ldg(reinterpret_cast<const unsigned short*>(p))) : 0u;
+    } else {
+        return ok ? __ldg(reinterpret_cast<const unsigned*>(p)) : 0u;
+    }
+}

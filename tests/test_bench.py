@@ -1,0 +1,240 @@
+"""The benchmark's arithmetic, reporting and command line, without a GPU."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupyconv import bench
+from cupyconv.bench import BenchLayer
+
+# 2 x 4 x 5 x 7 input, 4 -> 6 channels in 2 groups, 3x3 kernel, stride 2, padding 1, with bias.
+# Output: (5 - 1)*2 - 2 + 2 + 1 = 9 rows, (7 - 1)*2 - 2 + 2 + 1 = 13 columns.
+# Elements: x 2*4*5*7 = 280, w 4*3*3*3 = 108, y 2*6*9*13 = 1404, bias 6.
+SMALL = BenchLayer("small", 2, 4, 6, (3, 3), stride=(2, 2), padding=(1, 1), groups=2, size=(5, 7))
+
+
+def test_flops_of_a_hand_checked_layer():
+    assert SMALL.out_size() == (9, 13)
+    assert bench.layer_flops(SMALL, "forward") == 2 * 2 * 4 * 3 * 5 * 7 * 9 == 15120
+    assert bench.layer_flops(SMALL, "forward+backward") == 3 * 15120
+
+
+def test_bytes_of_a_hand_checked_layer():
+    forward = 280 + 108 + 1404 + 6
+    grad_input = 1404 + 108 + 280
+    grad_weight_and_bias = 280 + 1404 + 108 + 6
+    assert bench.layer_bytes(SMALL, "float16", "forward") == 2 * forward == 3596
+    assert bench.layer_bytes(SMALL, "float32", "forward+backward") == \
+        4 * (forward + grad_input + grad_weight_and_bias) == 21552
+    assert bench.layer_bytes(SMALL, "tf32", "forward") == bench.layer_bytes(SMALL, "float32", "forward")
+    assert bench.layer_bytes(SMALL, "bfloat16", "forward") == bench.layer_bytes(SMALL, "float16", "forward")
+    assert bench.layer_bytes(SMALL, "float64", "forward") == 2 * bench.layer_bytes(SMALL, "float32", "forward")
+
+
+def test_bytes_without_bias_leave_out_bias_and_grad_bias():
+    no_bias = BenchLayer("small", 2, 4, 6, (3, 3), stride=(2, 2), padding=(1, 1), groups=2, size=(5, 7),
+                         bias=False)
+    assert bench.layer_bytes(no_bias, "float32", "forward") == 4 * (280 + 108 + 1404)
+    assert bench.layer_bytes(SMALL, "float32", "forward+backward") - \
+        bench.layer_bytes(no_bias, "float32", "forward+backward") == 4 * 6 * 2
+
+
+def test_seed_layer_matches_the_performance_notes():
+    # benchmarks/NOTES.md: grouped_dilated writes 257 x 766 outputs, 2*16*32*16*128*256*15 FLOP forward.
+    layer = bench.SEED_LAYERS[0]
+    assert layer.name == "grouped_dilated"
+    assert layer.out_size() == (257, 766)
+    assert bench.layer_flops(layer, "forward") == 2 * 16 * 32 * 16 * 128 * 256 * 15
+    assert bench.layer_bytes(layer, "float32", "forward") == 4 * (16 * 32 * 128 * 256 + 32 * 16 * 3 * 5
+                                                                  + 16 * 64 * 257 * 766)
+
+
+def test_unknown_pass_is_refused():
+    with pytest.raises(ValueError, match="unknown pass"):
+        bench.layer_flops(SMALL, "backward")
+    with pytest.raises(ValueError, match="unknown pass"):
+        bench.layer_bytes(SMALL, "float32", "backward")
+
+
+def test_row_metrics():
+    row = bench.make_row(SMALL, "float32", "nchw", "forward", ms=0.5, torch_ms=1.5, copy_gbps=1000.0)
+    assert row["speedup"] == pytest.approx(3.0)
+    assert row["tflops"] == pytest.approx(15120 / 0.5e-3 / 1e12)
+    assert row["bandwidth_pct"] == pytest.approx(100 * 7192 / 0.5e-3 / 1e12)
+    assert "error" not in row
+    failed = bench.make_row(SMALL, "float16", "channels_last", "forward+backward", None, 2.0, 1000.0,
+                            error="cupyconv: OutOfMemoryError: oom")
+    assert (failed["ms"], failed["speedup"], failed["tflops"], failed["bandwidth_pct"]) == (None,) * 4
+    assert failed["torch_ms"] == 2.0 and failed["error"] == "cupyconv: OutOfMemoryError: oom"
+    assert bench.make_row(SMALL, "float32", "nchw", "forward", 0.5, 1.5, copy_gbps=None)["bandwidth_pct"] is None
+
+
+def test_a_failing_case_becomes_error_rows_and_the_rest_is_kept():
+    def setup():
+        def time_pass(impl, pass_name):
+            if impl == "cupyconv" and pass_name == "forward+backward":
+                raise MemoryError("out of memory\nwith a second line")
+            return {"cupyconv": 1.0, "torch": 2.0}[impl]
+        return time_pass
+
+    forward, backward = bench.case_rows(SMALL, "bfloat16", "nchw", setup, copy_gbps=1000.0)
+    assert (forward["pass"], forward["ms"], forward["speedup"]) == ("forward", 1.0, 2.0)
+    assert "error" not in forward
+    assert (backward["pass"], backward["ms"], backward["torch_ms"], backward["speedup"]) == \
+        ("forward+backward", None, 2.0, None)
+    assert backward["error"].startswith("cupyconv: MemoryError: out of memory")
+
+    def failing_setup():
+        raise RuntimeError("unsupported")
+
+    rows = bench.case_rows(SMALL, "float64", "channels_last", failing_setup, copy_gbps=None)
+    assert [r["pass"] for r in rows] == list(bench.PASSES)
+    assert all(r["ms"] is None and r["error"] == "setup: RuntimeError: unsupported" for r in rows)
+
+
+def _rows():
+    return [
+        bench.make_row(SMALL, "tf32", "nchw", "forward", 1.0, 2.0, 1000.0),
+        bench.make_row(SMALL, "tf32", "nchw", "forward+backward", 4.0, 16.0, 1000.0),
+        bench.make_row(SMALL, "float16", "channels_last", "forward", 2.0, 1.0, 1000.0),
+        bench.make_row(SMALL, "float16", "channels_last", "forward+backward", None, 3.0, 1000.0,
+                       error="cupyconv: OutOfMemoryError: CUDA out of memory.\nTried to allocate 2 GiB"),
+    ]
+
+
+def test_geomean_skips_rows_without_a_speedup():
+    means = bench.geomean_speedups(_rows())
+    assert means["overall"] == pytest.approx((2.0 * 4.0 * 0.5) ** (1 / 3))
+    assert means["forward"] == pytest.approx(1.0)
+    assert means["forward+backward"] == pytest.approx(4.0)
+    assert bench.geomean_speedups([]) == {"overall": None, "forward": None, "forward+backward": None}
+
+
+def test_table_has_every_row_the_error_and_the_geomean():
+    lines = bench.format_table(_rows()).splitlines()
+    assert lines[0].split() == ["layer", "dtype", "layout", "pass", "cupyconv", "ms", "torch", "ms", "speedup",
+                                "TFLOP/s", "%copy-BW"]
+    assert len(lines) == 1 + 4 + 1
+    first = lines[1].split()
+    assert first == ["small", "tf32", "nchw", "forward", "1.000", "2.000", "2.00x", "0.00", "0.0"]
+    error = lines[4]
+    assert error.split()[:7] == ["small", "float16", "channels_last", "forward+backward", "-", "3.000", "-"]
+    assert error.endswith("error: cupyconv: OutOfMemoryError: CUDA out of memory.")
+    assert lines[-1] == (f"geomean speedup: {(2.0 * 4.0 * 0.5) ** (1 / 3):.2f}x overall "
+                         "(forward 1.00x, forward+backward 4.00x); 1 of 4 rows failed")
+
+
+def test_table_throughput_columns_of_a_seed_layer():
+    # 8.05 GFLOP and 873 MB in 1.6 ms against a 3000 GB/s copy: 5.03 TFLOP/s and 18.2 % of it.
+    row = bench.make_row(bench.SEED_LAYERS[0], "float32", "nchw", "forward", 1.6, 6.4, 3000.0)
+    assert bench.format_table([row]).splitlines()[1].split()[4:] == ["1.600", "6.400", "4.00x", "5.03", "18.2"]
+
+
+def test_table_of_only_failures_says_so():
+    rows = [bench.make_row(SMALL, "float32", "nchw", "forward", None, None, None, error="setup: boom")]
+    assert bench.format_table(rows).splitlines()[-1] == \
+        "geomean speedup: n/a (no row has both times); 1 of 1 rows failed"
+
+
+ENV = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "cupy": "14.0.0", "commit": "abc1234", "cudnn": 91900,
+       "copy_gbps": 3000.0}
+
+
+def test_json_round_trip(tmp_path):
+    path = tmp_path / "results.json"
+    bench.write_results(path, ENV, _rows())
+    data = json.loads(path.read_text())
+    assert set(data) == {"device", "torch", "cupy", "commit", "cudnn", "copy_gbps", "rows"}
+    required = {"name", "dtype", "layout", "pass", "ms", "torch_ms", "speedup", "tflops", "bandwidth_pct"}
+    assert all(set(r) in (required, required | {"error"}) for r in data["rows"])
+    assert data["rows"][3]["ms"] is None and "\n" in data["rows"][3]["error"]
+    env, rows = bench.load_results(path)
+    assert env == ENV
+    assert rows == _rows()
+
+
+def test_select_rows():
+    rows = _rows()
+    assert bench.select_rows(rows) == rows
+    assert bench.select_rows(rows, dtypes=["float16"]) == rows[2:]
+    assert bench.select_rows(rows, layouts=["nchw"], names=["small"]) == rows[:2]
+    assert bench.select_rows(rows, names=["other"]) == []
+
+
+def test_default_arguments_cover_every_case():
+    args = bench.parse_args([])
+    assert args.dtypes == ["tf32", "float32", "float16", "bfloat16"]
+    assert args.layouts == ["nchw", "channels_last"]
+    assert args.layers == bench.SUITE
+    assert not args.no_progress and args.json is None and args.plot is None and args.from_json is None
+
+
+def test_dtype_layout_and_layer_selection():
+    args = bench.parse_args(["--dtype", "float16", "--dtype", "float64", "--dtype", "float16", "--layout",
+                             "channels_last", "--layer", "dcgan_up", "--layer", "big_square", "--no-progress"])
+    assert args.dtypes == ["float16", "float64"]
+    assert args.layouts == ["channels_last"]
+    assert [layer.name for layer in args.layers] == ["big_square", "dcgan_up"]   # suite order
+    assert args.no_progress
+    assert [layer.name for layer in bench.parse_args(["--suite", "seeds"]).layers] == \
+        [layer.name for layer in bench.SEED_LAYERS]
+
+
+@pytest.mark.parametrize("argv", [["--dtype", "int8"], ["--layout", "nhwc"], ["--layer", "nope"],
+                                  ["--suite", "seeds", "--layer", "dcgan_up"],
+                                  ["--host-cost", "--from-json", "r.json"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_saved_results_may_name_any_layer():
+    args = bench.parse_args(["--from-json", "r.json", "--layer", "batch 4"])
+    assert args.layer == ["batch 4"] and args.from_json == Path("r.json")
+
+
+def test_run_refuses_unknown_dtypes_and_layouts_before_touching_the_gpu():
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        bench.run([SMALL], "int8", copy_gbps=1.0)
+    with pytest.raises(ValueError, match="unknown layout"):
+        bench.run([SMALL], ["float16"], layouts=["nhwc"], copy_gbps=1.0)
+
+
+def test_resolve_dtype_keeps_the_allow_tf32_argument():
+    assert bench._resolve_dtype("float32", None) == "float32"
+    assert bench._resolve_dtype("float32", True) == "tf32"
+    assert bench._resolve_dtype("tf32", False) == "float32"
+    assert bench._resolve_dtype("float16", True) == "float16"
+
+
+def test_plot_from_json_needs_neither_torch_nor_cupy(tmp_path):
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "results.json"
+    bench.write_results(saved, ENV, _rows())
+    png = tmp_path / "speedup.png"
+    script = ("import sys\n"
+              "from cupyconv.bench import main\n"
+              f"main(['--from-json', {str(saved)!r}, '--plot', {str(png)!r}])\n"
+              "assert 'torch' not in sys.modules and 'cupy' not in sys.modules, 'a GPU library was imported'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
+    assert "geomean speedup" in done.stdout and "copy bandwidth 3000 GB/s" in done.stdout
+
+
+def test_plot_and_json_of_a_selection(tmp_path):
+    pytest.importorskip("matplotlib")
+    saved, png, out = tmp_path / "in.json", tmp_path / "fwd.png", tmp_path / "out.json"
+    bench.write_results(saved, ENV, _rows())
+    bench.main(["--from-json", str(saved), "--dtype", "tf32", "--plot", str(png), "--json", str(out)])
+    env, rows = bench.load_results(out)
+    assert env == ENV and rows == _rows()[:2]
+    assert png.stat().st_size > 0
+

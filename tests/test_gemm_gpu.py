@@ -1,0 +1,204 @@
+"""The tensor-core implicit-GEMM kernels on a GPU, against float64 references.
+
+Layers here have at least 16 channels per group, so the engine routes them to the GEMM
+kernels (asserted, so a heuristic change cannot silently turn this into a test of the
+direct kernels).  Strict float32 (3xTF32) must stay within 1e-5 of float64; TF32, fp16 and
+bf16 must be no worse than twice torch's own error on the same data, dtype and layout.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
+]
+
+import cupyconv.torch as ct  # noqa: E402
+from cupyconv import engine, launch, reference  # noqa: E402
+from cupyconv.geometry import ConvParams, geometry  # noqa: E402
+
+from layers import Layer  # noqa: E402
+
+CASES = [  # (dtype, allow_tf32)
+    (torch.float32, False), (torch.float32, True), (torch.float16, False), (torch.bfloat16, False)]
+CASE_IDS = ["fp32_strict", "tf32", "fp16", "bf16"]
+
+
+def gemm_layers(count: int, seed: int):
+    rng = random.Random(seed)
+    layers = []
+    while len(layers) < count:
+        k = (rng.randint(1, 5), rng.randint(1, 5))
+        s = (rng.randint(1, 3), rng.randint(1, 3))
+        d = (rng.randint(1, 2), rng.randint(1, 2))
+        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
+        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
+        groups = rng.choice([1, 1, 1, 2, 3])
+        cin_g, cout_g = rng.choice([16, 24, 40, 64, 72, 136]), rng.choice([16, 24, 40, 64, 72, 136])
+        size = (rng.randint(1, 19), rng.randint(1, 23))
+        batch = rng.choice([None, 1, 2, 3])
+        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, rng.random() < 0.6, size, "")
+        if min(layer.out_size()) >= 1:
+            layers.append(layer)
+    return layers
+
+
+LAYERS = gemm_layers(24, seed=7) + [
+    Layer(2, 64, 48, (4, 4), (4, 4), (0, 0), (3, 1), (1, 1), 1, True, (3, 5), ""),  # phases with no taps
+    Layer(1, 32, 32, (1, 1), (3, 2), (0, 0), (2, 1), (1, 1), 1, True, (7, 6), ""),   # 1x1, gaps between phases
+]
+
+
+def _geometry(layer):
+    return geometry(layer.input_shape, layer.weight_shape, None, ConvParams.from_args(**layer.kwargs()))
+
+
+def _data(layer, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(layer.input_shape, generator=gen, device="cuda", dtype=torch.float64)
+    w = torch.randn(layer.weight_shape, generator=gen, device="cuda", dtype=torch.float64)
+    b = torch.randn(layer.out_channels, generator=gen, device="cuda", dtype=torch.float64) if layer.bias else None
+    go_shape = F.conv_transpose2d(x, w, None, **layer.kwargs()).shape
+    go = torch.randn(go_shape, generator=gen, device="cuda", dtype=torch.float64)
+    return x, w, b, go
+
+
+def _run(fn, x, w, b, go, layer, dtype, channels_last):
+    """Forward output and (grad_input, grad_weight, grad_bias) of ``fn`` in ``dtype``."""
+    def prep(t):
+        if t is None:
+            return None
+        t = t.detach().to(dtype)
+        if channels_last and t.dim() == 4:
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t.requires_grad_()
+
+    xs, ws, bs = prep(x), prep(w), prep(b)
+    y = fn(xs, ws, bs, **layer.kwargs())
+    gos = go.to(dtype)
+    if channels_last and gos.dim() == 4:
+        gos = gos.contiguous(memory_format=torch.channels_last)
+    y.backward(gos)
+    return y.detach(), xs.grad, ws.grad, None if bs is None else bs.grad
+
+
+def _rel_err(got, ref):
+    return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+@pytest.fixture
+def tf32_flag():
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("index", range(len(LAYERS)))
+def test_gemm_matches_float64(index, case, channels_last, tf32_flag):
+    layer = LAYERS[index]
+    dtype, allow_tf32 = case
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    g = _geometry(layer)
+    assert engine.uses_gemm(g, ct._DTYPE_NAMES[dtype], 0)
+    x, w, b, go = _data(layer, seed=index)
+    ref = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)
+    ours = _run(ct.conv_transpose2d, x, w, b, go, layer, dtype, channels_last)
+    theirs = _run(F.conv_transpose2d, x, w, b, go, layer, dtype, channels_last)
+    names = ("output", "grad_input", "grad_weight", "grad_bias")
+    if channels_last and layer.batch is not None:
+        assert ours[0].is_contiguous(memory_format=torch.channels_last)
+        assert ours[1].is_contiguous(memory_format=torch.channels_last)
+    for name, o, t, r in zip(names, ours, theirs, ref):
+        if r is None:
+            continue
+        assert o.dtype == dtype and o.shape == r.shape
+        err = _rel_err(o, r)
+        if dtype == torch.float32 and not allow_tf32:
+            assert err <= 1e-5, f"{name}: strict fp32 error {err:.2e}"
+        else:
+            # twice torch's error, floored at a quarter of the dtype's rounding step so
+            # an exact torch result does not demand exactness of a different summation order
+            bound = max(2 * _rel_err(t, r), torch.finfo(dtype).eps / 4)
+            assert err <= bound, f"{name}: error {err:.2e} vs torch's {_rel_err(t, r):.2e}"
+
+
+def test_gemm_strict_fp32_against_numpy_reference():
+    """An independent float64 check that involves no torch convolution at all."""
+    import cupy
+
+    from cupyconv import functional
+
+    layer = LAYERS[1]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(layer.input_shape).astype(np.float32)
+    w = rng.standard_normal(layer.weight_shape).astype(np.float32)
+    b = rng.standard_normal(layer.out_channels).astype(np.float32) if layer.bias else None
+    p = ConvParams.from_args(**layer.kwargs())
+    got = functional.conv_transpose2d(cupy.asarray(x), cupy.asarray(w), None if b is None else cupy.asarray(b),
+                                      **layer.kwargs()).get()
+    xb = x if layer.batch else x[None]
+    want = reference.conv_transpose2d(xb.astype(np.float64), w.astype(np.float64),
+                                      None if b is None else b.astype(np.float64), p.stride, p.padding,
+                                      p.output_padding, p.groups, p.dilation).reshape(got.shape)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_gemm_grad_weight_is_bitwise_reproducible(channels_last):
+    layer = Layer(4, 64, 96, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1, True, (33, 31), "")
+    x, w, b, go = _data(layer)
+    grads = [_run(ct.conv_transpose2d, x, w, b, go, layer, torch.float16, channels_last)[2:] for _ in range(3)]
+    for gw, gb in grads[1:]:
+        assert torch.equal(gw, grads[0][0]) and torch.equal(gb, grads[0][1])
+
+
+def test_tensor_cores_can_be_switched_off(monkeypatch):
+    layer = LAYERS[0]
+    g = _geometry(layer)
+    assert engine.uses_gemm(g, "float16", 0)
+    monkeypatch.setenv(engine.TENSOR_CORES_ENV, "0")
+    assert not engine.uses_gemm(g, "float16", 0)
+    x, w, b, go = _data(layer)
+    direct = _run(ct.conv_transpose2d, x, w, b, go, layer, torch.float32, False)
+    monkeypatch.delenv(engine.TENSOR_CORES_ENV)
+    gemm = _run(ct.conv_transpose2d, x, w, b, go, layer, torch.float32, False)
+    for a, c in zip(direct, gemm):
+        if a is not None:
+            assert _rel_err(c, a.double()) <= 2e-6
+
+
+def _scratch(nbytes):
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return buf, buf.data_ptr()
+
+
+@pytest.mark.parametrize("tile", sorted(launch.TILES))
+def test_every_block_tile_is_correct(tile):
+    """The heuristic picks one tile per layer; each candidate must be right on its own."""
+    layer = Layer(2, 40, 72, (3, 2), (2, 1), (1, 0), (1, 0), (1, 2), 1, True, (11, 13), "")
+    g = _geometry(layer)
+    x, w, b, go = _data(layer)
+    xs, ws, bs, gos = (t.half().contiguous() for t in (x, w, b, go))
+    stream = torch.cuda.current_stream().cuda_stream
+    t = launch.TILES[tile]
+    y = torch.empty(go.shape, dtype=torch.float16, device="cuda")
+    launch.plan_forward_gemm(g, "float16", True, "nchw", "strict", t).run(
+        0, stream, (xs.data_ptr(), ws.data_ptr(), bs.data_ptr(), y.data_ptr()))
+    gi = torch.empty_like(xs)
+    launch.plan_grad_input_gemm(g, "float16", "nchw", "strict", t).run(
+        0, stream, (gos.data_ptr(), ws.data_ptr(), 0, gi.data_ptr()))
+    gw = torch.empty_like(ws)
+    partial, reduce = launch.plan_grad_weight_gemm(g, "float16", 132, "nchw", "strict", t)
+    launch.run_split_k(partial, reduce, 0, stream, (xs.data_ptr(), gos.data_ptr()), gw.data_ptr(), _scratch)
+    ref = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)
+    for got, want in zip((y, gi, gw), ref[:3]):
+        assert _rel_err(got, want) <= 2e-3
