@@ -63,31 +63,36 @@ def _direct_only(layout: str, what: str) -> None:
         raise ValueError(f"{what}: layout {layout!r} needs the tensor-core kernels; pass NCHW memory")
 
 
+def _aligned(*pointers: int) -> bool:
+    return all(p % 16 == 0 for p in pointers)
+
+
 def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], out: int, device_id: int,
-            stream_ptr: int, layout: str = "nchw", precision: str = "strict") -> None:
+            stream_ptr: int, alloc: launch.Allocator, layout: str = "nchw", precision: str = "strict") -> None:
     """out = conv_transpose2d(x, weight, bias).
 
     Activations are contiguous in ``layout`` ("nchw", or "nhwc" for channels_last) and the
     weight is contiguous (C_in, C_out/groups, kH, kW).  ``precision`` is "strict" (fp32
-    accuracy for float32) or "tf32"; it only matters for float32.
+    accuracy for float32) or "tf32"; it only matters for float32.  ``alloc`` provides
+    stream-ordered scratch (the repacked weight of the tensor-core path).
     """
     if g.batch == 0:
         return
     if uses_gemm(g, dtype, device_id):
-        plan = launch.plan_forward_gemm(g, dtype, bias is not None, layout, precision)
+        plans = launch.plan_forward_gemm(g, dtype, bias is not None, layout, precision, aligned=_aligned(x, out))
+        plans.run(device_id, stream_ptr, x, weight, bias or 0, out, alloc)
     else:
         _direct_only(layout, "forward")
-        plan = launch.plan_forward(g, dtype, bias is not None)
-    plan.run(device_id, stream_ptr, (x, weight, bias or 0, out))
+        launch.plan_forward(g, dtype, bias is not None).run(device_id, stream_ptr, (x, weight, bias or 0, out))
 
 
 def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, device_id: int,
-               stream_ptr: int, layout: str = "nchw", precision: str = "strict") -> None:
+               stream_ptr: int, alloc: launch.Allocator, layout: str = "nchw", precision: str = "strict") -> None:
     if g.batch == 0:
         return
     if uses_gemm(g, dtype, device_id):
-        plan = launch.plan_grad_input_gemm(g, dtype, layout, precision)
-        plan.run(device_id, stream_ptr, (grad_out, weight, 0, out))
+        plans = launch.plan_grad_input_gemm(g, dtype, layout, precision, aligned=_aligned(grad_out, out))
+        plans.run(device_id, stream_ptr, grad_out, weight, 0, out, alloc)
     else:
         _direct_only(layout, "grad_input")
         launch.plan_grad_input(g, dtype).run(device_id, stream_ptr, (grad_out, weight, out))

@@ -81,7 +81,7 @@ def _gpu_forward(g: Geometry, dtype: str, device: int, x, weight, bias):
         x, weight, bias = (_upload(a, cupy) for a in (x, weight, bias))
         out = cupy.empty(g.output_shape, dtype=x.dtype)
         engine.forward(g, dtype, x.data.ptr, weight.data.ptr, None if bias is None else bias.data.ptr,
-                       out.data.ptr, device, cupy.cuda.get_current_stream().ptr)
+                       out.data.ptr, device, cupy.cuda.get_current_stream().ptr, _alloc(cupy))
     return out
 
 
@@ -95,7 +95,7 @@ def _gpu_backward(g: Geometry, dtype: str, device: int, grad_out, x, weight, mas
         gi = gw = gb = None
         if mask[0]:
             gi = cupy.empty(g.input_shape, dtype=x.dtype)
-            engine.grad_input(g, dtype, grad_out.data.ptr, weight.data.ptr, gi.data.ptr, device, stream)
+            engine.grad_input(g, dtype, grad_out.data.ptr, weight.data.ptr, gi.data.ptr, device, stream, alloc)
         if mask[1]:
             gw = cupy.empty(g.weight_shape, dtype=x.dtype)
             engine.grad_weight(g, dtype, x.data.ptr, grad_out.data.ptr, gw.data.ptr, device, stream, alloc)

@@ -271,7 +271,8 @@ class Tile:
 
 
 TILES = {t.name: t for t in (Tile(128, 128, 2, 4), Tile(128, 64, 2, 2), Tile(128, 32, 4, 1),
-                             Tile(64, 128, 1, 4), Tile(64, 64, 2, 2))}
+                             Tile(64, 128, 1, 4), Tile(64, 64, 2, 2), Tile(64, 32, 2, 1), Tile(32, 64, 1, 2),
+                             Tile(32, 32, 1, 2))}
 
 
 def mma_kind(dtype: str, precision: str) -> int:
@@ -303,53 +304,114 @@ def gemm_tile(rows: int, cols: int) -> Tile:
     return TILES["128x128"] if rows > 64 else TILES["64x128"]
 
 
+def grad_weight_tile(rows: int, cols: int) -> Tile:
+    """grad_weight's M and N are channel counts: the smallest tile that covers them, up to 128."""
+    def side(n: int) -> int:
+        return 32 if n <= 32 else 64 if n <= 64 else 128
+    bm, bn = side(rows), side(cols)
+    if bm == 128 and bn == 32:
+        bm = 64
+    if bm == 32 and bn == 128:
+        bn = 64
+    return TILES[f"{bm}x{bn}"]
+
+
 def _gemm_index_t(g: Geometry) -> str:
     return index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
 
 
-@functools.lru_cache(maxsize=1024)
-def plan_forward_gemm(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", precision: str = "strict",
-                      tile: Optional[Tile] = None) -> Plan:
-    """Forward as one implicit GEMM per stride phase (grid z)."""
+def _bk(dtype: str) -> int:
+    """GEMM K elements per shared-memory stage: 64 bytes."""
+    return 64 // DTYPES[dtype][2]
+
+
+def plan_pack_weight(g: Geometry, dtype: str, mode: int, tile: Tile) -> Plan:
+    """Repack the weight into the B-operand layout of a GEMM plan (see pack_weight.cu)."""
+    cg_n, cg_k = (g.out_per_group, g.in_per_group) if mode == 0 else (g.in_per_group, g.out_per_group)
+    taps = g.kernel[0] * g.kernel[1]
+    n_pad, k_pad = _cdiv(cg_n, tile.bn) * tile.bn, _cdiv(cg_k, _bk(dtype)) * _bk(dtype)
+    total = g.groups * taps * n_pad * k_pad
+    element = DTYPES[dtype][2]
+    constants = dict(INDEX_T=index_type(total, _numel(g.weight_shape)), MODE=mode, ELEMENT_BYTES=element,
+                     TAPS=taps, GROUPS=g.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group, N_PAD=n_pad,
+                     K_PAD=k_pad, BLOCK=_REDUCE_BLOCK)
+    spec = KernelSpec.make("pack_weight.cu", "pack_weight", constants)
+    return Plan(spec, (min(_cdiv(total, _REDUCE_BLOCK), 8192), 1, 1), (_REDUCE_BLOCK, 1, 1), (),
+                constants["INDEX_T"], scratch_bytes=total * element)
+
+
+@dataclass(frozen=True)
+class GemmPlans:
+    """A weight repack into scratch, then the GEMM that reads it."""
+
+    pack: Plan
+    gemm: Plan
+
+    def run(self, device_id: int, stream_ptr: int, src: int, weight: int, bias: int, dst: int,
+            alloc: "Allocator") -> None:
+        keep, packed = alloc(self.pack.scratch_bytes)
+        self.pack.run(device_id, stream_ptr, (weight, packed))
+        self.gemm.run(device_id, stream_ptr, (src, packed, bias, dst))
+        del keep
+
+
+def vector_ok(g: Geometry, dtype: str, mode: int) -> bool:
+    """Whether channels_last rows of the GEMM's source split into whole 16-byte vectors."""
+    cg_k = g.in_per_group if mode == 0 else g.out_per_group
+    return (cg_k * DTYPES[dtype][2]) % 16 == 0
+
+
+def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, precision: str,
+               tile: Optional[Tile], aligned: bool) -> GemmPlans:
     sh, sw = g.params.stride
-    h_out, w_out = g.out_size
-    m_max = g.batch * _cdiv(h_out, sh) * _cdiv(w_out, sw)
-    tile = tile or gemm_tile(m_max, g.out_per_group)
+    if mode == 0:
+        h_out, w_out = g.out_size
+        m, cg_n, phases = g.batch * _cdiv(h_out, sh) * _cdiv(w_out, sw), g.out_per_group, sh * sw
+        sizes = (g.batch,) + g.in_size + g.out_size
+    else:
+        h, w = g.in_size
+        m, cg_n, phases = g.batch * h * w, g.in_per_group, 1
+        sizes = (g.batch,) + g.out_size + g.in_size
+    tile = tile or gemm_tile(m, cg_n)
     index_t = _gemm_index_t(g)
     constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
-    constants.update(MODE=0, HAS_BIAS=bool(has_bias))
+    constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0,
+                     A_VEC=layout == "nhwc" and aligned and vector_ok(g, dtype, mode))
     spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
-    grid = (_cdiv(m_max, tile.bm), g.groups * _cdiv(g.out_per_group, tile.bn), sh * sw)
-    return Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), (g.batch,) + g.in_size + g.out_size, index_t)
+    grid = (_cdiv(m, tile.bm), g.groups * _cdiv(cg_n, tile.bn), phases)
+    gemm = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), sizes, index_t)
+    return GemmPlans(plan_pack_weight(g, dtype, mode, tile), gemm)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward_gemm(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", precision: str = "strict",
+                      tile: Optional[Tile] = None, aligned: bool = True) -> GemmPlans:
+    """Forward as one implicit GEMM per stride phase (grid z).
+
+    ``aligned``: the activation pointers are 16-byte aligned (channels_last vector loads).
+    """
+    return _plan_gemm(g, dtype, 0, has_bias, layout, precision, tile, aligned)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input_gemm(g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict",
-                         tile: Optional[Tile] = None) -> Plan:
+                         tile: Optional[Tile] = None, aligned: bool = True) -> GemmPlans:
     """grad_input (a strided conv2d of grad_output) as one implicit GEMM."""
-    h, w = g.in_size
-    m = g.batch * h * w
-    tile = tile or gemm_tile(m, g.in_per_group)
-    index_t = _gemm_index_t(g)
-    constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
-    constants.update(MODE=1, HAS_BIAS=False)
-    spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
-    grid = (_cdiv(m, tile.bm), g.groups * _cdiv(g.in_per_group, tile.bn), 1)
-    return Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), (g.batch,) + g.out_size + g.in_size, index_t)
+    return _plan_gemm(g, dtype, 1, False, layout, precision, tile, aligned)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw", precision: str = "strict",
                           tile: Optional[Tile] = None) -> Tuple[Plan, Plan]:
     """grad_weight as a split-K implicit GEMM per (group, tap), and the fixed-order reduction."""
-    tile = tile or gemm_tile(g.in_per_group, g.out_per_group)
+    tile = tile or grad_weight_tile(g.in_per_group, g.out_per_group)
     taps = g.kernel[0] * g.kernel[1]
     h, w = g.in_size
-    bk = 64 // DTYPES[dtype][2] if dtype != "float64" else 8
-    k_tiles = _cdiv(g.batch * h * w, bk)
+    k_tiles = _cdiv(g.batch * h * w, _bk(dtype))
     base_blocks = _cdiv(g.in_per_group, tile.bm) * _cdiv(g.out_per_group, tile.bn) * g.groups * taps
-    # Enough K ranges to give every SM two blocks, each at least four K tiles long.
-    splits = max(1, min(_cdiv(2 * sm_count, base_blocks), _cdiv(k_tiles, 4), 256))
+    # Enough K ranges for 16 resident warps per SM, each range at least eight K tiles long.
+    warps = tile.warps_m * tile.warps_n
+    splits = max(1, min(_cdiv(16 * sm_count, warps * base_blocks), _cdiv(k_tiles, 8), 512))
     per_split = _cdiv(k_tiles, splits)
     splits = _cdiv(k_tiles, per_split)
     weight_elems = _numel(g.weight_shape)
@@ -382,8 +444,11 @@ def all_plans(g: Geometry, dtype: str, has_bias: bool, sm_count: int = 132) -> L
 def all_gemm_plans(g: Geometry, dtype: str, has_bias: bool, layout: str, precision: str,
                    sm_count: int = 132) -> List[Plan]:
     """The tensor-core launches of this layer, for one layout and precision."""
-    plans = [plan_forward_gemm(g, dtype, has_bias, layout, precision),
-             plan_grad_input_gemm(g, dtype, layout, precision)]
+    plans = []
+    for aligned in ((False, True) if layout == "nhwc" else (True,)):
+        for pair in (plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=aligned),
+                     plan_grad_input_gemm(g, dtype, layout, precision, aligned=aligned)):
+            plans += [pair.pack, pair.gemm]
     return plans + list(plan_grad_weight_gemm(g, dtype, sm_count, layout, precision))
 
 

@@ -239,7 +239,7 @@ def _cuda_forward(x, w, b, entry):
     prev = _enter_device(index)
     try:
         _engine.forward(g, dt, x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                        index, _raw_stream(index), layout, _precision(dt))
+                        index, _raw_stream(index), _scratch_allocator(device), layout, _precision(dt))
     finally:
         if prev != index:
             _set_device(prev)
@@ -256,12 +256,13 @@ def _cuda_backward(go, x, w, mask, entry):
     prev = _enter_device(index)
     try:
         stream = _raw_stream(index)
+        alloc = _scratch_allocator(device)
         if mask[0]:
             w = w.contiguous()
             gi = _empty(x.shape, x, device, layout)
-            _engine.grad_input(g, dt, go.data_ptr(), w.data_ptr(), gi.data_ptr(), index, stream, layout, precision)
+            _engine.grad_input(g, dt, go.data_ptr(), w.data_ptr(), gi.data_ptr(), index, stream, alloc, layout,
+                               precision)
         if mask[1] or mask[2]:
-            alloc = _scratch_allocator(device)
             if mask[1]:
                 x = _in_layout(x, layout)
                 gw = torch.empty(w.shape, dtype=w.dtype, device=device)

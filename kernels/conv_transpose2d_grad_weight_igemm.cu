@@ -26,6 +26,8 @@ constexpr int BM = {{BM}}, BN = {{BN}};
 constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
 
 constexpr int THREADS = WARPS_M * WARPS_N * 32;
+// At least 8 resident warps per SM, so one block's barrier does not idle the SM.
+constexpr int MIN_BLOCKS = THREADS >= 256 ? 2 : THREADS >= 128 ? 3 : 4;
 constexpr int TAPS = KH * KW;
 constexpr int CIN = CIN_G * GROUPS, COUT = COUT_G * GROUPS;
 constexpr int PER_WORD = 4 / sizeof(scalar_t);
@@ -65,7 +67,7 @@ struct TileMap {
 
 struct Pixel { int n, i, j; };
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
                                    float* __restrict__ partial, index_t N, index_t H, index_t W,
                                    index_t H_out, index_t W_out, index_t k_tiles_per_split) {

@@ -10,9 +10,11 @@
 //   grad_input (MODE 1): src = grad_out, dst = grad_in, a strided conv2d:
 //     grad_in row i reads grad_out rows SH*i + kh*DH - PH for every tap.
 // K runs tap-major, then channel chunks, so one K tile shares one tap and the
-// bounds test is per row, not per element.  Tiles go global -> registers -> shared
-// memory with two shared buffers: the next tile's loads are in flight while the
-// tensor cores work on the current one.
+// bounds test is per row, not per element.  The weight arrives repacked by
+// pack_weight.cu, so B tiles are plain 16-byte vector loads; channels_last
+// activations with 16-byte aligned channel runs (A_VEC) are vector loads too.
+// Tiles go global -> registers -> shared memory with two shared buffers: the next
+// tile's loads are in flight while the tensor cores work on the current one.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -31,8 +33,11 @@ constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
 constexpr int BM = {{BM}}, BN = {{BN}};
 constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
+constexpr bool A_VEC = {{A_VEC}};
 
 constexpr int THREADS = WARPS_M * WARPS_N * 32;
+// At least 8 resident warps per SM, so one block's barrier does not idle the SM.
+constexpr int MIN_BLOCKS = THREADS >= 256 ? 2 : THREADS >= 128 ? 3 : 4;
 constexpr int TAPS = KH * KW;
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;  // src channels per group: the K of the GEMM
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;  // dst channels per group: the N of the GEMM
@@ -43,17 +48,18 @@ constexpr int CHUNKS = (CG_K + BK - 1) / BK;
 constexpr int N_TILES = (CG_N + BN - 1) / BN;
 constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
 constexpr int MI = WM / 16, NI = WN / 8;
-// weight[g*CIN_G + ic][oc][kh][kw]: strides of the GEMM's k and n in it
-constexpr int W_K_STRIDE = MODE == 0 ? COUT_G * TAPS : TAPS;
-constexpr int W_N_STRIDE = MODE == 0 ? TAPS : COUT_G * TAPS;
+// packed weight (pack_weight.cu): [GROUPS][TAPS][N_PAD][K_PAD]
+constexpr int N_PAD = N_TILES * BN, K_PAD = CHUNKS * BK;
 constexpr bool A_ROWS_FASTEST = !CHANNELS_LAST;   // NCHW: neighbouring pixels are adjacent
-constexpr bool B_ROWS_FASTEST = MODE == 0;        // the smaller weight stride goes across threads
 constexpr int A_WORDS = BM * TILE_K_WORDS / THREADS;
-constexpr int B_WORDS = BN * TILE_K_WORDS / THREADS;
+constexpr int VEC_PER_ROW = TILE_K_WORDS / 4;     // 16-byte vectors per 64-byte tile row
+constexpr int A_VECS = BM * VEC_PER_ROW / THREADS;
+constexpr int B_VECS = BN * VEC_PER_ROW / THREADS;
+static_assert(!A_VEC || (CHANNELS_LAST && CG_K % (4 * PER_WORD) == 0), "vector loads need whole channel runs");
 
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole 16x16 mma pairs");
 static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS == 0, "loader mapping");
-static_assert(A_WORDS >= 1 && B_WORDS >= 1, "every thread loads at least one word of each tile");
+static_assert(A_WORDS >= 1 && A_VECS >= 1 && B_VECS >= 1, "every thread loads part of each tile");
 
 // Which (row, word) of a ROWS x TILE_K_WORDS tile a thread's q-th word is.  Rows
 // fastest gives each thread one row and a run of adjacent words (stored as 16-byte
@@ -78,12 +84,11 @@ struct TileMap {
     }
 };
 typedef TileMap<BM, A_ROWS_FASTEST> AMap;
-typedef TileMap<BN, B_ROWS_FASTEST> BMap;
 
 struct Tap { int dh, dw, w; };
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restrict__ weight,
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restrict__ packed_weight,
                        const scalar_t* __restrict__ bias, scalar_t* __restrict__ dst,
                        index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST) {
     __shared__ __align__(16) unsigned a_tile[2][BM * ROW_WORDS];
@@ -139,14 +144,30 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
     constexpr index_t SRC_C_STRIDE_NHWC = 1;
     const index_t src_c_stride = CHANNELS_LAST ? SRC_C_STRIDE_NHWC : src_plane;
     const scalar_t* src_group = src + static_cast<index_t>(g) * CG_K * src_c_stride;
-    const scalar_t* w_group = weight + static_cast<index_t>(g) * CIN_G * COUT_G * TAPS;
+    const scalar_t* w_group = packed_weight + static_cast<index_t>(g) * TAPS * N_PAD * K_PAD
+                              + static_cast<index_t>(n0) * K_PAD;
 
-    unsigned a_regs[A_WORDS], b_regs[B_WORDS];
+    unsigned a_regs[A_WORDS];
+    uint4 a_vecs[A_VEC ? A_VECS : 1], b_vecs[B_VECS];
     auto load_tiles = [&](int kt) {
         const Tap tap = taps[kt / CHUNKS];
         const int c0 = (kt % CHUNKS) * BK;
+        if constexpr (A_VEC) {
 #pragma unroll
-        for (int q = 0; q < A_WORDS; ++q) {
+            for (int q = 0; q < A_VECS; ++q) {
+                const int v = tid + q * THREADS;
+                const int r = v / VEC_PER_ROW;
+                const int k = c0 + (v % VEC_PER_ROW) * 4 * PER_WORD;
+                const index_t ih = static_cast<index_t>(A_SH) * row_i[r] + tap.dh;
+                const index_t iw = static_cast<index_t>(A_SW) * row_j[r] + tap.dw;
+                const bool ok = row_n[r] >= 0 && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC && k < CG_K;
+                a_vecs[q] = ok ? __ldg(reinterpret_cast<const uint4*>(
+                                     src_group + row_n[r] * src_batch + (ih * W_SRC + iw) * C_SRC + k))
+                               : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < (A_VEC ? 0 : A_WORDS); ++q) {
             const int r = AMap::row(tid, q);
             const int k = c0 + AMap::word(tid, q) * PER_WORD;
             const index_t ih = static_cast<index_t>(A_SH) * row_i[r] + tap.dh;
@@ -161,17 +182,28 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
                 word |= raw_bits(p + e * src_c_stride, ok && k + e < CG_K) << (16 * e);
             a_regs[q] = word;
         }
+        const scalar_t* w_tile = w_group + static_cast<index_t>(tap.w) * N_PAD * K_PAD + c0;
 #pragma unroll
-        for (int q = 0; q < B_WORDS; ++q) {
-            const int n = n0 + BMap::row(tid, q);
-            const int k = c0 + BMap::word(tid, q) * PER_WORD;
-            const scalar_t* p = w_group + n * W_N_STRIDE + k * W_K_STRIDE + tap.w;
-            unsigned word = 0;
-#pragma unroll
-            for (int e = 0; e < PER_WORD; ++e)
-                word |= raw_bits(p + e * W_K_STRIDE, n < CG_N && k + e < CG_K) << (16 * e);
-            b_regs[q] = word;
+        for (int q = 0; q < B_VECS; ++q) {
+            const int v = tid + q * THREADS;
+            b_vecs[q] = __ldg(reinterpret_cast<const uint4*>(
+                w_tile + static_cast<index_t>(v / VEC_PER_ROW) * K_PAD + (v % VEC_PER_ROW) * 4 * PER_WORD));
         }
+    };
+    // A vector lands where it came from: row v / VEC_PER_ROW, words 4 * (v % VEC_PER_ROW) on.
+    auto vector_slot = [&](unsigned* tile, int q) {
+        const int v = tid + q * THREADS;
+        return reinterpret_cast<uint4*>(tile + (v / VEC_PER_ROW) * ROW_WORDS + (v % VEC_PER_ROW) * 4);
+    };
+    auto store_tiles = [&](int buf) {
+        if constexpr (A_VEC) {
+#pragma unroll
+            for (int q = 0; q < A_VECS; ++q) *vector_slot(a_tile[buf], q) = a_vecs[q];
+        } else {
+            AMap::store(a_tile[buf], tid, a_regs);
+        }
+#pragma unroll
+        for (int q = 0; q < B_VECS; ++q) *vector_slot(b_tile[buf], q) = b_vecs[q];
     };
 
     float acc[MI][NI][4];
@@ -185,18 +217,14 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
     const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
     if (k_tiles > 0) {
         load_tiles(0);
-        AMap::store(a_tile[0], tid, a_regs);
-        BMap::store(b_tile[0], tid, b_regs);
+        store_tiles(0);
         __syncthreads();
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
         const int cur = kt & 1;
         if (kt + 1 < k_tiles) load_tiles(kt + 1);
         warp_tile_mma<KIND, MI, NI>(acc, a_tile[cur], b_tile[cur], warp_row, warp_col, lane);
-        if (kt + 1 < k_tiles) {
-            AMap::store(a_tile[cur ^ 1], tid, a_regs);
-            BMap::store(b_tile[cur ^ 1], tid, b_regs);
-        }
+        if (kt + 1 < k_tiles) store_tiles(cur ^ 1);
         __syncthreads();
     }
 

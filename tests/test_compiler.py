@@ -61,8 +61,8 @@ def _gemm_plans():
                 seen.setdefault(plan.spec, f"{layer}-{dtype}-{precision}-{layout}-{plan.spec.function}-{plan.index_t}")
     g = geometry(*GEMM_LAYERS["gemm_dense_3x5"][:2], None, ConvParams.from_args())
     for tile in launch.TILES.values():
-        for plan in (launch.plan_forward_gemm(g, "float16", False, "nhwc", tile=tile),
-                     launch.plan_grad_input_gemm(g, "bfloat16", "nchw", tile=tile),
+        for plan in (launch.plan_forward_gemm(g, "float16", False, "nhwc", tile=tile).gemm,
+                     launch.plan_grad_input_gemm(g, "bfloat16", "nchw", tile=tile).gemm,
                      launch.plan_grad_weight_gemm(g, "float32", 132, "nchw", "tf32", tile=tile)[0]):
             seen.setdefault(plan.spec, f"tile-{tile.name}-{plan.spec.function}")
     return seen

@@ -70,8 +70,8 @@ def cupyconv_raw(layer_kwargs, x, w, b, go, dtype_name):
         return t, t.data_ptr()
 
     engine.forward(g, dtype_name, x4.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                   dev, stream)
-    engine.grad_input(g, dtype_name, go4.data_ptr(), w.data_ptr(), gi.data_ptr(), dev, stream)
+                   dev, stream, alloc)
+    engine.grad_input(g, dtype_name, go4.data_ptr(), w.data_ptr(), gi.data_ptr(), dev, stream, alloc)
     engine.grad_weight(g, dtype_name, x4.data_ptr(), go4.data_ptr(), gw.data_ptr(), dev, stream, alloc)
     engine.grad_bias(g, dtype_name, go4.data_ptr(), gb.data_ptr(), dev, stream, alloc)
     unbatch = (lambda t: t) if g.batched else (lambda t: t[0])

@@ -50,8 +50,9 @@ def test_installed_wheel_loads_templates_and_runs_the_demo(wheel, tmp_path):
         "assert len(names) >= 5, names\n"
         "for n in names:\n"
         "    consts = {k: 1 for k in templates.placeholders(n)}\n"
-        "    consts.update({k: 'float' for k in ('SCALAR_T', 'ACC_T')}, INDEX_T='int')\n"
-        "    if 'HAS_BIAS' in consts: consts['HAS_BIAS'] = True\n"
+        "    consts.update({k: 'float' for k in ('SCALAR_T', 'ACC_T') if k in consts}, INDEX_T='int')\n"
+        "    for flag in ('HAS_BIAS', 'CHANNELS_LAST'):\n"
+        "        if flag in consts: consts[flag] = True\n"
         "    assert '{{' not in templates.render(n, consts)\n"
         "print('templates ok', len(names))\n"
     )

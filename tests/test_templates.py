@@ -13,10 +13,11 @@ EXPECTED = {
     "reduce_partials.cu",
 }
 GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
+PACK = {"pack_weight.cu"}
 
 
 def test_every_template_is_found():
-    assert set(templates.template_names()) == EXPECTED | GEMM
+    assert set(templates.template_names()) == EXPECTED | GEMM | PACK
     assert (templates.kernels_dir() / "common.cuh").is_file()
     assert (templates.kernels_dir() / "mma.cuh").is_file()
 
