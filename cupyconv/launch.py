@@ -316,6 +316,13 @@ def grad_weight_tile(rows: int, cols: int) -> Tile:
     return TILES[f"{bm}x{bn}"]
 
 
+def _default_tile(tile: Tile, dtype: str, precision: str) -> Tile:
+    """3xTF32 keeps a second set of accumulators; tiles over 64x64 would spill them."""
+    if mma_kind(dtype, precision) == MMA_3XTF32 and tile.bm * tile.bn > 64 * 64:
+        return TILES["64x64"]
+    return tile
+
+
 def _gemm_index_t(g: Geometry) -> str:
     return index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
 
@@ -372,7 +379,7 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
         h, w = g.in_size
         m, cg_n, phases = g.batch * h * w, g.in_per_group, 1
         sizes = (g.batch,) + g.out_size + g.in_size
-    tile = tile or gemm_tile(m, cg_n)
+    tile = tile or _default_tile(gemm_tile(m, cg_n), dtype, precision)
     index_t = _gemm_index_t(g)
     constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
     constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0,
@@ -404,7 +411,7 @@ def plan_grad_input_gemm(g: Geometry, dtype: str, layout: str = "nchw", precisio
 def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw", precision: str = "strict",
                           tile: Optional[Tile] = None) -> Tuple[Plan, Plan]:
     """grad_weight as a split-K implicit GEMM per (group, tap), and the fixed-order reduction."""
-    tile = tile or grad_weight_tile(g.in_per_group, g.out_per_group)
+    tile = tile or _default_tile(grad_weight_tile(g.in_per_group, g.out_per_group), dtype, precision)
     taps = g.kernel[0] * g.kernel[1]
     h, w = g.in_size
     k_tiles = _cdiv(g.batch * h * w, _bk(dtype))

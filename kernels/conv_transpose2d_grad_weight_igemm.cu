@@ -139,13 +139,13 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
         }
     };
 
-    float acc[MI][NI][4];
+    float acc[MI][NI][4], total[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.f;
+            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = total[mi][ni][c] = 0.f;
 
     const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
     if (k_tiles > 0) {
@@ -161,6 +161,7 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
         const int cur = kt & 1;
         if (kt + 1 < k_tiles) load_tiles(cur ^ 1);
         warp_tile_mma<KIND, MI, NI>(acc, a_tile[cur], b_tile[cur], warp_row, warp_col, lane);
+        if constexpr (KIND == MMA_3XTF32) promote(total, acc);
         if (kt + 1 < k_tiles) {
             TileMap<BM>::store(a_tile[cur ^ 1], tid, a_regs);
             TileMap<BN>::store(b_tile[cur ^ 1], tid, b_regs);
@@ -183,7 +184,8 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     const int oc = n0 + warp_col + ni * 8 + (lane & 3) * 2 + q;
-                    if (oc < COUT_G) out[(static_cast<index_t>(ic) * COUT_G + oc) * TAPS] = acc[mi][ni][h * 2 + q];
+                    if (oc < COUT_G)
+                        out[(static_cast<index_t>(ic) * COUT_G + oc) * TAPS] = pick_result<KIND>(acc, total)[mi][ni][h * 2 + q];
                 }
         }
 }

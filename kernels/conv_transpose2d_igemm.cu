@@ -206,13 +206,13 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
         for (int q = 0; q < B_VECS; ++q) *vector_slot(b_tile[buf], q) = b_vecs[q];
     };
 
-    float acc[MI][NI][4];
+    float acc[MI][NI][4], total[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.f;
+            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = total[mi][ni][c] = 0.f;
 
     const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
     if (k_tiles > 0) {
@@ -224,6 +224,7 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
         const int cur = kt & 1;
         if (kt + 1 < k_tiles) load_tiles(kt + 1);
         warp_tile_mma<KIND, MI, NI>(acc, a_tile[cur], b_tile[cur], warp_row, warp_col, lane);
+        if constexpr (KIND == MMA_3XTF32) promote(total, acc);
         if (kt + 1 < k_tiles) store_tiles(cur ^ 1);
         __syncthreads();
     }
@@ -245,7 +246,7 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
                 for (int q = 0; q < 2; ++q) {
                     const int n = n0 + warp_col + ni * 8 + (lane & 3) * 2 + q;
                     if (n >= CG_N) continue;
-                    float v = acc[mi][ni][h * 2 + q];
+                    float v = pick_result<KIND>(acc, total)[mi][ni][h * 2 + q];
                     if constexpr (HAS_BIAS) v += load(bias + g * CG_N + n);
                     store(out + n * dst_c_stride, v);
                 }

@@ -129,6 +129,27 @@ __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const uns
     }
 }
 
+// Tensor-core fp32 accumulation does not round to nearest, and its error grows with
+// the length of the sum.  Strict float32 therefore moves the mma accumulators into an
+// ordinary fp32 total after every stage; the other kinds keep cuDNN's behaviour.
+template <int MI, int NI>
+__device__ __forceinline__ void promote(float (&total)[MI][NI][4], float (&acc)[MI][NI][4]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                total[mi][ni][c] += acc[mi][ni][c];
+                acc[mi][ni][c] = 0.f;
+            }
+}
+
+template <int KIND, typename Acc>
+__device__ __forceinline__ const Acc& pick_result(const Acc& acc, const Acc& total) {
+    return KIND == MMA_3XTF32 ? total : acc;
+}
+
 // Raw storage bits of one element, zero when masked off; 16-bit types are packed in
 // pairs (lower K index in the low half), fp32 is one value per word.
 template <typename T>

@@ -78,7 +78,8 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert templates_used == set(templates.template_names())
     widths = {dict(spec.constants)["INDEX_T"] for spec in PLANS}
     assert widths == {"int", "long long"}
-    assert {dict(s.constants)["SCALAR_T"] for s in PLANS} == {"float", "double", "half_t", "bf16_t"}
+    assert {dict(s.constants).get("SCALAR_T") for s in PLANS} == {"float", "double", "half_t", "bf16_t", None}
+    assert {dict(s.constants)["ELEMENT_BYTES"] for s in PLANS if s.template == "pack_weight.cu"} == {2, 4}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -52,7 +52,7 @@ def gemm_layers(count: int, seed: int):
     return layers
 
 
-LAYERS = gemm_layers(24, seed=7) + [
+LAYERS = gemm_layers(12, seed=7) + [
     Layer(2, 64, 48, (4, 4), (4, 4), (0, 0), (3, 1), (1, 1), 1, True, (3, 5), ""),  # phases with no taps
     Layer(1, 32, 32, (1, 1), (3, 2), (0, 0), (2, 1), (1, 1), 1, True, (7, 6), ""),   # 1x1, gaps between phases
 ]
