@@ -52,10 +52,14 @@ def uses_gemm(g: Geometry, dtype: str, device_id: int) -> bool:
     run faster on the direct kernels.  ``CUPYCONV_TENSOR_CORES=0`` turns them off.
     Only the GEMM kernels read channels_last memory directly.
     """
+    return gemm_eligible(g, dtype) and _tensor_cores(device_id)
+
+
+def gemm_eligible(g: Geometry, dtype: str) -> bool:
+    """The device-independent half of :func:`uses_gemm`."""
     if os.environ.get(TENSOR_CORES_ENV, "1").strip() == "0":
         return False
-    return (min(g.in_per_group, g.out_per_group) >= 16 and launch.gemm_fits(g, dtype)
-            and _tensor_cores(device_id))
+    return min(g.in_per_group, g.out_per_group) >= 16 and launch.gemm_fits(g, dtype)
 
 
 def _direct_only(layout: str, what: str) -> None:

@@ -589,7 +589,8 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         input_shape=g.user_shape(g.input_shape), weight_shape=g.weight_shape,
         output_shape=g.user_shape(g.output_shape), dtype=dtype, geometry=g, device=device_name, gpu=gpu,
         peak=peak, sm_count=sm_count, backend=backend_name,
-        passes=_passes(g, dtype, bool(has_bias), mask, sm_count, peak), notes=notes, show_source=show_source)
+        passes=_passes(g, dtype, bool(has_bias), mask, sm_count, peak, _gemm(g, dtype, gpu, device_id)),
+        notes=notes, show_source=show_source)
 
     if gpu and compile:
         _read_resources(explanation, device_id)
@@ -629,7 +630,16 @@ def _pass(name: str, flops: int, nbytes: int, kernels: List[KernelRecord], peak:
     return PassRecord(name, int(flops), int(nbytes), compute, memory, floor, bound, kernels, note)
 
 
-def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: Peak) -> List[PassRecord]:
+def _gemm(g: Geometry, dtype: str, gpu: bool, device_id: int) -> bool:
+    """Whether the engine would use the tensor-core kernels (assumed sm_80+ without a GPU)."""
+    from . import engine
+
+    return engine.uses_gemm(g, dtype, device_id) if gpu else engine.gemm_eligible(g, dtype)
+
+
+def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: Peak,
+            gemm: bool = False) -> List[PassRecord]:
+    """What each pass launches; tensor-core plans are shown for NCHW memory and strict precision."""
     size = launch.DTYPES[dtype][2]
     acc = launch.accumulator_bytes(dtype)
     x = _prod(g.input_shape) * size
@@ -649,33 +659,46 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: 
     if empty:
         passes.append(none("forward", 0, "nothing is launched"))
     else:
-        plan = launch.plan_forward(g, dtype, has_bias)
-        passes.append(_pass("forward", mac_flops, fwd_bytes,
-                            [_record("forward", "main", plan, mac_flops, fwd_bytes, peak, dtype)], peak, dtype))
+        if gemm:
+            plans = launch.plan_forward_gemm(g, dtype, has_bias)
+            kernels = [_record("forward", "pack", plans.pack, 0, 2 * w, peak, dtype),
+                       _record("forward", "main", plans.gemm, mac_flops, fwd_bytes, peak, dtype)]
+        else:
+            kernels = [_record("forward", "main", launch.plan_forward(g, dtype, has_bias), mac_flops, fwd_bytes,
+                               peak, dtype)]
+        passes.append(_pass("forward", mac_flops, fwd_bytes, kernels, peak, dtype))
     # grad_input = conv2d(grad_output, weight)
     if mask[0]:
         gi_bytes = y + w + x
         if empty:
             passes.append(none("grad_input", 0, "nothing is launched"))
         else:
-            plan = launch.plan_grad_input(g, dtype)
-            passes.append(_pass("grad_input", mac_flops, gi_bytes,
-                                [_record("grad_input", "main", plan, mac_flops, gi_bytes, peak, dtype)], peak,
-                                dtype))
+            if gemm:
+                plans = launch.plan_grad_input_gemm(g, dtype)
+                kernels = [_record("grad_input", "pack", plans.pack, 0, 2 * w, peak, dtype),
+                           _record("grad_input", "main", plans.gemm, mac_flops, gi_bytes, peak, dtype)]
+            else:
+                kernels = [_record("grad_input", "main", launch.plan_grad_input(g, dtype), mac_flops, gi_bytes,
+                                   peak, dtype)]
+            passes.append(_pass("grad_input", mac_flops, gi_bytes, kernels, peak, dtype))
     # grad_weight: split-K partials, then a fixed-order reduction
     if mask[1]:
         gw_bytes = x + y + w
         if empty:
             passes.append(none("grad_weight", w, "grad_weight is zero-filled with a memset"))
         else:
-            partial, reduce = launch.plan_grad_weight(g, dtype, sm_count)
+            if gemm:
+                partial, reduce = launch.plan_grad_weight_gemm(g, dtype, sm_count)
+            else:
+                partial, reduce = launch.plan_grad_weight(g, dtype, sm_count)
             chunks = partial.grid[0]
             kernels = [_record("grad_weight", "partial", partial, mac_flops, x + y + partial.scratch_bytes, peak,
                                dtype),
                        _record("grad_weight", "reduce", reduce, (chunks - 1) * _prod(g.weight_shape),
                                partial.scratch_bytes + w, peak, dtype)]
             passes.append(_pass("grad_weight", mac_flops, gw_bytes, kernels, peak, dtype,
-                                note=f"split-K over {chunks} chunks of {partial.scalars[-1]} rows; "
+                                note=f"split-K over {chunks} chunks of {partial.scalars[-1]} "
+                                     f"{'K tiles' if gemm else 'rows'}; "
                                      f"{_bytes(partial.scratch_bytes)} of {acc}-byte partials"))
     # grad_bias = grad_output.sum((0, 2, 3)), split-K likewise
     if mask[2]:
