@@ -6,6 +6,7 @@ stream handle.  Nothing here synchronises the host.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Dict, Optional
@@ -57,8 +58,12 @@ def uses_gemm(g: Geometry, dtype: str, device_id: int) -> bool:
 
 def gemm_eligible(g: Geometry, dtype: str) -> bool:
     """The device-independent half of :func:`uses_gemm`."""
-    if os.environ.get(TENSOR_CORES_ENV, "1").strip() == "0":
-        return False
+    return os.environ.get(TENSOR_CORES_ENV, "1").strip() != "0" and _gemm_shape(g, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_shape(g: Geometry, dtype: str) -> bool:
+    # Asked on every launch (the torch layer asks once more to pick a layout): cache it.
     return min(g.in_per_group, g.out_per_group) >= 16 and launch.gemm_fits(g, dtype)
 
 

@@ -46,24 +46,7 @@ static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS =
 static_assert(A_WORDS >= 1 && B_WORDS >= 1, "every thread loads at least one word of each tile");
 
 template <int ROWS>
-struct TileMap {
-    static constexpr int WORDS = ROWS * TILE_K_WORDS / THREADS;
-    __device__ static int row(int tid, int q) {
-        return ROWS_FASTEST ? tid % ROWS : tid / TILE_K_WORDS + q * (THREADS / TILE_K_WORDS);
-    }
-    __device__ static int word(int tid, int q) { return ROWS_FASTEST ? (tid / ROWS) * WORDS + q : tid % TILE_K_WORDS; }
-    __device__ static void store(unsigned* tile, int tid, const unsigned (&v)[WORDS]) {
-        if constexpr (ROWS_FASTEST && WORDS % 4 == 0) {
-#pragma unroll
-            for (int q = 0; q < WORDS; q += 4)
-                *reinterpret_cast<uint4*>(tile + row(tid, q) * ROW_WORDS + word(tid, q)) =
-                    make_uint4(v[q], v[q + 1], v[q + 2], v[q + 3]);
-        } else {
-#pragma unroll
-            for (int q = 0; q < WORDS; ++q) tile[row(tid, q) * ROW_WORDS + word(tid, q)] = v[q];
-        }
-    }
-};
+using Map = TileMap<ROWS, ROWS_FASTEST, THREADS>;
 
 struct Pixel { int n, i, j; };
 
@@ -107,8 +90,8 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
     auto load_tiles = [&](int slot) {
 #pragma unroll
         for (int q = 0; q < A_WORDS; ++q) {
-            const int r = TileMap<BM>::row(tid, q);
-            const int kk = TileMap<BM>::word(tid, q) * PER_WORD;
+            const int r = Map<BM>::row(tid, q);
+            const int kk = Map<BM>::word(tid, q) * PER_WORD;
             unsigned word = 0;
 #pragma unroll
             for (int e = 0; e < PER_WORD; ++e) {
@@ -121,8 +104,8 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
         }
 #pragma unroll
         for (int q = 0; q < B_WORDS; ++q) {
-            const int r = TileMap<BN>::row(tid, q);
-            const int kk = TileMap<BN>::word(tid, q) * PER_WORD;
+            const int r = Map<BN>::row(tid, q);
+            const int kk = Map<BN>::word(tid, q) * PER_WORD;
             unsigned word = 0;
 #pragma unroll
             for (int e = 0; e < PER_WORD; ++e) {
@@ -140,20 +123,16 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
     };
 
     float acc[MI][NI][4], total[MI][NI][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = total[mi][ni][c] = 0.f;
+    zero(acc);
+    zero(total);
 
     const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
     if (k_tiles > 0) {
         decode(0, 0);
         __syncthreads();
         load_tiles(0);
-        TileMap<BM>::store(a_tile[0], tid, a_regs);
-        TileMap<BN>::store(b_tile[0], tid, b_regs);
+        Map<BM>::store(a_tile[0], tid, a_regs);
+        Map<BN>::store(b_tile[0], tid, b_regs);
         if (k_tiles > 1) decode(1, 1);
         __syncthreads();
     }
@@ -163,8 +142,8 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
         warp_tile_mma<KIND, MI, NI>(acc, a_tile[cur], b_tile[cur], warp_row, warp_col, lane);
         if constexpr (KIND == MMA_3XTF32) promote(total, acc);
         if (kt + 1 < k_tiles) {
-            TileMap<BM>::store(a_tile[cur ^ 1], tid, a_regs);
-            TileMap<BN>::store(b_tile[cur ^ 1], tid, b_regs);
+            Map<BM>::store(a_tile[cur ^ 1], tid, a_regs);
+            Map<BN>::store(b_tile[cur ^ 1], tid, b_regs);
         }
         if (kt + 2 < k_tiles) decode(cur, kt + 2);
         __syncthreads();

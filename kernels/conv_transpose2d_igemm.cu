@@ -61,29 +61,7 @@ static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole 16x16 mma pair
 static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS == 0, "loader mapping");
 static_assert(A_WORDS >= 1 && A_VECS >= 1 && B_VECS >= 1, "every thread loads part of each tile");
 
-// Which (row, word) of a ROWS x TILE_K_WORDS tile a thread's q-th word is.  Rows
-// fastest gives each thread one row and a run of adjacent words (stored as 16-byte
-// vectors); K fastest gives each thread one word column across several rows.
-template <int ROWS, bool ROWS_FASTEST>
-struct TileMap {
-    static constexpr int WORDS = ROWS * TILE_K_WORDS / THREADS;
-    __device__ static int row(int tid, int q) {
-        return ROWS_FASTEST ? tid % ROWS : tid / TILE_K_WORDS + q * (THREADS / TILE_K_WORDS);
-    }
-    __device__ static int word(int tid, int q) { return ROWS_FASTEST ? (tid / ROWS) * WORDS + q : tid % TILE_K_WORDS; }
-    __device__ static void store(unsigned* tile, int tid, const unsigned (&v)[WORDS]) {
-        if constexpr (ROWS_FASTEST && WORDS % 4 == 0) {
-#pragma unroll
-            for (int q = 0; q < WORDS; q += 4)
-                *reinterpret_cast<uint4*>(tile + row(tid, q) * ROW_WORDS + word(tid, q)) =
-                    make_uint4(v[q], v[q + 1], v[q + 2], v[q + 3]);
-        } else {
-#pragma unroll
-            for (int q = 0; q < WORDS; ++q) tile[row(tid, q) * ROW_WORDS + word(tid, q)] = v[q];
-        }
-    }
-};
-typedef TileMap<BM, A_ROWS_FASTEST> AMap;
+typedef TileMap<BM, A_ROWS_FASTEST, THREADS> AMap;
 
 struct Tap { int dh, dw, w; };
 
@@ -207,12 +185,8 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
     };
 
     float acc[MI][NI][4], total[MI][NI][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = total[mi][ni][c] = 0.f;
+    zero(acc);
+    zero(total);
 
     const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
     if (k_tiles > 0) {

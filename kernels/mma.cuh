@@ -129,6 +129,39 @@ __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const uns
     }
 }
 
+// Which (row, word) of a ROWS x TILE_K_WORDS shared tile a thread's q-th loaded word
+// is, and how the words are stored.  Rows
+// fastest gives each thread one row and a run of adjacent words (stored as 16-byte
+// vectors); K fastest gives each thread one word column across several rows.
+template <int ROWS, bool ROWS_FASTEST, int THREADS>
+struct TileMap {
+    static constexpr int WORDS = ROWS * TILE_K_WORDS / THREADS;
+    __device__ static int row(int tid, int q) {
+        return ROWS_FASTEST ? tid % ROWS : tid / TILE_K_WORDS + q * (THREADS / TILE_K_WORDS);
+    }
+    __device__ static int word(int tid, int q) { return ROWS_FASTEST ? (tid / ROWS) * WORDS + q : tid % TILE_K_WORDS; }
+    __device__ static void store(unsigned* tile, int tid, const unsigned (&v)[WORDS]) {
+        if constexpr (ROWS_FASTEST && WORDS % 4 == 0) {
+#pragma unroll
+            for (int q = 0; q < WORDS; q += 4)
+                *reinterpret_cast<uint4*>(tile + row(tid, q) * ROW_WORDS + word(tid, q)) =
+                    make_uint4(v[q], v[q + 1], v[q + 2], v[q + 3]);
+        } else {
+#pragma unroll
+            for (int q = 0; q < WORDS; ++q) tile[row(tid, q) * ROW_WORDS + word(tid, q)] = v[q];
+        }
+    }
+};
+template <int MI, int NI>
+__device__ __forceinline__ void zero(float (&acc)[MI][NI][4]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.f;
+}
+
 // Tensor-core fp32 accumulation does not round to nearest, and its error grows with
 // the length of the sum.  Strict float32 therefore moves the mma accumulators into an
 // ordinary fp32 total after every stage; the other kinds keep cuDNN's behaviour.
