@@ -8,6 +8,7 @@ from .compiler import KernelCompileError
 from .explain import explain
 from .functional import backend, conv_transpose2d, conv_transpose2d_backward
 from .geometry import output_size
+from .tuning import tune
 
 __version__ = "0.1.0"
 
@@ -19,16 +20,19 @@ __all__ = [
     "conv_transpose2d_backward",
     "explain",
     "output_size",
+    "tune",
     "__version__",
 ]
 
 
 def clear_cache() -> None:
-    """Forget every kernel compiled and every launch planned in this process.
+    """Forget every kernel compiled, every launch planned and every variant chosen in this process.
 
-    The next call compiles again (from CuPy's disk cache when it holds the kernel).
+    The next call compiles again (from CuPy's disk cache when it holds the kernel) and takes
+    its variant from the tuning file when that holds one.
     """
-    from . import compiler, launch
+    from . import compiler, launch, tuning
 
     compiler.clear_cache()
     launch.clear_plan_cache()
+    tuning.clear()

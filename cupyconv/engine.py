@@ -2,7 +2,8 @@
 
 Both front ends (the NumPy/CuPy array API and the torch integration) allocate their
 outputs with their own allocator and call in here with pointers, a device ordinal and a
-stream handle.  Nothing here synchronises the host.
+stream handle.  Nothing here synchronises the host, except a configuration's first call
+when :mod:`cupyconv.tuning` times its candidate kernels.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 import os
 from typing import Dict, Optional
 
-from . import launch
+from . import launch, tuning
 from .geometry import Geometry
 
 TENSOR_CORES_ENV = "CUPYCONV_TENSOR_CORES"
@@ -83,28 +84,22 @@ def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], o
     Activations are contiguous in ``layout`` ("nchw", or "nhwc" for channels_last) and the
     weight is contiguous (C_in, C_out/groups, kH, kW).  ``precision`` is "strict" (fp32
     accuracy for float32) or "tf32"; it only matters for float32.  ``alloc`` provides
-    stream-ordered scratch (the repacked weight of the tensor-core path).
+    stream-ordered scratch (the repacked weight of the tensor-core path).  The kernel
+    variant is :mod:`cupyconv.tuning`'s choice; the first call of a configuration may
+    time the candidates on ``stream_ptr``, writing each into ``out`` before the winner.
     """
     if g.batch == 0:
         return
-    if uses_gemm(g, dtype, device_id):
-        plans = launch.plan_forward_gemm(g, dtype, bias is not None, layout, precision, aligned=_aligned(x, out))
-        plans.run(device_id, stream_ptr, x, weight, bias or 0, out, alloc)
-    else:
-        _direct_only(layout, "forward")
-        launch.plan_forward(g, dtype, bias is not None).run(device_id, stream_ptr, (x, weight, bias or 0, out))
+    args = (g, dtype, x, weight, bias, out, device_id, stream_ptr, alloc, layout, precision)
+    _run_forward(_variant(tuning.FORWARD, _run_forward, args, bias is not None, (x, out)), *args)
 
 
 def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, device_id: int,
                stream_ptr: int, alloc: launch.Allocator, layout: str = "nchw", precision: str = "strict") -> None:
     if g.batch == 0:
         return
-    if uses_gemm(g, dtype, device_id):
-        plans = launch.plan_grad_input_gemm(g, dtype, layout, precision, aligned=_aligned(grad_out, out))
-        plans.run(device_id, stream_ptr, grad_out, weight, 0, out, alloc)
-    else:
-        _direct_only(layout, "grad_input")
-        launch.plan_grad_input(g, dtype).run(device_id, stream_ptr, (grad_out, weight, out))
+    args = (g, dtype, grad_out, weight, out, device_id, stream_ptr, alloc, layout, precision)
+    _run_grad_input(_variant(tuning.GRAD_INPUT, _run_grad_input, args, False, (grad_out, out)), *args)
 
 
 def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, device_id: int, stream_ptr: int,
@@ -112,12 +107,62 @@ def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, device
     if g.batch == 0:
         _zero(out, math.prod(g.weight_shape) * launch.DTYPES[dtype][2], stream_ptr)
         return
-    if uses_gemm(g, dtype, device_id):
-        partial, reduce = launch.plan_grad_weight_gemm(g, dtype, sm_count(device_id), layout, precision)
+    args = (g, dtype, x, grad_out, out, device_id, stream_ptr, alloc, layout, precision)
+    _run_grad_weight(_variant(tuning.GRAD_WEIGHT, _run_grad_weight, args, False, (x, grad_out)), *args)
+
+
+def _variant(pass_: str, runner, args: tuple, has_bias: bool = False, activations: tuple = ()) -> tuning.Variant:
+    """The variant to run: direct without tensor cores, else the tuner's choice (a dict lookup once made).
+
+    ``args`` are ``runner``'s arguments after the variant; they start with the geometry and
+    dtype and end with device, stream, allocator, layout and precision.  ``activations``
+    are the pointers whose alignment picks the GEMM's load path.
+    """
+    g, dtype = args[0], args[1]
+    device_id, stream_ptr, _, layout, precision = args[-5:]
+    if not uses_gemm(g, dtype, device_id):
+        return tuning.DIRECT
+    v = tuning.chosen(pass_, g, dtype, layout, precision, device_id)
+    if v is None:
+        v = tuning.choose(pass_, g, dtype, layout, precision, device_id, stream_ptr, lambda c: runner(c, *args),
+                          lambda c: tuning._plan(pass_, c, g, dtype, layout, precision, has_bias,
+                                                 _aligned(*activations), sm_count(device_id)))
+    return v
+
+
+def _run_forward(v: tuning.Variant, g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], out: int,
+                 device_id: int, stream_ptr: int, alloc: launch.Allocator, layout: str, precision: str) -> None:
+    if v.gemm:
+        plans = launch.plan_forward_gemm(g, dtype, bias is not None, layout, precision, aligned=_aligned(x, out),
+                                         **v.kwargs)
+        plans.run(device_id, stream_ptr, x, weight, bias or 0, out, alloc)
+    else:
+        _direct_only(layout, "forward")
+        launch.plan_forward(g, dtype, bias is not None).run(device_id, stream_ptr, (x, weight, bias or 0, out))
+
+
+def _run_grad_input(v: tuning.Variant, g: Geometry, dtype: str, grad_out: int, weight: int, out: int,
+                    device_id: int, stream_ptr: int, alloc: launch.Allocator, layout: str, precision: str) -> None:
+    if v.gemm:
+        plans = launch.plan_grad_input_gemm(g, dtype, layout, precision, aligned=_aligned(grad_out, out), **v.kwargs)
+        plans.run(device_id, stream_ptr, grad_out, weight, 0, out, alloc)
+    else:
+        _direct_only(layout, "grad_input")
+        launch.plan_grad_input(g, dtype).run(device_id, stream_ptr, (grad_out, weight, out))
+
+
+def _run_grad_weight(v: tuning.Variant, g: Geometry, dtype: str, x: int, grad_out: int, out: int, device_id: int,
+                     stream_ptr: int, alloc: launch.Allocator, layout: str, precision: str) -> None:
+    if v.gemm:
+        aligned = _aligned(x, grad_out)
+        partial, reduce = launch.plan_grad_weight_gemm(g, dtype, sm_count(device_id), layout, precision,
+                                                       aligned=aligned, **v.kwargs)
+        launch.run_grad_weight_gemm(g, dtype, partial, reduce, device_id, stream_ptr, x, grad_out, out, alloc,
+                                    layout, aligned)
     else:
         _direct_only(layout, "grad_weight")
         partial, reduce = launch.plan_grad_weight(g, dtype, sm_count(device_id))
-    launch.run_split_k(partial, reduce, device_id, stream_ptr, (x, grad_out), out, alloc)
+        launch.run_split_k(partial, reduce, device_id, stream_ptr, (x, grad_out), out, alloc)
 
 
 def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, device_id: int, stream_ptr: int,

@@ -44,6 +44,7 @@ class Peak:
     source: str           # how the numbers were obtained; always an estimate
 
     def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``: the fp64 rate for float64, the fp32 rate otherwise."""
         return self.flops_fp64 if dtype == "float64" else self.flops_fp32
 
 
@@ -166,6 +167,7 @@ class KernelRecord:
 
     @property
     def threads(self) -> int:
+        """Threads launched: grid size times block size."""
         return _prod(self.grid) * _prod(self.block)
 
 
@@ -261,6 +263,7 @@ class Explanation:
         return [k for p in self.passes for k in p.kernels]
 
     def pass_(self, name: str) -> PassRecord:
+        """The pass called ``name`` ("forward", "grad_input", "grad_weight" or "grad_bias"); KeyError if absent."""
         for p in self.passes:
             if p.name == name:
                 return p
@@ -300,6 +303,11 @@ class Explanation:
 
     # -- plain text
     def text(self, show_source: Optional[bool] = None) -> str:
+        """The plain-text report (what ``print`` shows).
+
+        Each kernel's source is shortened to its first and last lines unless
+        ``show_source`` (default: this explanation's ``show_source``) is true.
+        """
         show = self.show_source if show_source is None else show_source
         out = [f"cupyconv.explain: {self._title()}",
                f"input {_tuple(self.input_shape)} x weight {_tuple(self.weight_shape)} -> output "
@@ -335,6 +343,7 @@ class Explanation:
 
     # -- notebooks
     def markdown(self) -> str:
+        """The report as Markdown: pass and kernel tables, each whole source in a collapsible block."""
         md = [f"### cupyconv.explain: `{self._title()}`", "",
               f"input `{_tuple(self.input_shape)}` x weight `{_tuple(self.weight_shape)}` -> output "
               f"`{_tuple(self.output_shape)}`  ",
@@ -367,6 +376,7 @@ class Explanation:
         return self.markdown()
 
     def html(self) -> str:
+        """The report as HTML (what a notebook shows): tables, and each whole source in a ``<details>`` block."""
         e = html.escape
         h = [f"<div class='cupyconv-explain'><h4>cupyconv.explain: <code>{e(self._title())}</code></h4>",
              f"<p>input <code>{_tuple(self.input_shape)}</code> &times; weight <code>{_tuple(self.weight_shape)}"
@@ -589,7 +599,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         input_shape=g.user_shape(g.input_shape), weight_shape=g.weight_shape,
         output_shape=g.user_shape(g.output_shape), dtype=dtype, geometry=g, device=device_name, gpu=gpu,
         peak=peak, sm_count=sm_count, backend=backend_name,
-        passes=_passes(g, dtype, bool(has_bias), mask, sm_count, peak, _gemm(g, dtype, gpu, device_id)),
+        passes=_passes(g, dtype, bool(has_bias), mask, sm_count, peak, _variants(g, dtype, gpu, device_id)),
         notes=notes, show_source=show_source)
 
     if gpu and compile:
@@ -624,22 +634,37 @@ def _record(pass_name: str, stage: str, plan: launch.Plan, flops: int, nbytes: i
                         bound=bound, source=source)
 
 
+def _to_channels_last_record(pass_name: str, plans: launch.GemmPlans, src_bytes: int, peak: Peak,
+                             dtype: str) -> List[KernelRecord]:
+    if plans.to_channels_last is None:
+        return []
+    return [_record(pass_name, "to_channels_last", plans.to_channels_last, 0, 2 * src_bytes, peak, dtype)]
+
+
 def _pass(name: str, flops: int, nbytes: int, kernels: List[KernelRecord], peak: Peak, dtype: str,
           note: str = "") -> PassRecord:
     compute, memory, floor, bound = _roofline(flops, nbytes, peak, dtype)
     return PassRecord(name, int(flops), int(nbytes), compute, memory, floor, bound, kernels, note)
 
 
-def _gemm(g: Geometry, dtype: str, gpu: bool, device_id: int) -> bool:
-    """Whether the engine would use the tensor-core kernels (assumed sm_80+ without a GPU)."""
-    from . import engine
+def _variants(g: Geometry, dtype: str, gpu: bool, device_id: int) -> dict:
+    """The variant the engine runs for each pass: its tuned or stored choice, else the heuristic
+    (for an sm_80+ device without a GPU)."""
+    from . import tuning
 
-    return engine.uses_gemm(g, dtype, device_id) if gpu else engine.gemm_eligible(g, dtype)
+    return {p: tuning.current(p, g, dtype, device_id=device_id if gpu else None) for p in tuning.PASSES}
 
 
 def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: Peak,
-            gemm: bool = False) -> List[PassRecord]:
-    """What each pass launches; tensor-core plans are shown for NCHW memory and strict precision."""
+            gemm=False) -> List[PassRecord]:
+    """What each pass launches; tensor-core plans are shown for NCHW memory and strict precision.
+
+    ``gemm``: whether the tensor-core kernels run, or a dict of each pass's tuning variant.
+    """
+    def variant(name):
+        v = gemm.get(name) if isinstance(gemm, dict) else None
+        return (v.gemm, v.kwargs) if v is not None else (bool(gemm) and not isinstance(gemm, dict), {})
+
     size = launch.DTYPES[dtype][2]
     acc = launch.accumulator_bytes(dtype)
     x = _prod(g.input_shape) * size
@@ -659,10 +684,12 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: 
     if empty:
         passes.append(none("forward", 0, "nothing is launched"))
     else:
-        if gemm:
-            plans = launch.plan_forward_gemm(g, dtype, has_bias)
-            kernels = [_record("forward", "pack", plans.pack, 0, 2 * w, peak, dtype),
-                       _record("forward", "main", plans.gemm, mac_flops, fwd_bytes, peak, dtype)]
+        use_gemm, options = variant("forward")
+        if use_gemm:
+            plans = launch.plan_forward_gemm(g, dtype, has_bias, **options)
+            kernels = [_record("forward", "pack", plans.pack, 0, 2 * w, peak, dtype)]
+            kernels += _to_channels_last_record("forward", plans, x, peak, dtype)
+            kernels.append(_record("forward", "main", plans.gemm, mac_flops, fwd_bytes, peak, dtype))
         else:
             kernels = [_record("forward", "main", launch.plan_forward(g, dtype, has_bias), mac_flops, fwd_bytes,
                                peak, dtype)]
@@ -673,10 +700,12 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: 
         if empty:
             passes.append(none("grad_input", 0, "nothing is launched"))
         else:
-            if gemm:
-                plans = launch.plan_grad_input_gemm(g, dtype)
-                kernels = [_record("grad_input", "pack", plans.pack, 0, 2 * w, peak, dtype),
-                           _record("grad_input", "main", plans.gemm, mac_flops, gi_bytes, peak, dtype)]
+            use_gemm, options = variant("grad_input")
+            if use_gemm:
+                plans = launch.plan_grad_input_gemm(g, dtype, **options)
+                kernels = [_record("grad_input", "pack", plans.pack, 0, 2 * w, peak, dtype)]
+                kernels += _to_channels_last_record("grad_input", plans, y, peak, dtype)
+                kernels.append(_record("grad_input", "main", plans.gemm, mac_flops, gi_bytes, peak, dtype))
             else:
                 kernels = [_record("grad_input", "main", launch.plan_grad_input(g, dtype), mac_flops, gi_bytes,
                                    peak, dtype)]
@@ -687,8 +716,9 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: 
         if empty:
             passes.append(none("grad_weight", w, "grad_weight is zero-filled with a memset"))
         else:
-            if gemm:
-                partial, reduce = launch.plan_grad_weight_gemm(g, dtype, sm_count)
+            use_gemm, options = variant("grad_weight")
+            if use_gemm:
+                partial, reduce = launch.plan_grad_weight_gemm(g, dtype, sm_count, **options)
             else:
                 partial, reduce = launch.plan_grad_weight(g, dtype, sm_count)
             chunks = partial.grid[0]
@@ -698,7 +728,7 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: 
                                partial.scratch_bytes + w, peak, dtype)]
             passes.append(_pass("grad_weight", mac_flops, gw_bytes, kernels, peak, dtype,
                                 note=f"split-K over {chunks} chunks of {partial.scalars[-1]} "
-                                     f"{'K tiles' if gemm else 'rows'}; "
+                                     f"{'K tiles' if use_gemm else 'rows'}; "
                                      f"{_bytes(partial.scratch_bytes)} of {acc}-byte partials"))
     # grad_bias = grad_output.sum((0, 2, 3)), split-K likewise
     if mask[2]:

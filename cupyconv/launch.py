@@ -28,6 +28,7 @@ DTYPES = {
 }
 INT32_LIMIT = 2 ** 31
 _GRID_YZ_LIMIT = 65535
+_STATIC_SMEM_LIMIT = 48 * 1024
 _REDUCE_BLOCK = 256
 
 
@@ -77,6 +78,7 @@ class Plan:
     scalars: Tuple[int, ...]   # runtime sizes, passed as index_t
     index_t: str
     scratch_bytes: int = 0     # split-K partials the caller must provide
+    smem_bytes: int = 0        # dynamic shared memory per block
     _functions: Dict[int, int] = field(default_factory=dict, compare=False, hash=False, repr=False)
     _params: Dict[int, "_ParamBlock"] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -84,14 +86,18 @@ class Plan:
         """The CUfunction handle of this plan's kernel on ``device_id``."""
         fn = self._functions.get(device_id)
         if fn is None:
-            fn = self._functions[device_id] = get_function(self.spec, device_id).kernel.ptr
+            kernel = get_function(self.spec, device_id)
+            if self.smem_bytes > _STATIC_SMEM_LIMIT:
+                # Blocks may only use more than 48 KB once the function has opted in.
+                kernel.max_dynamic_shared_size_bytes = self.smem_bytes
+            fn = self._functions[device_id] = kernel.kernel.ptr
         return fn
 
     def run(self, device_id: int, stream_ptr: int, pointers: Sequence[int]) -> None:
         block = self._params.get(len(pointers))
         if block is None:
             block = self._params[len(pointers)] = _ParamBlock(len(pointers), self.scalars, self.index_t)
-        block.launch(self.function(device_id), self.grid, self.block, pointers, stream_ptr)
+        block.launch(self.function(device_id), self.grid, self.block, self.smem_bytes, pointers, stream_ptr)
 
 
 class _ParamBlock:
@@ -109,12 +115,12 @@ class _ParamBlock:
         self.address = ctypes.addressof(self.array)
         self.lock = threading.Lock()
 
-    def launch(self, function: int, grid, block, pointers: Sequence[int], stream_ptr: int) -> None:
+    def launch(self, function: int, grid, block, smem_bytes: int, pointers: Sequence[int], stream_ptr: int) -> None:
         with self.lock:
             for slot, ptr in zip(self.pointers, pointers):
                 slot.value = ptr
             _driver().launchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                   0, stream_ptr, self.address, 0)
+                                   smem_bytes, stream_ptr, self.address, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,6 +291,18 @@ def mma_kind(dtype: str, precision: str) -> int:
     return _MMA_KINDS[dtype]
 
 
+# Pipeline depths of the cp.async GEMM loop.  A stage of a BM x BN tile holds
+# (BM + BN) rows of 80 bytes; four stages of 128x128 are 80 KB, so two blocks still
+# fit an SM of sm_80/sm_90.
+STAGE_CHOICES = (2, 3, 4)
+DEFAULT_STAGES = 4
+_ROW_BYTES = 80
+
+
+def stage_bytes(tile: Tile) -> int:
+    return (tile.bm + tile.bn) * _ROW_BYTES
+
+
 def _gemm_constants(g: Geometry, dtype: str, layout: str, precision: str, tile: Tile, index_t: str) -> dict:
     _check_layout(layout)
     p = g.params
@@ -347,19 +365,40 @@ def plan_pack_weight(g: Geometry, dtype: str, mode: int, tile: Tile) -> Plan:
                 constants["INDEX_T"], scratch_bytes=total * element)
 
 
+def plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str) -> Plan:
+    """Copy an NCHW activation into channels_last scratch (see to_channels_last.cu)."""
+    total = batch * channels * pixels
+    element = DTYPES[dtype][2]
+    index_t = index_type(total)
+    constants = dict(INDEX_T=index_t, ELEMENT_BYTES=element)
+    spec = KernelSpec.make("to_channels_last.cu", "to_channels_last", constants)
+    grid = (_cdiv(pixels, 32), _cdiv(channels, 32), max(1, min(batch, _GRID_YZ_LIMIT)))
+    return Plan(spec, grid, (32, 8, 1), (batch, channels, pixels), index_t, scratch_bytes=total * element)
+
+
 @dataclass(frozen=True)
 class GemmPlans:
-    """A weight repack into scratch, then the GEMM that reads it."""
+    """A weight repack into scratch, optionally the source into channels_last scratch, then the GEMM."""
 
     pack: Plan
     gemm: Plan
+    to_channels_last: Optional[Plan] = None
 
     def run(self, device_id: int, stream_ptr: int, src: int, weight: int, bias: int, dst: int,
             alloc: "Allocator") -> None:
         keep, packed = alloc(self.pack.scratch_bytes)
         self.pack.run(device_id, stream_ptr, (weight, packed))
+        keep_src = None
+        if self.to_channels_last is not None:
+            keep_src, src_cl = alloc(self.to_channels_last.scratch_bytes)
+            self.to_channels_last.run(device_id, stream_ptr, (src, src_cl))
+            src = src_cl
         self.gemm.run(device_id, stream_ptr, (src, packed, bias, dst))
-        del keep
+        del keep, keep_src
+
+    @property
+    def plans(self) -> List[Plan]:
+        return [p for p in (self.pack, self.to_channels_last, self.gemm) if p is not None]
 
 
 def vector_ok(g: Geometry, dtype: str, mode: int) -> bool:
@@ -369,49 +408,105 @@ def vector_ok(g: Geometry, dtype: str, mode: int) -> bool:
 
 
 def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, precision: str,
-               tile: Optional[Tile], aligned: bool) -> GemmPlans:
+               tile: Optional[Tile], aligned: bool, stages: Optional[int]) -> GemmPlans:
     sh, sw = g.params.stride
     if mode == 0:
         h_out, w_out = g.out_size
         m, cg_n, phases = g.batch * _cdiv(h_out, sh) * _cdiv(w_out, sw), g.out_per_group, sh * sw
         sizes = (g.batch,) + g.in_size + g.out_size
+        src_channels, src_pixels = g.in_channels, g.in_size[0] * g.in_size[1]
     else:
         h, w = g.in_size
         m, cg_n, phases = g.batch * h * w, g.in_per_group, 1
         sizes = (g.batch,) + g.out_size + g.in_size
+        src_channels, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
     tile = tile or _default_tile(gemm_tile(m, cg_n), dtype, precision)
     index_t = _gemm_index_t(g)
     constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
-    constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0,
-                     A_VEC=layout == "nhwc" and aligned and vector_ok(g, dtype, mode))
+    del constants["CHANNELS_LAST"]
+    # Whole 16-byte channel runs are copied with cp.async; an NCHW source is first
+    # copied into channels_last scratch for that (its own scratch is always aligned).
+    vectors = vector_ok(g, dtype, mode)
+    transpose = layout == "nchw" and vectors
+    a_vec = transpose or (layout == "nhwc" and aligned and vectors)
+    stages = (stages or DEFAULT_STAGES) if a_vec else 2
+    if stages not in STAGE_CHOICES:
+        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
+    constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0, A_VEC=a_vec, STAGES=stages,
+                     SRC_CL=layout == "nhwc" or transpose, DST_CL=layout == "nhwc")
     spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
     grid = (_cdiv(m, tile.bm), g.groups * _cdiv(cg_n, tile.bn), phases)
-    gemm = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), sizes, index_t)
-    return GemmPlans(plan_pack_weight(g, dtype, mode, tile), gemm)
+    gemm = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), sizes, index_t,
+                smem_bytes=stages * stage_bytes(tile))
+    to_cl = plan_to_channels_last(g.batch, src_channels, src_pixels, dtype) if transpose else None
+    return GemmPlans(plan_pack_weight(g, dtype, mode, tile), gemm, to_cl)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_forward_gemm(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", precision: str = "strict",
-                      tile: Optional[Tile] = None, aligned: bool = True) -> GemmPlans:
+                      tile: Optional[Tile] = None, aligned: bool = True, stages: Optional[int] = None) -> GemmPlans:
     """Forward as one implicit GEMM per stride phase (grid z).
 
     ``aligned``: the activation pointers are 16-byte aligned (channels_last vector loads).
+    ``stages``: cp.async pipeline depth (one of :data:`STAGE_CHOICES`; default
+    :data:`DEFAULT_STAGES`); the element-gathering fallback always double-buffers.
     """
-    return _plan_gemm(g, dtype, 0, has_bias, layout, precision, tile, aligned)
+    return _plan_gemm(g, dtype, 0, has_bias, layout, precision, tile, aligned, stages)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input_gemm(g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict",
-                         tile: Optional[Tile] = None, aligned: bool = True) -> GemmPlans:
-    """grad_input (a strided conv2d of grad_output) as one implicit GEMM."""
-    return _plan_gemm(g, dtype, 1, False, layout, precision, tile, aligned)
+                         tile: Optional[Tile] = None, aligned: bool = True, stages: Optional[int] = None) -> GemmPlans:
+    """grad_input (a strided conv2d of grad_output) as one implicit GEMM; see :func:`plan_forward_gemm`."""
+    return _plan_gemm(g, dtype, 1, False, layout, precision, tile, aligned, stages)
+
+
+def grad_weight_vectors(g: Geometry, dtype: str, layout: str, aligned: bool = True) -> Tuple[bool, bool]:
+    """(vector tiles, NCHW sources to copy into channels_last first) for the grad_weight GEMM.
+
+    Vector tiles copy 16-byte channel runs of 16-bit channels_last data with cp.async.
+    """
+    runs = DTYPES[dtype][2] == 2 and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
+    transpose = runs and layout == "nchw"
+    return transpose or (runs and layout == "nhwc" and aligned), transpose
+
+
+def plan_grad_weight_sources(g: Geometry, dtype: str) -> Tuple[Plan, Plan]:
+    """The channels_last copies of x and grad_output that the vector grad_weight GEMM reads."""
+    return (plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype),
+            plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype))
+
+
+def run_grad_weight_gemm(g: Geometry, dtype: str, partial: Plan, reduce: Plan, device_id: int, stream_ptr: int,
+                         x: int, grad_out: int, out: int, alloc: Allocator, layout: str, aligned: bool) -> None:
+    """Run a :func:`plan_grad_weight_gemm` pair, first copying NCHW sources into channels_last if it needs them."""
+    keep = []
+    if dict(partial.spec.constants)["VEC"] and layout == "nchw":
+        sources = []
+        for plan, src in zip(plan_grad_weight_sources(g, dtype), (x, grad_out)):
+            buffer, ptr = alloc(plan.scratch_bytes)
+            plan.run(device_id, stream_ptr, (src, ptr))
+            keep.append(buffer)
+            sources.append(ptr)
+        x, grad_out = sources
+    run_split_k(partial, reduce, device_id, stream_ptr, (x, grad_out), out, alloc)
+    del keep
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw", precision: str = "strict",
-                          tile: Optional[Tile] = None) -> Tuple[Plan, Plan]:
-    """grad_weight as a split-K implicit GEMM per (group, tap), and the fixed-order reduction."""
+                          tile: Optional[Tile] = None, aligned: bool = True,
+                          stages: Optional[int] = None) -> Tuple[Plan, Plan]:
+    """grad_weight as a split-K implicit GEMM per (group, tap), and the fixed-order reduction.
+
+    When :func:`grad_weight_vectors` says the sources must be copied into
+    channels_last first, :func:`plan_grad_weight_sources` plans those copies.
+    """
     tile = tile or _default_tile(grad_weight_tile(g.in_per_group, g.out_per_group), dtype, precision)
+    vec, transpose = grad_weight_vectors(g, dtype, layout, aligned)
+    stages = (stages or DEFAULT_STAGES) if vec else 2
+    if stages not in STAGE_CHOICES:
+        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
     taps = g.kernel[0] * g.kernel[1]
     h, w = g.in_size
     k_tiles = _cdiv(g.batch * h * w, _bk(dtype))
@@ -424,10 +519,15 @@ def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = 
     weight_elems = _numel(g.weight_shape)
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), splits * weight_elems)
     constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
+    constants.update(CHANNELS_LAST=layout == "nhwc" or transpose, VEC=vec, STAGES=stages)
     spec = KernelSpec.make("conv_transpose2d_grad_weight_igemm.cu", "conv_transpose2d_grad_weight_igemm", constants)
-    grid = (splits, _cdiv(g.in_per_group, tile.bm) * _cdiv(g.out_per_group, tile.bn), g.groups * taps)
+    # Taps fastest: blocks reading the same K range of x and grad_out run together.
+    grid = (g.groups * taps, _cdiv(g.in_per_group, tile.bm) * _cdiv(g.out_per_group, tile.bn), splits)
+    bk = _bk(dtype)
+    smem = stages * (bk * (tile.bm + tile.bn) * 2 + 2 * bk * 16) if vec else 2 * stage_bytes(tile)
     partial = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1),
-                   (g.batch, h, w) + g.out_size + (per_split,), index_t, scratch_bytes=splits * weight_elems * 4)
+                   (g.batch, h, w) + g.out_size + (per_split,), index_t, scratch_bytes=splits * weight_elems * 4,
+                   smem_bytes=smem)
     return partial, plan_reduce(dtype, weight_elems, splits, index_t)
 
 
@@ -436,7 +536,7 @@ def gemm_fits(g: Geometry, dtype: str) -> bool:
     if dtype not in ("float16", "bfloat16", "float32"):
         return False
     taps = g.kernel[0] * g.kernel[1]
-    return g.groups * taps <= _GRID_YZ_LIMIT and g.groups * _cdiv(max(g.in_per_group, g.out_per_group), 32) \
+    return g.groups * taps < 2 ** 31 and g.groups * _cdiv(max(g.in_per_group, g.out_per_group), 32) \
         <= _GRID_YZ_LIMIT and taps <= 256
 
 
@@ -455,8 +555,11 @@ def all_gemm_plans(g: Geometry, dtype: str, has_bias: bool, layout: str, precisi
     for aligned in ((False, True) if layout == "nhwc" else (True,)):
         for pair in (plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=aligned),
                      plan_grad_input_gemm(g, dtype, layout, precision, aligned=aligned)):
-            plans += [pair.pack, pair.gemm]
-    return plans + list(plan_grad_weight_gemm(g, dtype, sm_count, layout, precision))
+            plans += pair.plans
+    plans += list(plan_grad_weight_gemm(g, dtype, sm_count, layout, precision))
+    if grad_weight_vectors(g, dtype, layout)[1]:
+        plans += list(plan_grad_weight_sources(g, dtype))
+    return plans
 
 
 def clear_plan_cache() -> None:

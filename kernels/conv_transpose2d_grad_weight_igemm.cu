@@ -1,13 +1,19 @@
 // grad_weight of a transposed convolution as a split-K tensor-core implicit GEMM.
 //
-// For each group and tap (blockIdx.z) it is a GEMM with M = input channels of the
+// For each group and tap (blockIdx.x) it is a GEMM with M = input channels of the
 // group, N = output channels of the group and K = every input pixel:
 //   grad_weight[ic, oc, kh, kw] = sum over (n, i, j) of
 //       x[n, ic, i, j] * grad_out[n, oc, SH*i - PH + kh*DH, SW*j - PW + kw*DW]
-// blockIdx.x picks a fixed range of K; each block writes its partial product (no
+// blockIdx.z picks a fixed range of K; each block writes its partial product (no
 // atomics) and reduce_partials.cu adds the ranges in a fixed order, so the result
-// is bitwise reproducible.  The pixels of the next K tile are decoded into a small
-// shared table one tile ahead, so the loaders do no division.
+// is bitwise reproducible.  The taps of one group run side by side (blockIdx.x is
+// fastest), so they share the same stretch of x and grad_out through L2.
+//
+// VEC (16-bit types, channels_last, whole 16-byte channel runs): each K row of a
+// tile is a run of channels of one pixel, so tiles are cp.async copies into a
+// STAGES-deep ring of [K][channels] buffers, read with ldmatrix.trans.  Otherwise
+// the pixels of the next K tile are decoded into a small shared table one tile
+// ahead and the elements are gathered through registers.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -24,6 +30,8 @@ constexpr int GROUPS = {{GROUPS}};
 constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr int BM = {{BM}}, BN = {{BN}};
 constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
+constexpr bool VEC = {{VEC}};
+constexpr int STAGES = {{STAGES}};
 
 constexpr int THREADS = WARPS_M * WARPS_N * 32;
 // At least 8 resident warps per SM, so one block's barrier does not idle the SM.
@@ -45,6 +53,17 @@ static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole 16x16 mma pair
 static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS == 0, "loader mapping");
 static_assert(A_WORDS >= 1 && B_WORDS >= 1, "every thread loads at least one word of each tile");
 
+// VEC: [BK][BM] and [BK][BN] 16-bit tiles; a pitch of 4 (mod 16) words keeps ldmatrix conflict-free.
+constexpr int A_PITCH = BM / 2 + 4, B_PITCH = BN / 2 + 4;
+constexpr int A_VECS = BK * BM / 8 / THREADS, B_VECS = BK * BN / 8 / THREADS;
+constexpr int VEC_STAGE_WORDS = BK * (A_PITCH + B_PITCH);
+static_assert(!VEC || (sizeof(scalar_t) == 2 && CHANNELS_LAST && CIN_G % 8 == 0 && COUT_G % 8 == 0),
+              "vector tiles need 16-bit channels_last data in whole 16-byte runs");
+static_assert(!VEC || (A_VECS * THREADS == BK * BM / 8 && B_VECS * THREADS == BK * BN / 8 && A_VECS >= 1),
+              "every thread copies whole vectors of each tile");
+static_assert(VEC ? STAGES >= 2 : STAGES == 2, "the register-staged path double-buffers");
+constexpr int STAGE_WORDS = VEC ? VEC_STAGE_WORDS : (BM + BN) * ROW_WORDS;
+
 template <int ROWS>
 using Map = TileMap<ROWS, ROWS_FASTEST, THREADS>;
 
@@ -54,18 +73,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
                                    float* __restrict__ partial, index_t N, index_t H, index_t W,
                                    index_t H_out, index_t W_out, index_t k_tiles_per_split) {
-    __shared__ __align__(16) unsigned a_tile[2][BM * ROW_WORDS];
-    __shared__ __align__(16) unsigned b_tile[2][BN * ROW_WORDS];
+    extern __shared__ __align__(16) unsigned stage_smem[];  // STAGES x (A tile, B tile)
     __shared__ Pixel pixels[2][BK];
+    auto a_tile = [&](int s) { return stage_smem + s * STAGE_WORDS; };
+    auto b_tile = [&](int s) { return stage_smem + s * STAGE_WORDS + (VEC ? BK * A_PITCH : BM * ROW_WORDS); };
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int g = blockIdx.z / TAPS, t = blockIdx.z % TAPS;
+    const int g = blockIdx.x / TAPS, t = blockIdx.x % TAPS;
     const int dh = (t / KW) * DH - PH, dw = (t % KW) * DW - PW;
     const int m0 = (blockIdx.y / N_TILES) * BM, n0 = (blockIdx.y % N_TILES) * BN;
     const index_t plane = H * W, plane_out = H_out * W_out;
     const index_t K = N * plane;
     const index_t k_tiles_total = (K + BK - 1) / BK;
-    const index_t kt0 = static_cast<index_t>(blockIdx.x) * k_tiles_per_split;
+    const index_t kt0 = static_cast<index_t>(blockIdx.z) * k_tiles_per_split;
     const index_t kt1 = kt0 + k_tiles_per_split < k_tiles_total ? kt0 + k_tiles_per_split : k_tiles_total;
     const int k_tiles = kt1 > kt0 ? static_cast<int>(kt1 - kt0) : 0;
 
@@ -86,71 +106,114 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
     const scalar_t* x_group = x + static_cast<index_t>(g * CIN_G + m0) * c_stride;
     const scalar_t* go_group = grad_out + static_cast<index_t>(g * COUT_G + n0) * c_stride_out;
 
-    unsigned a_regs[A_WORDS], b_regs[B_WORDS];
-    auto load_tiles = [&](int slot) {
-#pragma unroll
-        for (int q = 0; q < A_WORDS; ++q) {
-            const int r = Map<BM>::row(tid, q);
-            const int kk = Map<BM>::word(tid, q) * PER_WORD;
-            unsigned word = 0;
-#pragma unroll
-            for (int e = 0; e < PER_WORD; ++e) {
-                const Pixel px = pixels[slot][kk + e];
-                const index_t pixel = static_cast<index_t>(px.i) * W + px.j;
-                const scalar_t* p = x_group + px.n * plane * CIN + (CHANNELS_LAST ? pixel * CIN : pixel) + r * c_stride;
-                word |= raw_bits(p, px.n >= 0 && m0 + r < CIN_G) << (16 * e);
-            }
-            a_regs[q] = word;
-        }
-#pragma unroll
-        for (int q = 0; q < B_WORDS; ++q) {
-            const int r = Map<BN>::row(tid, q);
-            const int kk = Map<BN>::word(tid, q) * PER_WORD;
-            unsigned word = 0;
-#pragma unroll
-            for (int e = 0; e < PER_WORD; ++e) {
-                const Pixel px = pixels[slot][kk + e];
-                const index_t oh = static_cast<index_t>(SH) * px.i + dh;
-                const index_t ow = static_cast<index_t>(SW) * px.j + dw;
-                const bool ok = px.n >= 0 && n0 + r < COUT_G && oh >= 0 && oh < H_out && ow >= 0 && ow < W_out;
-                const index_t pixel = oh * W_out + ow;
-                const scalar_t* p = go_group + px.n * plane_out * COUT + (CHANNELS_LAST ? pixel * COUT : pixel)
-                                    + r * c_stride_out;
-                word |= raw_bits(p, ok) << (16 * e);
-            }
-            b_regs[q] = word;
-        }
-    };
-
     float acc[MI][NI][4], total[MI][NI][4];
     zero(acc);
     zero(total);
 
     const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
-    if (k_tiles > 0) {
-        decode(0, 0);
-        __syncthreads();
-        load_tiles(0);
-        Map<BM>::store(a_tile[0], tid, a_regs);
-        Map<BN>::store(b_tile[0], tid, b_regs);
-        if (k_tiles > 1) decode(1, 1);
-        __syncthreads();
-    }
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const int cur = kt & 1;
-        if (kt + 1 < k_tiles) load_tiles(cur ^ 1);
-        warp_tile_mma<KIND, MI, NI>(acc, a_tile[cur], b_tile[cur], warp_row, warp_col, lane);
-        if constexpr (KIND == MMA_3XTF32) promote(total, acc);
-        if (kt + 1 < k_tiles) {
-            Map<BM>::store(a_tile[cur ^ 1], tid, a_regs);
-            Map<BN>::store(b_tile[cur ^ 1], tid, b_regs);
+
+    if constexpr (VEC) {
+        // Each thread copies the same K rows and channel runs of every tile.
+        constexpr int A_RUNS = BM / 8, B_RUNS = BN / 8;
+        auto issue = [&](int kt, int s) {
+            const index_t p0 = (kt0 + kt) * BK;
+#pragma unroll
+            for (int q = 0; q < A_VECS; ++q) {
+                const int v = tid + q * THREADS, row = v / A_RUNS, c = (v % A_RUNS) * 8;
+                const index_t p = p0 + row;
+                const bool ok = p < K && m0 + c < CIN_G;
+                cp_async_16(smem_addr(a_tile(s) + row * A_PITCH + c / 2), ok ? x_group + p * CIN + c : x, ok);
+            }
+#pragma unroll
+            for (int q = 0; q < B_VECS; ++q) {
+                const int v = tid + q * THREADS, row = v / B_RUNS, c = (v % B_RUNS) * 8;
+                const index_t p = p0 + row;
+                const index_t n = p / plane, rem = p - n * plane;
+                const index_t i = rem / W, j = rem - i * W;
+                const index_t oh = static_cast<index_t>(SH) * i + dh, ow = static_cast<index_t>(SW) * j + dw;
+                const bool ok = p < K && n0 + c < COUT_G && oh >= 0 && oh < H_out && ow >= 0 && ow < W_out;
+                cp_async_16(smem_addr(b_tile(s) + row * B_PITCH + c / 2),
+                            ok ? go_group + ((n * H_out + oh) * W_out + ow) * COUT + c : grad_out, ok);
+            }
+        };
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < k_tiles) issue(s, s);
+            cp_async_commit();  // empty groups keep the wait count uniform
         }
-        if (kt + 2 < k_tiles) decode(cur, kt + 2);
-        __syncthreads();
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // tile kt landed everywhere; the buffer issued next is free
+            const int next = kt + STAGES - 1;
+            if (next < k_tiles) issue(next, next % STAGES);
+            cp_async_commit();
+            const int cur = kt % STAGES;
+            warp_tile_mma_kmajor<KIND, MI, NI, A_PITCH, B_PITCH, BK / 16>(acc, a_tile(cur), b_tile(cur), warp_row,
+                                                                          warp_col, lane);
+        }
+        cp_async_wait<0>();
+    } else {
+        unsigned a_regs[A_WORDS], b_regs[B_WORDS];
+        auto load_tiles = [&](int slot) {
+#pragma unroll
+            for (int q = 0; q < A_WORDS; ++q) {
+                const int r = Map<BM>::row(tid, q);
+                const int kk = Map<BM>::word(tid, q) * PER_WORD;
+                unsigned word = 0;
+#pragma unroll
+                for (int e = 0; e < PER_WORD; ++e) {
+                    const Pixel px = pixels[slot][kk + e];
+                    const index_t pixel = static_cast<index_t>(px.i) * W + px.j;
+                    const scalar_t* p = x_group + px.n * plane * CIN + (CHANNELS_LAST ? pixel * CIN : pixel) + r * c_stride;
+                    word |= raw_bits(p, px.n >= 0 && m0 + r < CIN_G) << (16 * e);
+                }
+                a_regs[q] = word;
+            }
+#pragma unroll
+            for (int q = 0; q < B_WORDS; ++q) {
+                const int r = Map<BN>::row(tid, q);
+                const int kk = Map<BN>::word(tid, q) * PER_WORD;
+                unsigned word = 0;
+#pragma unroll
+                for (int e = 0; e < PER_WORD; ++e) {
+                    const Pixel px = pixels[slot][kk + e];
+                    const index_t oh = static_cast<index_t>(SH) * px.i + dh;
+                    const index_t ow = static_cast<index_t>(SW) * px.j + dw;
+                    const bool ok = px.n >= 0 && n0 + r < COUT_G && oh >= 0 && oh < H_out && ow >= 0 && ow < W_out;
+                    const index_t pixel = oh * W_out + ow;
+                    const scalar_t* p = go_group + px.n * plane_out * COUT + (CHANNELS_LAST ? pixel * COUT : pixel)
+                                        + r * c_stride_out;
+                    word |= raw_bits(p, ok) << (16 * e);
+                }
+                b_regs[q] = word;
+            }
+        };
+
+        if (k_tiles > 0) {
+            decode(0, 0);
+            __syncthreads();
+            load_tiles(0);
+            Map<BM>::store(a_tile(0), tid, a_regs);
+            Map<BN>::store(b_tile(0), tid, b_regs);
+            if (k_tiles > 1) decode(1, 1);
+            __syncthreads();
+        }
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            const int cur = kt & 1;
+            if (kt + 1 < k_tiles) load_tiles(cur ^ 1);
+            warp_tile_mma<KIND, MI, NI>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
+            if constexpr (KIND == MMA_3XTF32) promote(total, acc);
+            if (kt + 1 < k_tiles) {
+                Map<BM>::store(a_tile(cur ^ 1), tid, a_regs);
+                Map<BN>::store(b_tile(cur ^ 1), tid, b_regs);
+            }
+            if (kt + 2 < k_tiles) decode(cur, kt + 2);
+            __syncthreads();
+        }
     }
 
     // partial[split][g*CIN_G + ic][oc][t]: the weight's own layout, one copy per split
-    float* out = partial + static_cast<index_t>(blockIdx.x) * CIN * COUT_G * TAPS
+    float* out = partial + static_cast<index_t>(blockIdx.z) * CIN * COUT_G * TAPS
                  + static_cast<index_t>(g) * CIN_G * COUT_G * TAPS + t;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)

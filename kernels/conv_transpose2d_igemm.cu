@@ -11,10 +11,13 @@
 //     grad_in row i reads grad_out rows SH*i + kh*DH - PH for every tap.
 // K runs tap-major, then channel chunks, so one K tile shares one tap and the
 // bounds test is per row, not per element.  The weight arrives repacked by
-// pack_weight.cu, so B tiles are plain 16-byte vector loads; channels_last
-// activations with 16-byte aligned channel runs (A_VEC) are vector loads too.
-// Tiles go global -> registers -> shared memory with two shared buffers: the next
-// tile's loads are in flight while the tensor cores work on the current one.
+// pack_weight.cu, so B tiles are plain 16-byte vector loads.
+// When the source is channels_last with 16-byte aligned channel runs (A_VEC; NCHW
+// sources are transposed into that form first by to_channels_last.cu), both tiles
+// are cp.async copies into a STAGES-deep ring of shared buffers, so several tiles'
+// global latency overlaps the tensor-core work and no registers stage the data.
+// Otherwise A is gathered element by element through registers, one tile ahead.
+// The source and destination layouts are independent (SRC_CL, DST_CL).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -23,7 +26,9 @@ typedef {{INDEX_T}} index_t;
 
 constexpr int MODE = {{MODE}};
 constexpr int KIND = {{MMA_KIND}};
-constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
+constexpr bool SRC_CL = {{SRC_CL}};   // source activations channels_last
+constexpr bool DST_CL = {{DST_CL}};   // destination channels_last
+constexpr int STAGES = {{STAGES}};
 constexpr int KH = {{KH}}, KW = {{KW}};
 constexpr int SH = {{SH}}, SW = {{SW}};
 constexpr int PH = {{PH}}, PW = {{PW}};
@@ -50,12 +55,14 @@ constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
 constexpr int MI = WM / 16, NI = WN / 8;
 // packed weight (pack_weight.cu): [GROUPS][TAPS][N_PAD][K_PAD]
 constexpr int N_PAD = N_TILES * BN, K_PAD = CHUNKS * BK;
-constexpr bool A_ROWS_FASTEST = !CHANNELS_LAST;   // NCHW: neighbouring pixels are adjacent
+constexpr bool A_ROWS_FASTEST = !SRC_CL;   // NCHW: neighbouring pixels are adjacent
 constexpr int A_WORDS = BM * TILE_K_WORDS / THREADS;
 constexpr int VEC_PER_ROW = TILE_K_WORDS / 4;     // 16-byte vectors per 64-byte tile row
 constexpr int A_VECS = BM * VEC_PER_ROW / THREADS;
 constexpr int B_VECS = BN * VEC_PER_ROW / THREADS;
-static_assert(!A_VEC || (CHANNELS_LAST && CG_K % (4 * PER_WORD) == 0), "vector loads need whole channel runs");
+static_assert(!A_VEC || (SRC_CL && CG_K % (4 * PER_WORD) == 0), "vector loads need whole channel runs");
+static_assert(A_VEC ? STAGES >= 2 : STAGES == 2, "the register-staged path double-buffers");
+constexpr int STAGE_WORDS = (BM + BN) * ROW_WORDS;
 
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole 16x16 mma pairs");
 static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS == 0, "loader mapping");
@@ -69,11 +76,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restrict__ packed_weight,
                        const scalar_t* __restrict__ bias, scalar_t* __restrict__ dst,
                        index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST) {
-    __shared__ __align__(16) unsigned a_tile[2][BM * ROW_WORDS];
-    __shared__ __align__(16) unsigned b_tile[2][BN * ROW_WORDS];
+    extern __shared__ __align__(16) unsigned stage_smem[];  // STAGES x (A tile, B tile)
     __shared__ int row_n[BM], row_i[BM], row_j[BM];
     __shared__ Tap taps[TAPS];
     __shared__ int tap_count;
+    auto a_tile = [&](int s) { return stage_smem + s * STAGE_WORDS; };
+    auto b_tile = [&](int s) { return stage_smem + s * STAGE_WORDS + BM * ROW_WORDS; };
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     // Rows i, cols j of this GEMM's M grid map to dst (O_SH*i + rh, O_SW*j + rw) and
@@ -119,92 +127,118 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
 
     const index_t src_plane = H_SRC * W_SRC;
     const index_t src_batch = src_plane * C_SRC;
-    constexpr index_t SRC_C_STRIDE_NHWC = 1;
-    const index_t src_c_stride = CHANNELS_LAST ? SRC_C_STRIDE_NHWC : src_plane;
+    const index_t src_c_stride = SRC_CL ? 1 : src_plane;
     const scalar_t* src_group = src + static_cast<index_t>(g) * CG_K * src_c_stride;
     const scalar_t* w_group = packed_weight + static_cast<index_t>(g) * TAPS * N_PAD * K_PAD
                               + static_cast<index_t>(n0) * K_PAD;
 
-    unsigned a_regs[A_WORDS];
-    uint4 a_vecs[A_VEC ? A_VECS : 1], b_vecs[B_VECS];
-    auto load_tiles = [&](int kt) {
-        const Tap tap = taps[kt / CHUNKS];
-        const int c0 = (kt % CHUNKS) * BK;
-        if constexpr (A_VEC) {
-#pragma unroll
-            for (int q = 0; q < A_VECS; ++q) {
-                const int v = tid + q * THREADS;
-                const int r = v / VEC_PER_ROW;
-                const int k = c0 + (v % VEC_PER_ROW) * 4 * PER_WORD;
-                const index_t ih = static_cast<index_t>(A_SH) * row_i[r] + tap.dh;
-                const index_t iw = static_cast<index_t>(A_SW) * row_j[r] + tap.dw;
-                const bool ok = row_n[r] >= 0 && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC && k < CG_K;
-                a_vecs[q] = ok ? __ldg(reinterpret_cast<const uint4*>(
-                                     src_group + row_n[r] * src_batch + (ih * W_SRC + iw) * C_SRC + k))
-                               : make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < (A_VEC ? 0 : A_WORDS); ++q) {
-            const int r = AMap::row(tid, q);
-            const int k = c0 + AMap::word(tid, q) * PER_WORD;
-            const index_t ih = static_cast<index_t>(A_SH) * row_i[r] + tap.dh;
-            const index_t iw = static_cast<index_t>(A_SW) * row_j[r] + tap.dw;
-            const bool ok = row_n[r] >= 0 && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC;
-            const index_t pixel = ih * W_SRC + iw;
-            const scalar_t* p = src_group + row_n[r] * src_batch + (CHANNELS_LAST ? pixel * C_SRC : pixel)
-                                + k * src_c_stride;
-            unsigned word = 0;
-#pragma unroll
-            for (int e = 0; e < PER_WORD; ++e)
-                word |= raw_bits(p + e * src_c_stride, ok && k + e < CG_K) << (16 * e);
-            a_regs[q] = word;
-        }
-        const scalar_t* w_tile = w_group + static_cast<index_t>(tap.w) * N_PAD * K_PAD + c0;
-#pragma unroll
-        for (int q = 0; q < B_VECS; ++q) {
-            const int v = tid + q * THREADS;
-            b_vecs[q] = __ldg(reinterpret_cast<const uint4*>(
-                w_tile + static_cast<index_t>(v / VEC_PER_ROW) * K_PAD + (v % VEC_PER_ROW) * 4 * PER_WORD));
-        }
-    };
     // A vector lands where it came from: row v / VEC_PER_ROW, words 4 * (v % VEC_PER_ROW) on.
     auto vector_slot = [&](unsigned* tile, int q) {
         const int v = tid + q * THREADS;
-        return reinterpret_cast<uint4*>(tile + (v / VEC_PER_ROW) * ROW_WORDS + (v % VEC_PER_ROW) * 4);
+        return tile + (v / VEC_PER_ROW) * ROW_WORDS + (v % VEC_PER_ROW) * 4;
     };
-    auto store_tiles = [&](int buf) {
-        if constexpr (A_VEC) {
-#pragma unroll
-            for (int q = 0; q < A_VECS; ++q) *vector_slot(a_tile[buf], q) = a_vecs[q];
-        } else {
-            AMap::store(a_tile[buf], tid, a_regs);
-        }
-#pragma unroll
-        for (int q = 0; q < B_VECS; ++q) *vector_slot(b_tile[buf], q) = b_vecs[q];
+    auto b_source = [&](int kt, int q) {
+        const int v = tid + q * THREADS;
+        return w_group + static_cast<index_t>(taps[kt / CHUNKS].w) * N_PAD * K_PAD + (kt % CHUNKS) * BK
+               + static_cast<index_t>(v / VEC_PER_ROW) * K_PAD + (v % VEC_PER_ROW) * 4 * PER_WORD;
     };
 
     float acc[MI][NI][4], total[MI][NI][4];
     zero(acc);
     zero(total);
-
     const int warp_row = (warp / WARPS_N) * WM, warp_col = (warp % WARPS_N) * WN;
-    if (k_tiles > 0) {
-        load_tiles(0);
-        store_tiles(0);
-        __syncthreads();
-    }
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const int cur = kt & 1;
-        if (kt + 1 < k_tiles) load_tiles(kt + 1);
-        warp_tile_mma<KIND, MI, NI>(acc, a_tile[cur], b_tile[cur], warp_row, warp_col, lane);
-        if constexpr (KIND == MMA_3XTF32) promote(total, acc);
-        if (kt + 1 < k_tiles) store_tiles(cur ^ 1);
-        __syncthreads();
+
+    if constexpr (A_VEC) {
+        // Each thread copies the same A rows for every K tile: keep their coordinates.
+        const scalar_t* a_row[A_VECS];
+        int a_i[A_VECS], a_j[A_VECS], a_k[A_VECS];
+#pragma unroll
+        for (int q = 0; q < A_VECS; ++q) {
+            const int v = tid + q * THREADS;
+            const int r = v / VEC_PER_ROW;
+            a_row[q] = row_n[r] >= 0 ? src_group + row_n[r] * src_batch : nullptr;
+            a_i[q] = A_SH * row_i[r];
+            a_j[q] = A_SW * row_j[r];
+            a_k[q] = (v % VEC_PER_ROW) * 4 * PER_WORD;
+        }
+        auto issue = [&](int kt, int s) {
+            const Tap tap = taps[kt / CHUNKS];
+            const int c0 = (kt % CHUNKS) * BK;
+#pragma unroll
+            for (int q = 0; q < A_VECS; ++q) {
+                const int ih = a_i[q] + tap.dh, iw = a_j[q] + tap.dw, k = c0 + a_k[q];
+                const bool ok = a_row[q] != nullptr && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC && k < CG_K;
+                const scalar_t* p = ok ? a_row[q] + (static_cast<index_t>(ih) * W_SRC + iw) * C_SRC + k : src;
+                cp_async_16(smem_addr(vector_slot(a_tile(s), q)), p, ok);
+            }
+#pragma unroll
+            for (int q = 0; q < B_VECS; ++q) cp_async_16(smem_addr(vector_slot(b_tile(s), q)), b_source(kt, q), true);
+        };
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < k_tiles) issue(s, s);
+            cp_async_commit();  // empty groups keep the wait count uniform
+        }
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            cp_async_wait<STAGES - 2>();
+            // Tile kt has landed for every thread, and every warp is done with the
+            // buffer the next issue overwrites (it held tile kt - 1).
+            __syncthreads();
+            const int next = kt + STAGES - 1;
+            if (next < k_tiles) issue(next, next % STAGES);
+            cp_async_commit();
+            const int cur = kt % STAGES;
+            warp_tile_mma<KIND, MI, NI>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
+            if constexpr (KIND == MMA_3XTF32) promote(total, acc);
+        }
+        cp_async_wait<0>();
+    } else {
+        unsigned a_regs[A_WORDS];
+        uint4 b_vecs[B_VECS];
+        auto load_tiles = [&](int kt) {
+            const Tap tap = taps[kt / CHUNKS];
+            const int c0 = (kt % CHUNKS) * BK;
+#pragma unroll
+            for (int q = 0; q < A_WORDS; ++q) {
+                const int r = AMap::row(tid, q);
+                const int k = c0 + AMap::word(tid, q) * PER_WORD;
+                const index_t ih = static_cast<index_t>(A_SH) * row_i[r] + tap.dh;
+                const index_t iw = static_cast<index_t>(A_SW) * row_j[r] + tap.dw;
+                const bool ok = row_n[r] >= 0 && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC;
+                const index_t pixel = ih * W_SRC + iw;
+                const scalar_t* p = src_group + row_n[r] * src_batch + (SRC_CL ? pixel * C_SRC : pixel)
+                                    + k * src_c_stride;
+                unsigned word = 0;
+#pragma unroll
+                for (int e = 0; e < PER_WORD; ++e)
+                    word |= raw_bits(p + e * src_c_stride, ok && k + e < CG_K) << (16 * e);
+                a_regs[q] = word;
+            }
+#pragma unroll
+            for (int q = 0; q < B_VECS; ++q) b_vecs[q] = __ldg(reinterpret_cast<const uint4*>(b_source(kt, q)));
+        };
+        auto store_tiles = [&](int s) {
+            AMap::store(a_tile(s), tid, a_regs);
+#pragma unroll
+            for (int q = 0; q < B_VECS; ++q) *reinterpret_cast<uint4*>(vector_slot(b_tile(s), q)) = b_vecs[q];
+        };
+        if (k_tiles > 0) {
+            load_tiles(0);
+            store_tiles(0);
+            __syncthreads();
+        }
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            const int cur = kt & 1;
+            if (kt + 1 < k_tiles) load_tiles(kt + 1);
+            warp_tile_mma<KIND, MI, NI>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
+            if constexpr (KIND == MMA_3XTF32) promote(total, acc);
+            if (kt + 1 < k_tiles) store_tiles(cur ^ 1);
+            __syncthreads();
+        }
     }
 
     const index_t dst_plane = H_DST * W_DST;
-    const index_t dst_c_stride = CHANNELS_LAST ? 1 : dst_plane;
+    const index_t dst_c_stride = DST_CL ? 1 : dst_plane;
     scalar_t* dst_group = dst + static_cast<index_t>(g) * CG_N * dst_c_stride;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
@@ -213,7 +247,7 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
             const int r = warp_row + mi * 16 + (lane >> 2) + h * 8;
             if (row_n[r] < 0) continue;
             const index_t pixel = (static_cast<index_t>(O_SH) * row_i[r] + rh) * W_DST + O_SW * row_j[r] + rw;
-            scalar_t* out = dst_group + row_n[r] * dst_plane * C_DST + (CHANNELS_LAST ? pixel * C_DST : pixel);
+            scalar_t* out = dst_group + row_n[r] * dst_plane * C_DST + (DST_CL ? pixel * C_DST : pixel);
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni)
 #pragma unroll

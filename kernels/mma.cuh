@@ -23,6 +23,16 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return a;
 }
 
+// Asynchronous global -> shared copies (sm_80+).  A copy whose source is masked
+// off reads nothing and fills its 16 bytes with zeros, so tile edges need no
+// separate stores.
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -126,6 +136,47 @@ __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const uns
 #pragma unroll
                 for (int ni = 0; ni < NI; ++ni) mma_16x8<MMA_TF32>(acc[mi][ni], a_big[mi], b_big[ni]);
         }
+    }
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// The same warp tile product for 16-bit operands stored K-major: [K][rows] tiles of
+// 16-bit elements with rows contiguous (channels_last activations land that way).
+// ldmatrix.trans turns each 8x8 block into the row-major (A) or column-major (B)
+// fragment the mma wants.  Pitches are in 32-bit words and should be 4 (mod 32)
+// so the eight rows of one ldmatrix phase fall on disjoint banks.
+template <int KIND, int MI, int NI, int A_PITCH, int B_PITCH, int KSTEPS>
+__device__ __forceinline__ void warp_tile_mma_kmajor(float (&acc)[MI][NI][4], const unsigned* a_tile,
+                                                     const unsigned* b_tile, int warp_row, int warp_col,
+                                                     int lane) {
+    static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "K-major tiles hold 16-bit operands");
+    static_assert(NI % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+    const int r = lane & 7, j = lane >> 3;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        unsigned a[MI][4], b[NI][2];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            // matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
+            const int k = ks * 16 + r + (j >> 1) * 8, m = warp_row + mi * 16 + (j & 1) * 8;
+            ldmatrix_x4_trans(a[mi], smem_addr(a_tile + k * A_PITCH + m / 2));
+        }
+#pragma unroll
+        for (int ni = 0; ni < NI; ni += 2) {
+            // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+            const int k = ks * 16 + r + (j & 1) * 8, n = warp_col + ni * 8 + (j >> 1) * 8;
+            unsigned q[4];
+            ldmatrix_x4_trans(q, smem_addr(b_tile + k * B_PITCH + n / 2));
+            b[ni][0] = q[0]; b[ni][1] = q[1]; b[ni + 1][0] = q[2]; b[ni + 1][1] = q[3];
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) mma_16x8<KIND>(acc[mi][ni], a[mi], b[ni]);
     }
 }
 

@@ -46,6 +46,8 @@ GEMM_LAYERS = {
     "gemm_strided_grouped": ((2, 64, 9, 11), (64, 16, 4, 3), dict(stride=(2, 3), padding=(1, 0), groups=2,
                                                                   dilation=(1, 2), output_padding=(1, 2))),
     "gemm_huge_64bit": ((1, 16, 24000, 24000), (16, 16, 2, 2), dict(stride=2)),
+    # channel runs that are not whole 16-byte vectors: the element-gathering fallback
+    "gemm_odd_channels": ((2, 20, 7, 9), (20, 18, 3, 3), dict(stride=2, padding=1)),
 }
 GEMM_CASES = (("float16", "strict"), ("bfloat16", "strict"), ("float32", "strict"), ("float32", "tf32"))
 
@@ -65,6 +67,13 @@ def _gemm_plans():
                      launch.plan_grad_input_gemm(g, "bfloat16", "nchw", tile=tile).gemm,
                      launch.plan_grad_weight_gemm(g, "float32", 132, "nchw", "tf32", tile=tile)[0]):
             seen.setdefault(plan.spec, f"tile-{tile.name}-{plan.spec.function}")
+        vec = launch.plan_grad_weight_gemm(g, "float16", 132, "nhwc", tile=tile)[0]
+        seen.setdefault(vec.spec, f"tile-{tile.name}-vector-{vec.spec.function}")
+    for stages in launch.STAGE_CHOICES:
+        for plan in (launch.plan_forward_gemm(g, "float16", True, "nchw", stages=stages).gemm,
+                     launch.plan_grad_input_gemm(g, "float32", "nhwc", "tf32", stages=stages).gemm,
+                     launch.plan_grad_weight_gemm(g, "bfloat16", 132, "nchw", stages=stages)[0]):
+            seen.setdefault(plan.spec, f"stages-{stages}-{plan.spec.function}")
     return seen
 
 
@@ -79,7 +88,14 @@ def test_variants_reach_every_template_and_both_index_widths():
     widths = {dict(spec.constants)["INDEX_T"] for spec in PLANS}
     assert widths == {"int", "long long"}
     assert {dict(s.constants).get("SCALAR_T") for s in PLANS} == {"float", "double", "half_t", "bf16_t", None}
-    assert {dict(s.constants)["ELEMENT_BYTES"] for s in PLANS if s.template == "pack_weight.cu"} == {2, 4}
+    for data_movement in ("pack_weight.cu", "to_channels_last.cu"):
+        assert {dict(s.constants)["ELEMENT_BYTES"] for s in PLANS if s.template == data_movement} == {2, 4}
+    gemm = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_igemm.cu"]
+    assert {c["STAGES"] for c in gemm if c["A_VEC"]} == set(launch.STAGE_CHOICES)
+    assert {(c["SRC_CL"], c["DST_CL"]) for c in gemm} == {(True, True), (True, False), (False, False)}
+    grad_weight = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_grad_weight_igemm.cu"]
+    assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(launch.STAGE_CHOICES)
+    assert {c["VEC"] for c in grad_weight} == {True, False}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -195,9 +195,13 @@ def _scratch(nbytes):
     return buf, buf.data_ptr()
 
 
-@pytest.mark.parametrize("tile", sorted(launch.TILES))
-def test_every_block_tile_is_correct(tile):
-    """The heuristic picks one tile per layer; each candidate must be right on its own."""
+TILE_STAGES = [(tile, launch.DEFAULT_STAGES) for tile in sorted(launch.TILES)]
+TILE_STAGES += [("64x64", s) for s in launch.STAGE_CHOICES if s != launch.DEFAULT_STAGES]
+
+
+@pytest.mark.parametrize("tile,stages", TILE_STAGES)
+def test_every_block_tile_is_correct(tile, stages):
+    """The heuristic picks one tile and depth per layer; each candidate must be right on its own."""
     layer = Layer(2, 40, 72, (3, 2), (2, 1), (1, 0), (1, 0), (1, 2), 1, True, (11, 13), "")
     g = _geometry(layer)
     x, w, b, go = _data(layer)
@@ -205,14 +209,15 @@ def test_every_block_tile_is_correct(tile):
     stream = torch.cuda.current_stream().cuda_stream
     t = launch.TILES[tile]
     y = torch.empty(go.shape, dtype=torch.float16, device="cuda")
-    launch.plan_forward_gemm(g, "float16", True, "nchw", "strict", t).run(
+    launch.plan_forward_gemm(g, "float16", True, "nchw", "strict", t, stages=stages).run(
         0, stream, xs.data_ptr(), ws.data_ptr(), bs.data_ptr(), y.data_ptr(), _scratch)
     gi = torch.empty_like(xs)
-    launch.plan_grad_input_gemm(g, "float16", "nchw", "strict", t).run(
+    launch.plan_grad_input_gemm(g, "float16", "nchw", "strict", t, stages=stages).run(
         0, stream, gos.data_ptr(), ws.data_ptr(), 0, gi.data_ptr(), _scratch)
     gw = torch.empty_like(ws)
-    partial, reduce = launch.plan_grad_weight_gemm(g, "float16", 132, "nchw", "strict", t)
-    launch.run_split_k(partial, reduce, 0, stream, (xs.data_ptr(), gos.data_ptr()), gw.data_ptr(), _scratch)
+    partial, reduce = launch.plan_grad_weight_gemm(g, "float16", 132, "nchw", "strict", t, stages=stages)
+    launch.run_grad_weight_gemm(g, "float16", partial, reduce, 0, stream, xs.data_ptr(), gos.data_ptr(),
+                                gw.data_ptr(), _scratch, "nchw", True)
     ref = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)
     for got, want in zip((y, gi, gw), ref[:3]):
         assert _rel_err(got, want) <= 2e-3

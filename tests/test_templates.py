@@ -13,11 +13,11 @@ EXPECTED = {
     "reduce_partials.cu",
 }
 GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
-PACK = {"pack_weight.cu"}
+DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu"}
 
 
 def test_every_template_is_found():
-    assert set(templates.template_names()) == EXPECTED | GEMM | PACK
+    assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT
     assert (templates.kernels_dir() / "common.cuh").is_file()
     assert (templates.kernels_dir() / "mma.cuh").is_file()
 
@@ -26,7 +26,9 @@ def test_every_template_is_found():
 def test_gemm_templates_inline_the_mma_header(name):
     text = templates.expanded(name)
     assert '#include "mma.cuh"' not in text and "ldmatrix_x4" in text and "warp_sum" in text
-    assert {"SCALAR_T", "INDEX_T", "MMA_KIND", "CHANNELS_LAST", "BM", "BN"} <= templates.placeholders(name)
+    assert {"SCALAR_T", "INDEX_T", "MMA_KIND", "BM", "BN"} <= templates.placeholders(name)
+    layouts = {"CHANNELS_LAST"} if "grad_weight" in name else {"SRC_CL", "DST_CL", "STAGES"}
+    assert layouts <= templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
