@@ -75,9 +75,11 @@ class KernelSpec:
 
     @classmethod
     def make(cls, template: str, function: str, constants: Mapping[str, object]) -> "KernelSpec":
+        """A hashable spec; the constants are sorted by name, so their order does not matter."""
         return cls(template, function, tuple(sorted(constants.items())))
 
     def source(self) -> str:
+        """The template rendered with these constants: the CUDA source NVRTC compiles."""
         return templates.render(self.template, dict(self.constants))
 
 
@@ -95,6 +97,16 @@ _compile_count = 0
 def compile_count() -> int:
     """How many kernels this process has built (each configuration should count once)."""
     return _compile_count
+
+
+def compiled_devices() -> set:
+    """The CUDA device ids this process holds compiled kernels for.
+
+    Kernels are compiled and loaded per device, so this tells which devices cupyconv has
+    launched on (or is ready to launch on) since the last :func:`clear_cache`.
+    """
+    with _entries_lock:
+        return {key[3] for key, entry in _entries.items() if entry.function is not None}
 
 
 def clear_cache() -> None:
@@ -145,6 +157,7 @@ _arch_cache: Dict[int, str] = {}
 
 
 def device_arch(device_id: int) -> str:
+    """The compute capability of CUDA device ``device_id`` as CuPy spells it (e.g. ``"90"``), cached."""
     arch = _arch_cache.get(device_id)
     if arch is None:
         import cupy
