@@ -32,6 +32,12 @@ from .geometry import output_size
 
 @dataclass(frozen=True)
 class BenchLayer:
+    """One layer to benchmark: a ``ConvTranspose2d`` and the input batch and size it runs on.
+
+    ``kernel``, ``stride``, ``padding``, ``dilation``, ``size`` (H, W) and
+    ``output_padding`` are pairs; ``in_channels`` and ``out_channels`` are the module's.
+    """
+
     name: str
     batch: int
     in_channels: int
@@ -46,10 +52,12 @@ class BenchLayer:
     bias: bool = True
 
     def kwargs(self):
+        """stride, padding, output_padding, groups and dilation, as keyword arguments of ``conv_transpose2d``."""
         return dict(stride=self.stride, padding=self.padding, output_padding=self.output_padding,
                     groups=self.groups, dilation=self.dilation)
 
     def out_size(self) -> Tuple[int, int]:
+        """The output's (H, W)."""
         return tuple(output_size(self.size[a], self.kernel[a], self.stride[a], self.padding[a],
                                  self.output_padding[a], self.dilation[a]) for a in range(2))
 
@@ -353,6 +361,7 @@ def host_cost(calls: int = 2000) -> List[dict]:
 
 
 def environment() -> dict:
+    """The device name, torch, CuPy and cuDNN versions and the commit (``CUPYCONV_COMMIT`` or git) of this run."""
     import cupy
     import torch
 
@@ -411,6 +420,7 @@ def format_table(rows: List[dict]) -> str:
 
 
 def format_header(env: dict) -> str:
+    """One line naming the device, versions, commit and copy bandwidth of a run."""
     copy = env.get("copy_gbps")
     return (f"device {env.get('device')}, torch {env.get('torch')}, cupy {env.get('cupy')}, "
             f"cudnn {env.get('cudnn')}, commit {env.get('commit')}, "
@@ -418,6 +428,7 @@ def format_header(env: dict) -> str:
 
 
 def write_results(path: Path, env: dict, rows: List[dict]) -> None:
+    """Save a run as JSON: the ``environment()`` fields plus ``rows``; ``load_results`` reads it back."""
     Path(path).write_text(json.dumps({**env, "rows": rows}, indent=1))
 
 
@@ -525,6 +536,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    """``python -m cupyconv.bench``: measure (or load with ``--from-json``), print the table, write JSON and plot."""
     args = parse_args(argv)
     if args.host_cost:
         env = environment()

@@ -51,6 +51,11 @@ def _grouped(x, weight, groups):
 
 
 def conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation):
+    """The transposed convolution in float64, scatter form; every parameter but ``groups`` a pair.
+
+    ``x`` is (N, C_in, H, W), ``weight`` (C_in, C_out // groups, kH, kW), ``bias`` (C_out,)
+    or None.  Returns a float64 (N, C_out, H_out, W_out) array, whatever the input dtype.
+    """
     x, weight, xg, wg = _grouped(x, weight, groups)
     n, _, h, w = x.shape
     cg_out, kh_, kw_ = weight.shape[1:]
@@ -77,6 +82,7 @@ def conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, d
 
 def conv_transpose2d_backward(grad_output, x, weight, stride, padding, output_padding,
                               groups, dilation, output_mask=(True, True, True)):
+    """float64 ``(grad_input, grad_weight, grad_bias)`` of :func:`conv_transpose2d`; None where ``output_mask`` is False."""
     x, weight, xg, wg = _grouped(x, weight, groups)
     grad_output = np.asarray(grad_output, dtype=np.float64)
     n, c_in, h, w = x.shape

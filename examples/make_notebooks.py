@@ -2,10 +2,12 @@
 
     python examples/make_notebooks.py
 
-Edit the cells here rather than in the .ipynb files, so the notebooks stay output-free,
-with stable cell ids and small diffs.  ``tests/test_notebooks.py`` executes every
-notebook in this folder; a notebook's ``metadata.cupyconv.requires`` lists the modules
-it needs beyond cupyconv (the test skips it where one is missing).
+Edit the cells here rather than in the .ipynb files, so the cell ids stay stable and
+the diffs small.  This writes the notebooks without outputs; the committed ones carry
+the outputs of one run on a GPU, stored by ``python scripts/run_notebooks.py`` (rerun it
+on a GPU after regenerating).  ``tests/test_notebooks.py`` executes every notebook in
+this folder; a notebook's ``metadata.cupyconv.requires`` lists the modules it needs
+beyond cupyconv (the test skips it where one is missing).
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ import cupyconv
 import cupyconv.torch as cct
 
 device = "cuda" if cupyconv.backend() == "cupy" and torch.cuda.is_available() else "cpu"
-torch.backends.cudnn.allow_tf32 = False   # compare float32 with float32 (cupyconv does not use TF32)
+torch.backends.cudnn.allow_tf32 = False   # strict float32 on both sides: cupyconv follows this flag too
 print("device:", device)
 if device == "cpu":
     print("No GPU: the converted model's transposed convolutions run on cupyconv's float64 NumPy "
@@ -186,6 +188,7 @@ layers = [dataclasses.replace(my_layer, name=f"batch {n}", batch=n) for n in bat
 
 can_time = cupyconv.backend() == "cupy" and torch_cuda()
 if can_time:
+    # Strict float32 (TF32 off on both sides); dtype="tf32" is torch's default, or try "float16", "bfloat16".
     rows = run(layers, dtype="float32", repeat=20, progress=False)
     print(format_table(rows))
 else:
