@@ -126,8 +126,9 @@ def _build(spec: KernelSpec, device_id: int):
             kernel.kernel  # compile and load now, under this device, not at the first launch
         except cupy.cuda.compiler.CompileException as exc:
             raise KernelCompileError(spec.function, COMPILE_OPTIONS, str(exc), source) from None
-        except OSError:
-            # A read-only or full CUPY_CACHE_DIR: keep working, without the disk cache.
+        except (OSError, cupy.cuda.driver.CUDADriverError):
+            # A read-only or full CUPY_CACHE_DIR, or a cached binary the driver rejects:
+            # keep working, compiling in memory without the disk cache.
             os.environ["CUPY_CACHE_IN_MEMORY"] = "1"
             kernel = cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
             kernel.kernel

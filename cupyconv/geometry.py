@@ -11,6 +11,10 @@ from typing import Optional, Sequence, Tuple
 
 Pair = Tuple[int, int]
 
+# Layer constants are baked into the kernels as 32-bit ints, and torch keeps them in
+# 32-bit fields too (it wraps larger ones): anything larger is rejected up front.
+INT32_MAX = 2 ** 31 - 1
+
 
 def as_int(value, name: str) -> int:
     """Return ``value`` as an int; bools, floats and other objects are a TypeError."""
@@ -50,6 +54,7 @@ class ConvParams:
 
     @classmethod
     def from_args(cls, stride=1, padding=0, output_padding=0, groups=1, dilation=1) -> "ConvParams":
+        """Validate torch-style arguments (ints or pairs); ValueError or TypeError names the bad one."""
         stride = as_pair(stride, "stride")
         padding = as_pair(padding, "padding")
         output_padding = as_pair(output_padding, "output_padding")
@@ -70,6 +75,10 @@ class ConvParams:
                     f"output_padding={output_padding}, stride={stride}, dilation={dilation}")
         if groups < 1:
             raise ValueError(f"groups must be >= 1, got {groups}")
+        for name, value in (("stride", stride), ("padding", padding), ("output_padding", output_padding),
+                            ("dilation", dilation), ("groups", (groups,))):
+            if max(value) > INT32_MAX:
+                raise ValueError(f"{name} must be at most 2**31 - 1, got {value if len(value) == 2 else value[0]}")
         return cls(stride, padding, output_padding, groups, dilation)
 
 
@@ -88,26 +97,32 @@ class Geometry:
 
     @property
     def groups(self) -> int:
+        """The number of groups."""
         return self.params.groups
 
     @property
     def in_per_group(self) -> int:
+        """Input channels per group."""
         return self.in_channels // self.params.groups
 
     @property
     def out_per_group(self) -> int:
+        """Output channels per group."""
         return self.out_channels // self.params.groups
 
     @property
     def input_shape(self) -> Tuple[int, int, int, int]:
+        """(N, C_in, H, W), with N = 1 for unbatched input."""
         return (self.batch, self.in_channels) + self.in_size
 
     @property
     def output_shape(self) -> Tuple[int, int, int, int]:
+        """(N, C_out, H_out, W_out), with N = 1 for unbatched input."""
         return (self.batch, self.out_channels) + self.out_size
 
     @property
     def weight_shape(self) -> Tuple[int, int, int, int]:
+        """(C_in, C_out // groups, kH, kW)."""
         return (self.in_channels, self.out_per_group) + self.kernel
 
     def user_shape(self, shape: Sequence[int]) -> Tuple[int, ...]:
@@ -132,8 +147,11 @@ def geometry(input_shape: Sequence[int], weight_shape: Sequence[int], bias_shape
             f"weight must be 4-D (C_in, C_out/groups, kH, kW), got shape {weight_shape}")
     batched = len(input_shape) == 4
     n, c_in, h, w = input_shape if batched else (1,) + input_shape
-    if min(c_in, h, w) < 1:
-        raise ValueError(f"input must have non-zero channel and spatial sizes, got shape {input_shape}")
+    # As in torch, an empty batch may also have empty spatial dimensions; channels never.
+    if c_in < 1 or (n > 0 and min(h, w) < 1):
+        raise ValueError(
+            f"input must have non-zero channel and spatial sizes (only an empty batch may have zero-size "
+            f"spatial dimensions), got shape {input_shape}")
     if min(weight_shape) < 1:
         raise ValueError(f"weight must have non-zero sizes, got shape {weight_shape}")
     groups = params.groups
@@ -149,11 +167,19 @@ def geometry(input_shape: Sequence[int], weight_shape: Sequence[int], bias_shape
         raise ValueError(f"bias must have shape ({c_out},) (C_out), got {tuple(bias_shape)}")
     k = (weight_shape[2], weight_shape[3])
     p = params
+    for a, in_size in enumerate((h, w)):
+        extent = (in_size - 1) * p.stride[a] + p.dilation[a] * (k[a] - 1) + p.output_padding[a] + 1
+        if extent > INT32_MAX:
+            raise ValueError(
+                f"the layer is too large along axis {a}: (input - 1) * stride + dilation * (kernel - 1) "
+                f"+ output_padding + 1 = {extent} exceeds 2**31 - 1 (input {(h, w)}, kernel {k}, stride {p.stride}, "
+                f"dilation {p.dilation}, output_padding {p.output_padding})")
     out = tuple(output_size((h, w)[a], k[a], p.stride[a], p.padding[a], p.output_padding[a], p.dilation[a])
                 for a in range(2))
-    if min(out) < 1:
+    if min(out) < (0 if n == 0 else 1):
         raise ValueError(
-            f"the output size {out} is not positive: input {(h, w)}, kernel {k}, stride {p.stride}, "
+            f"the output size {out} is {'negative' if n == 0 else 'not positive'}: input {(h, w)}, kernel {k}, "
+            f"stride {p.stride}, "
             f"padding {p.padding}, output_padding {p.output_padding}, dilation {p.dilation}")
     return Geometry(p, n, c_in, c_out, (h, w), k, out, batched)
 

@@ -87,6 +87,9 @@ def _check_tensors(named: Sequence[Tuple[str, Optional[Tensor]]]) -> None:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested or t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got a {'nested' if t.is_nested else t.layout} "
+                            f"tensor")
         if t.dtype not in _DTYPE_NAMES:
             raise TypeError(f"{name} must have dtype {_SUPPORTED}, got {t.dtype}")
         if first is None:
@@ -107,10 +110,20 @@ def _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation
     return _geometry(x.shape, w.shape, None if b is None else b.shape, params)
 
 
-def _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
-    _check_tensors((("grad_output", go), ("input", x), ("weight", w)))
+def _check_output_mask(output_mask) -> None:
+    """Three bools (Python or NumPy), in a list or tuple."""
+    if not isinstance(output_mask, (list, tuple)):
+        raise TypeError(f"output_mask must be a sequence of three bools, got {type(output_mask).__name__}")
     if len(output_mask) != 3:
         raise ValueError(f"output_mask must have three entries, got {list(output_mask)}")
+    if not all(isinstance(m, bool) or (type(m).__module__ == "numpy" and type(m).__name__ in ("bool", "bool_"))
+               for m in output_mask):
+        raise TypeError(f"output_mask must be a sequence of three bools, got {list(output_mask)}")
+
+
+def _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
+    _check_tensors((("grad_output", go), ("input", x), ("weight", w)))
+    _check_output_mask(output_mask)
     params = ConvParams.from_args(stride, padding, output_padding, groups, dilation)
     g = _geometry(x.shape, w.shape, None, params)
     expected = g.user_shape(g.output_shape)
@@ -140,33 +153,81 @@ def _key_seq(v):
     return tuple(v) if isinstance(v, list) else v
 
 
+# Only calls whose parameters are exactly ints or tuples of ints are cached: 2.0 == 2 and
+# True == 1 with equal hashes, so a float or bool argument would otherwise find the entry
+# of an earlier valid call and skip the validation that rejects it.  The test is inlined
+# (with [0] and [-1] covering pairs and one-element tuples) since it runs on every call.
+
 def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation):
-    bias_key = (None, None, None) if b is None else (b.shape, b.dtype, b.device)
-    key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, bias_key,
-           _key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
-    entry = _forward_cache.get(key)
+    ts, tp, to, td = type(stride), type(padding), type(output_padding), type(dilation)
+    if ts is list:
+        stride, ts = tuple(stride), tuple
+    if tp is list:
+        padding, tp = tuple(padding), tuple
+    if to is list:
+        output_padding, to = tuple(output_padding), tuple
+    if td is list:
+        dilation, td = tuple(dilation), tuple
+    key = entry = None
+    try:
+        plain = ((ts is int or (ts is tuple and type(stride[0]) is int and type(stride[-1]) is int))
+                 and (tp is int or (tp is tuple and type(padding[0]) is int and type(padding[-1]) is int))
+                 and (to is int or (to is tuple and type(output_padding[0]) is int
+                                    and type(output_padding[-1]) is int))
+                 and type(groups) is int
+                 and (td is int or (td is tuple and type(dilation[0]) is int and type(dilation[-1]) is int)))
+        if plain:
+            # the layouts too: a sparse tensor of a cached shape must still meet validation
+            bias_key = (None, None, None, None) if b is None else (b.shape, b.dtype, b.device, b.layout)
+            key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.layout, w.layout, bias_key, stride,
+                   padding, output_padding, groups, dilation)
+            entry = _forward_cache.get(key)
+    except (IndexError, RuntimeError):  # an empty tuple, a tensor without sizes: validation names them
+        key = entry = None
     if entry is None:
         g = _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation)
         device = x.device
         entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1,
                  g.user_shape(g.output_shape))
-        if len(_forward_cache) >= _CACHE_LIMIT:
-            _forward_cache.clear()
-        _forward_cache[key] = entry
+        if key is not None:
+            if len(_forward_cache) >= _CACHE_LIMIT:
+                _forward_cache.clear()
+            _forward_cache[key] = entry
     return entry
 
 
 def _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
-    key = (go.shape, x.shape, w.shape, go.dtype, x.dtype, w.dtype, go.device, x.device, w.device,
-           _key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
-    entry = _backward_cache.get(key)
+    ts, tp, to, td = type(stride), type(padding), type(output_padding), type(dilation)
+    if ts is list:
+        stride, ts = tuple(stride), tuple
+    if tp is list:
+        padding, tp = tuple(padding), tuple
+    if to is list:
+        output_padding, to = tuple(output_padding), tuple
+    if td is list:
+        dilation, td = tuple(dilation), tuple
+    key = entry = None
+    try:
+        plain = ((ts is int or (ts is tuple and type(stride[0]) is int and type(stride[-1]) is int))
+                 and (tp is int or (tp is tuple and type(padding[0]) is int and type(padding[-1]) is int))
+                 and (to is int or (to is tuple and type(output_padding[0]) is int
+                                    and type(output_padding[-1]) is int))
+                 and type(groups) is int
+                 and (td is int or (td is tuple and type(dilation[0]) is int and type(dilation[-1]) is int)))
+        if plain:
+            key = (go.shape, x.shape, w.shape, go.dtype, x.dtype, w.dtype, go.device, x.device, w.device,
+                   go.layout, x.layout, w.layout, stride, padding, output_padding, groups, dilation)
+            entry = _backward_cache.get(key)
+    except (IndexError, RuntimeError):
+        key = entry = None
     if entry is None:
         g = _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask)
         device = x.device
         entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1)
-        if len(_backward_cache) >= _CACHE_LIMIT:
-            _backward_cache.clear()
-        _backward_cache[key] = entry
+        if key is not None:
+            if len(_backward_cache) >= _CACHE_LIMIT:
+                _backward_cache.clear()
+            _backward_cache[key] = entry
     elif len(output_mask) != 3:
         raise ValueError(f"output_mask must have three entries, got {list(output_mask)}")
     return entry
@@ -319,6 +380,8 @@ def _forward_impl(x, w, b, stride, padding, output_padding, groups, dilation) ->
     entry = _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation)
     if entry[3] >= 0:
         return _cuda_forward(x, w, b, entry)
+    if entry[2].type == "meta":
+        return _conv_transpose2d_fake(x, w, b, stride, padding, output_padding, groups, dilation)
     if entry[2].type != "cpu":
         raise NotImplementedError(f"cupyconv runs CUDA and CPU tensors, got a tensor on {entry[2]}")
     return _cpu_forward(x, w, b, entry)
@@ -330,6 +393,9 @@ def _backward_impl(go, x, w, stride, padding, output_padding, groups, dilation, 
         return None, None, None
     if entry[3] >= 0:
         return _cuda_backward(go, x, w, output_mask, entry)
+    if entry[2].type == "meta":
+        return _conv_transpose2d_backward_fake(go, x, w, stride, padding, output_padding, groups, dilation,
+                                               output_mask)
     if entry[2].type != "cpu":
         raise NotImplementedError(f"cupyconv runs CUDA and CPU tensors, got a tensor on {entry[2]}")
     return _cpu_backward(go, x, w, output_mask, entry)
@@ -596,7 +662,7 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
                                   None if bias is None else _unwrap_if_dead(bias), params)
         return _forward_impl(input, weight, bias, *params)
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
-        if t is not None and not isinstance(t, torch.Tensor):
+        if (t is not None or name != "bias") and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return _OPS.conv_transpose2d.default(input, weight, bias, list(_pair(stride)), list(_pair(padding)),
                                          list(_pair(output_padding)), groups, list(_pair(dilation)))
@@ -611,8 +677,10 @@ def conv_transpose2d_backward(grad_output: Tensor, input: Tensor, weight: Tensor
     grad_bias is ``grad_output`` summed over all but the channel axis, whether or not the
     forward had a bias.  Differentiable (double backward).
     """
-    if len(output_mask) != 3:
-        raise ValueError(f"output_mask must have three entries, got {list(output_mask)}")
+    for name, t in (("grad_output", grad_output), ("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_output_mask(output_mask)
     params = (_pair(stride), _pair(padding), _pair(output_padding), groups, _pair(dilation))
     return _backward(grad_output, input, weight, params, tuple(output_mask))
 
@@ -631,6 +699,14 @@ class ConvTranspose2d(torch.nn.ConvTranspose2d):
         if output_size is None:
             output_padding = self.output_padding
         else:
+            if not isinstance(input, torch.Tensor):
+                raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+            if isinstance(output_size, torch.Tensor):
+                # torch takes an integer tensor here; its elements would reach us as 0-d tensors
+                if output_size.is_floating_point() or output_size.is_complex() or output_size.dim() != 1:
+                    raise TypeError(f"output_size must be a sequence of ints, got a tensor of dtype "
+                                    f"{output_size.dtype} and shape {tuple(output_size.shape)}")
+                output_size = output_size.tolist()
             output_padding = self._output_padding(input, output_size, self.stride, self.padding, self.kernel_size,
                                                   2, self.dilation)
         return conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, output_padding,

@@ -45,8 +45,11 @@ __device__ __forceinline__ unsigned to_tf32(unsigned bits) {
 }
 
 // The part of an fp32 value that its TF32 rounding dropped, itself rounded to TF32.
+// Inf and NaN have no finite remainder (inf - inf is NaN): their big part alone
+// carries them, so an Inf input stays Inf as in torch.
 __device__ __forceinline__ unsigned tf32_residual(unsigned bits, unsigned big) {
-    return to_tf32(__float_as_uint(__uint_as_float(bits) - __uint_as_float(big)));
+    const unsigned rest = __float_as_uint(__uint_as_float(bits) - __uint_as_float(big));
+    return (rest & 0x7f800000u) == 0x7f800000u ? 0u : to_tf32(rest);
 }
 
 template <int KIND>
