@@ -44,12 +44,15 @@ __device__ __forceinline__ unsigned to_tf32(unsigned bits) {
     return r;
 }
 
+__device__ __forceinline__ unsigned finite_or_zero(unsigned bits) {
+    return (bits & 0x7f800000u) == 0x7f800000u ? 0u : bits;
+}
+
 // The part of an fp32 value that its TF32 rounding dropped, itself rounded to TF32.
 // Inf and NaN have no finite remainder (inf - inf is NaN): their big part alone
 // carries them, so an Inf input stays Inf as in torch.
 __device__ __forceinline__ unsigned tf32_residual(unsigned bits, unsigned big) {
-    const unsigned rest = __float_as_uint(__uint_as_float(bits) - __uint_as_float(big));
-    return (rest & 0x7f800000u) == 0x7f800000u ? 0u : to_tf32(rest);
+    return to_tf32(finite_or_zero(__float_as_uint(__uint_as_float(bits) - __uint_as_float(big))));
 }
 
 template <int KIND>
@@ -126,13 +129,21 @@ __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const uns
                 for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
                     for (int q = 0; q < 2; ++q) b_small[ni][q] = tf32_residual(b[ni][q], b_big[ni][q]);
+                // An infinite big part times the other operand's residual would add a
+                // second Inf whose sign is the residual's: NaN.  The big x big product
+                // alone carries non-finite values, so the cross terms drop them.
 #pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
+                for (int mi = 0; mi < MI; ++mi) {
+                    unsigned a_cross[4];
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) a_cross[q] = finite_or_zero(a_big[mi][q]);
 #pragma unroll
                     for (int ni = 0; ni < NI; ++ni) {
-                        mma_16x8<MMA_TF32>(acc[mi][ni], a_small[mi], b_big[ni]);
-                        mma_16x8<MMA_TF32>(acc[mi][ni], a_big[mi], b_small[ni]);
+                        const unsigned b_cross[2] = {finite_or_zero(b_big[ni][0]), finite_or_zero(b_big[ni][1])};
+                        mma_16x8<MMA_TF32>(acc[mi][ni], a_small[mi], b_cross);
+                        mma_16x8<MMA_TF32>(acc[mi][ni], a_cross, b_small[ni]);
                     }
+                }
             }
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)

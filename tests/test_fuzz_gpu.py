@@ -328,8 +328,9 @@ def _specs(case: FuzzCase) -> list:
 
     _forced.clear()
     _forced.update(_variants(case, g, layout))
-    saved_run, saved_chosen = launch.Plan.run, tuning.chosen
-    launch.Plan.run, tuning.chosen = note_spec, _chosen
+    saved_run, saved_chosen, saved_zero = launch.Plan.run, tuning.chosen, engine._zero
+    # Only planning: nothing may reach the device through the placeholder pointers.
+    launch.Plan.run, tuning.chosen, engine._zero = note_spec, _chosen, lambda *args: None
     try:
         engine.forward(g, dt, xp, w, out if case.bias else None, out, 0, 0, alloc, layout, precision)
         engine.grad_input(g, dt, gop, w, out, 0, 0, alloc, layout, precision)
@@ -339,7 +340,7 @@ def _specs(case: FuzzCase) -> list:
     except Exception:  # planning here is only a head start: anything missed compiles on first use
         pass
     finally:
-        launch.Plan.run, tuning.chosen = saved_run, saved_chosen
+        launch.Plan.run, tuning.chosen, engine._zero = saved_run, saved_chosen, saved_zero
         _forced.clear()
     return seen
 
