@@ -365,6 +365,7 @@ def plan_pack_weight(g: Geometry, dtype: str, mode: int, tile: Tile) -> Plan:
                 constants["INDEX_T"], scratch_bytes=total * element)
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str) -> Plan:
     """Copy an NCHW activation into channels_last scratch (see to_channels_last.cu)."""
     total = batch * channels * pixels
@@ -471,6 +472,7 @@ def grad_weight_vectors(g: Geometry, dtype: str, layout: str, aligned: bool = Tr
     return transpose or (runs and layout == "nhwc" and aligned), transpose
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_grad_weight_sources(g: Geometry, dtype: str) -> Tuple[Plan, Plan]:
     """The channels_last copies of x and grad_output that the vector grad_weight GEMM reads."""
     return (plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype),
@@ -481,7 +483,7 @@ def run_grad_weight_gemm(g: Geometry, dtype: str, partial: Plan, reduce: Plan, d
                          x: int, grad_out: int, out: int, alloc: Allocator, layout: str, aligned: bool) -> None:
     """Run a :func:`plan_grad_weight_gemm` pair, first copying NCHW sources into channels_last if it needs them."""
     keep = []
-    if dict(partial.spec.constants)["VEC"] and layout == "nchw":
+    if grad_weight_vectors(g, dtype, layout, aligned)[1]:
         sources = []
         for plan, src in zip(plan_grad_weight_sources(g, dtype), (x, grad_out)):
             buffer, ptr = alloc(plan.scratch_bytes)
@@ -564,5 +566,6 @@ def all_gemm_plans(g: Geometry, dtype: str, has_bias: bool, layout: str, precisi
 
 def clear_plan_cache() -> None:
     for planner in (plan_forward, plan_grad_input, plan_grad_weight, plan_grad_bias, plan_reduce,
-                    plan_forward_gemm, plan_grad_input_gemm, plan_grad_weight_gemm):
+                    plan_forward_gemm, plan_grad_input_gemm, plan_grad_weight_gemm, plan_to_channels_last,
+                    plan_grad_weight_sources):
         planner.cache_clear()

@@ -155,35 +155,44 @@ def _key_seq(v):
 
 # Only calls whose parameters are exactly ints or tuples of ints are cached: 2.0 == 2 and
 # True == 1 with equal hashes, so a float or bool argument would otherwise find the entry
-# of an earlier valid call and skip the validation that rejects it.  The test is inlined
-# (with [0] and [-1] covering pairs and one-element tuples) since it runs on every call.
+# of an earlier valid call and skip the validation that rejects it.  [0] and [-1] cover
+# pairs and one-element tuples; this runs on every call, so it stays this cheap.
+
+def _plain(v) -> bool:
+    t = type(v)
+    return t is int or (t is tuple and type(v[0]) is int and type(v[-1]) is int)
+
+
+def _params_key(stride, padding, output_padding, groups, dilation):
+    """The parameters as a cache key (lists become tuples), or None when they must be validated."""
+    if type(stride) is list:
+        stride = tuple(stride)
+    if type(padding) is list:
+        padding = tuple(padding)
+    if type(output_padding) is list:
+        output_padding = tuple(output_padding)
+    if type(dilation) is list:
+        dilation = tuple(dilation)
+    try:
+        if (_plain(stride) and _plain(padding) and _plain(output_padding) and type(groups) is int
+                and _plain(dilation)):
+            return stride, padding, output_padding, groups, dilation
+    except IndexError:  # an empty tuple: validation names it
+        pass
+    return None
+
 
 def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation):
-    ts, tp, to, td = type(stride), type(padding), type(output_padding), type(dilation)
-    if ts is list:
-        stride, ts = tuple(stride), tuple
-    if tp is list:
-        padding, tp = tuple(padding), tuple
-    if to is list:
-        output_padding, to = tuple(output_padding), tuple
-    if td is list:
-        dilation, td = tuple(dilation), tuple
+    params = _params_key(stride, padding, output_padding, groups, dilation)
     key = entry = None
-    try:
-        plain = ((ts is int or (ts is tuple and type(stride[0]) is int and type(stride[-1]) is int))
-                 and (tp is int or (tp is tuple and type(padding[0]) is int and type(padding[-1]) is int))
-                 and (to is int or (to is tuple and type(output_padding[0]) is int
-                                    and type(output_padding[-1]) is int))
-                 and type(groups) is int
-                 and (td is int or (td is tuple and type(dilation[0]) is int and type(dilation[-1]) is int)))
-        if plain:
+    if params is not None:
+        try:
             # the layouts too: a sparse tensor of a cached shape must still meet validation
             bias_key = (None, None, None, None) if b is None else (b.shape, b.dtype, b.device, b.layout)
-            key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.layout, w.layout, bias_key, stride,
-                   padding, output_padding, groups, dilation)
+            key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.layout, w.layout, bias_key) + params
             entry = _forward_cache.get(key)
-    except (IndexError, RuntimeError):  # an empty tuple, a tensor without sizes: validation names them
-        key = entry = None
+        except RuntimeError:  # a tensor without sizes: validation names it
+            key = entry = None
     if entry is None:
         g = _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation)
         device = x.device
@@ -197,29 +206,15 @@ def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation):
 
 
 def _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
-    ts, tp, to, td = type(stride), type(padding), type(output_padding), type(dilation)
-    if ts is list:
-        stride, ts = tuple(stride), tuple
-    if tp is list:
-        padding, tp = tuple(padding), tuple
-    if to is list:
-        output_padding, to = tuple(output_padding), tuple
-    if td is list:
-        dilation, td = tuple(dilation), tuple
+    params = _params_key(stride, padding, output_padding, groups, dilation)
     key = entry = None
-    try:
-        plain = ((ts is int or (ts is tuple and type(stride[0]) is int and type(stride[-1]) is int))
-                 and (tp is int or (tp is tuple and type(padding[0]) is int and type(padding[-1]) is int))
-                 and (to is int or (to is tuple and type(output_padding[0]) is int
-                                    and type(output_padding[-1]) is int))
-                 and type(groups) is int
-                 and (td is int or (td is tuple and type(dilation[0]) is int and type(dilation[-1]) is int)))
-        if plain:
+    if params is not None:
+        try:
             key = (go.shape, x.shape, w.shape, go.dtype, x.dtype, w.dtype, go.device, x.device, w.device,
-                   go.layout, x.layout, w.layout, stride, padding, output_padding, groups, dilation)
+                   go.layout, x.layout, w.layout) + params
             entry = _backward_cache.get(key)
-    except (IndexError, RuntimeError):
-        key = entry = None
+        except RuntimeError:
+            key = entry = None
     if entry is None:
         g = _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask)
         device = x.device
