@@ -471,7 +471,7 @@ def test_fuzz_random_layers_against_float64_torch(heuristic_tuning):
         pytest.skip("torch sees no CUDA device")
     # Hypothesis repeats earlier cases on purpose; repeats are skipped, and the budget of
     # examples is large enough that EXAMPLES distinct layers get checked.
-    examples = 5 * max(1, math.ceil(EXAMPLES / BATCH))
+    examples = 10 * max(1, math.ceil(EXAMPLES / BATCH))
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if SHRINK else [])
     stats = {"layers": 0, "unique": set(), "modes": Counter(), "paths": Counter(), "variants": Counter(),
              "views": Counter(), "worst": {}, "fallbacks": [], "repeats": 0, "started": time.time()}
