@@ -95,20 +95,30 @@ def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], o
 
 
 def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, device_id: int,
-               stream_ptr: int, alloc: launch.Allocator, layout: str = "nchw", precision: str = "strict") -> None:
+               stream_ptr: int, alloc: launch.Allocator, layout: str = "nchw", precision: str = "strict",
+               copies: Optional[launch.SourceCopies] = None) -> None:
+    """out = grad_input; arguments as :func:`forward`.
+
+    ``copies``: channels_last copies of NCHW sources to share with :func:`grad_weight`
+    in the same backward call (grad_output is read by both).
+    """
     if g.batch == 0:
         return
     args = (g, dtype, grad_out, weight, out, device_id, stream_ptr, alloc, layout, precision)
-    _run_grad_input(_variant(tuning.GRAD_INPUT, _run_grad_input, args, False, (grad_out, out)), *args)
+    _run_grad_input(_variant(tuning.GRAD_INPUT, _run_grad_input, args, False, (grad_out, out)), *args,
+                    copies=copies)
 
 
 def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, device_id: int, stream_ptr: int,
-                alloc: launch.Allocator, layout: str = "nchw", precision: str = "strict") -> None:
+                alloc: launch.Allocator, layout: str = "nchw", precision: str = "strict",
+                copies: Optional[launch.SourceCopies] = None) -> None:
+    """out = grad_weight (in the weight's dtype, reduced in a fixed order); see :func:`grad_input` for ``copies``."""
     if g.batch == 0:
         _zero(out, math.prod(g.weight_shape) * launch.DTYPES[dtype][2], stream_ptr)
         return
     args = (g, dtype, x, grad_out, out, device_id, stream_ptr, alloc, layout, precision)
-    _run_grad_weight(_variant(tuning.GRAD_WEIGHT, _run_grad_weight, args, False, (x, grad_out)), *args)
+    _run_grad_weight(_variant(tuning.GRAD_WEIGHT, _run_grad_weight, args, False, (x, grad_out)), *args,
+                     copies=copies)
 
 
 def _variant(pass_: str, runner, args: tuple, has_bias: bool = False, activations: tuple = ()) -> tuning.Variant:
@@ -142,23 +152,25 @@ def _run_forward(v: tuning.Variant, g: Geometry, dtype: str, x: int, weight: int
 
 
 def _run_grad_input(v: tuning.Variant, g: Geometry, dtype: str, grad_out: int, weight: int, out: int,
-                    device_id: int, stream_ptr: int, alloc: launch.Allocator, layout: str, precision: str) -> None:
+                    device_id: int, stream_ptr: int, alloc: launch.Allocator, layout: str, precision: str,
+                    copies: Optional[launch.SourceCopies] = None) -> None:
     if v.gemm:
         plans = launch.plan_grad_input_gemm(g, dtype, layout, precision, aligned=_aligned(grad_out, out), **v.kwargs)
-        plans.run(device_id, stream_ptr, grad_out, weight, 0, out, alloc)
+        plans.run(device_id, stream_ptr, grad_out, weight, 0, out, alloc, copies)
     else:
         _direct_only(layout, "grad_input")
         launch.plan_grad_input(g, dtype).run(device_id, stream_ptr, (grad_out, weight, out))
 
 
 def _run_grad_weight(v: tuning.Variant, g: Geometry, dtype: str, x: int, grad_out: int, out: int, device_id: int,
-                     stream_ptr: int, alloc: launch.Allocator, layout: str, precision: str) -> None:
+                     stream_ptr: int, alloc: launch.Allocator, layout: str, precision: str,
+                     copies: Optional[launch.SourceCopies] = None) -> None:
     if v.gemm:
         aligned = _aligned(x, grad_out)
         partial, reduce = launch.plan_grad_weight_gemm(g, dtype, sm_count(device_id), layout, precision,
                                                        aligned=aligned, **v.kwargs)
         launch.run_grad_weight_gemm(g, dtype, partial, reduce, device_id, stream_ptr, x, grad_out, out, alloc,
-                                    layout, aligned)
+                                    layout, aligned, copies)
     else:
         _direct_only(layout, "grad_weight")
         partial, reduce = launch.plan_grad_weight(g, dtype, sm_count(device_id))

@@ -241,17 +241,59 @@ def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
 Allocator = Callable[[int], Tuple[object, int]]
 
 
-def run_split_k(partial: Plan, reduce: Plan, device_id: int, stream_ptr: int, inputs: Sequence[int],
-                out_ptr: int, alloc: Allocator) -> None:
-    """Run a partial pass into scratch from ``alloc`` and reduce it into ``out_ptr``.
+_SCRATCH_ALIGN = 256
 
-    The scratch is released when this returns; both allocators we use (CuPy's pool and
-    torch's caching allocator) are stream-ordered, so its reuse waits behind the reduce.
+
+def _carve(alloc: Allocator, sizes: Sequence[int]) -> Tuple[object, List[int]]:
+    """One scratch allocation split into 256-byte aligned pieces of ``sizes`` bytes.
+
+    A pass needs up to four scratch buffers; one allocation costs the host one
+    allocator call instead of four.
     """
-    keep, scratch = alloc(partial.scratch_bytes)
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += _cdiv(size, _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    keep, base = alloc(total)
+    return keep, [base + o for o in offsets]
+
+
+def run_split_k(partial: Plan, reduce: Plan, device_id: int, stream_ptr: int, inputs: Sequence[int],
+                out_ptr: int, alloc: Allocator, scratch: Optional[int] = None) -> None:
+    """Run a partial pass into scratch and reduce it into ``out_ptr``.
+
+    The scratch comes from ``alloc`` unless the caller passes ``scratch`` (at least
+    ``partial.scratch_bytes``).  It is released when this returns; both allocators we
+    use (CuPy's pool and torch's caching allocator) are stream-ordered, so its reuse
+    waits behind the reduce.
+    """
+    keep = None
+    if scratch is None:
+        keep, scratch = alloc(partial.scratch_bytes)
     partial.run(device_id, stream_ptr, tuple(inputs) + (scratch,))
     reduce.run(device_id, stream_ptr, (scratch, out_ptr))
     del keep
+
+
+class SourceCopies:
+    """channels_last copies of NCHW sources, made once and shared by the passes of one call.
+
+    grad_input and grad_weight both read grad_output through the same copy; a backward
+    call that runs both makes one of these and passes it to each.  The copies live as
+    long as this object (stream-ordered, like all scratch).
+    """
+
+    def __init__(self) -> None:
+        self._copies: Dict[Tuple[int, int], Tuple[object, int]] = {}  # (id(plan), src) -> (buffer, pointer)
+
+    def get(self, plan: Plan, src: int, device_id: int, stream_ptr: int, alloc: Allocator) -> int:
+        """The pointer of ``src`` copied by ``plan`` (a :func:`plan_to_channels_last`), made on first use."""
+        hit = self._copies.get((id(plan), src))
+        if hit is None:
+            keep, ptr = alloc(plan.scratch_bytes)
+            plan.run(device_id, stream_ptr, (src, ptr))
+            hit = self._copies[(id(plan), src)] = (keep, ptr)
+        return hit[1]
 
 
 # ------------------------------------------------------------ tensor-core implicit GEMM
@@ -276,9 +318,10 @@ class Tile:
         return f"{self.bm}x{self.bn}"
 
 
-TILES = {t.name: t for t in (Tile(128, 128, 2, 4), Tile(128, 64, 2, 2), Tile(128, 32, 4, 1),
-                             Tile(64, 128, 1, 4), Tile(64, 64, 2, 2), Tile(64, 32, 2, 1), Tile(32, 64, 1, 2),
-                             Tile(32, 32, 1, 2))}
+TILES = {t.name: t for t in (Tile(256, 128, 4, 2), Tile(256, 64, 4, 2),
+                             Tile(128, 128, 2, 4), Tile(128, 64, 2, 2), Tile(128, 32, 4, 1),
+                             Tile(64, 128, 1, 4), Tile(64, 64, 2, 2), Tile(64, 32, 2, 1),
+                             Tile(32, 64, 1, 2), Tile(32, 32, 1, 2))}
 
 
 def mma_kind(dtype: str, precision: str) -> int:
@@ -294,6 +337,8 @@ def mma_kind(dtype: str, precision: str) -> int:
 # Pipeline depths of the cp.async GEMM loop.  A stage of a BM x BN tile holds
 # (BM + BN) rows of 80 bytes; four stages of 128x128 are 80 KB, so two blocks still
 # fit an SM of sm_80/sm_90.
+# Activation tiles are cp.async copies through L1 (.ca) rather than L2 only (.cg).
+A_CACHE_L1 = True
 STAGE_CHOICES = (2, 3, 4)
 DEFAULT_STAGES = 4
 _ROW_BYTES = 80
@@ -373,7 +418,7 @@ def plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str) ->
     index_t = index_type(total)
     constants = dict(INDEX_T=index_t, ELEMENT_BYTES=element)
     spec = KernelSpec.make("to_channels_last.cu", "to_channels_last", constants)
-    grid = (_cdiv(pixels, 32), _cdiv(channels, 32), max(1, min(batch, _GRID_YZ_LIMIT)))
+    grid = (_cdiv(pixels, 64), _cdiv(channels, 64), max(1, min(batch, _GRID_YZ_LIMIT)))
     return Plan(spec, grid, (32, 8, 1), (batch, channels, pixels), index_t, scratch_bytes=total * element)
 
 
@@ -386,16 +431,19 @@ class GemmPlans:
     to_channels_last: Optional[Plan] = None
 
     def run(self, device_id: int, stream_ptr: int, src: int, weight: int, bias: int, dst: int,
-            alloc: "Allocator") -> None:
-        keep, packed = alloc(self.pack.scratch_bytes)
+            alloc: "Allocator", copies: Optional["SourceCopies"] = None) -> None:
+        """Launch the pack, the copy (taken from ``copies`` when given) and the GEMM on one stream."""
+        to_cl = self.to_channels_last
+        own_copy = to_cl is not None and copies is None
+        keep, (packed, *src_cl) = _carve(alloc, [self.pack.scratch_bytes] + ([to_cl.scratch_bytes] if own_copy else []))
         self.pack.run(device_id, stream_ptr, (weight, packed))
-        keep_src = None
-        if self.to_channels_last is not None:
-            keep_src, src_cl = alloc(self.to_channels_last.scratch_bytes)
-            self.to_channels_last.run(device_id, stream_ptr, (src, src_cl))
-            src = src_cl
+        if own_copy:
+            to_cl.run(device_id, stream_ptr, (src, src_cl[0]))
+            src = src_cl[0]
+        elif to_cl is not None:
+            src = copies.get(to_cl, src, device_id, stream_ptr, alloc)
         self.gemm.run(device_id, stream_ptr, (src, packed, bias, dst))
-        del keep, keep_src
+        del keep
 
     @property
     def plans(self) -> List[Plan]:
@@ -433,7 +481,7 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
     stages = (stages or DEFAULT_STAGES) if a_vec else 2
     if stages not in STAGE_CHOICES:
         raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
-    constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0, A_VEC=a_vec, STAGES=stages,
+    constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0, A_VEC=a_vec, STAGES=stages, A_L1=A_CACHE_L1,
                      SRC_CL=layout == "nhwc" or transpose, DST_CL=layout == "nhwc")
     spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
     grid = (_cdiv(m, tile.bm), g.groups * _cdiv(cg_n, tile.bn), phases)
@@ -480,18 +528,25 @@ def plan_grad_weight_sources(g: Geometry, dtype: str) -> Tuple[Plan, Plan]:
 
 
 def run_grad_weight_gemm(g: Geometry, dtype: str, partial: Plan, reduce: Plan, device_id: int, stream_ptr: int,
-                         x: int, grad_out: int, out: int, alloc: Allocator, layout: str, aligned: bool) -> None:
-    """Run a :func:`plan_grad_weight_gemm` pair, first copying NCHW sources into channels_last if it needs them."""
-    keep = []
-    if grad_weight_vectors(g, dtype, layout, aligned)[1]:
-        sources = []
-        for plan, src in zip(plan_grad_weight_sources(g, dtype), (x, grad_out)):
-            buffer, ptr = alloc(plan.scratch_bytes)
-            plan.run(device_id, stream_ptr, (src, ptr))
-            keep.append(buffer)
-            sources.append(ptr)
-        x, grad_out = sources
-    run_split_k(partial, reduce, device_id, stream_ptr, (x, grad_out), out, alloc)
+                         x: int, grad_out: int, out: int, alloc: Allocator, layout: str, aligned: bool,
+                         copies: Optional[SourceCopies] = None) -> None:
+    """Run a :func:`plan_grad_weight_gemm` pair, first copying NCHW sources into channels_last if it needs them.
+
+    With ``copies``, the copy of grad_output is shared with grad_input's.
+    """
+    if not grad_weight_vectors(g, dtype, layout, aligned)[1]:
+        run_split_k(partial, reduce, device_id, stream_ptr, (x, grad_out), out, alloc)
+        return
+    x_plan, go_plan = plan_grad_weight_sources(g, dtype)
+    if copies is None:
+        keep, (scratch, x_cl, go_cl) = _carve(alloc, [partial.scratch_bytes, x_plan.scratch_bytes,
+                                                      go_plan.scratch_bytes])
+        go_plan.run(device_id, stream_ptr, (grad_out, go_cl))
+    else:
+        keep, (scratch, x_cl) = _carve(alloc, [partial.scratch_bytes, x_plan.scratch_bytes])
+        go_cl = copies.get(go_plan, grad_out, device_id, stream_ptr, alloc)
+    x_plan.run(device_id, stream_ptr, (x, x_cl))
+    run_split_k(partial, reduce, device_id, stream_ptr, (x_cl, go_cl), out, alloc, scratch)
     del keep
 
 
@@ -521,7 +576,7 @@ def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = 
     weight_elems = _numel(g.weight_shape)
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), splits * weight_elems)
     constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
-    constants.update(CHANNELS_LAST=layout == "nhwc" or transpose, VEC=vec, STAGES=stages)
+    constants.update(CHANNELS_LAST=layout == "nhwc" or transpose, VEC=vec, STAGES=stages, A_L1=A_CACHE_L1)
     spec = KernelSpec.make("conv_transpose2d_grad_weight_igemm.cu", "conv_transpose2d_grad_weight_igemm", constants)
     # Taps fastest: blocks reading the same K range of x and grad_out run together.
     grid = (g.groups * taps, _cdiv(g.in_per_group, tile.bm) * _cdiv(g.out_per_group, tile.bn), splits)

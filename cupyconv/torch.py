@@ -51,6 +51,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import engine as _engine
+from . import launch as _launch
 from . import reference as _reference
 from .geometry import ConvParams, geometry as _geometry
 
@@ -313,17 +314,19 @@ def _cuda_backward(go, x, w, mask, entry):
     try:
         stream = _raw_stream(index)
         alloc = _scratch_allocator(device)
+        # grad_input and grad_weight share one channels_last copy of an NCHW grad_output.
+        copies = _launch.SourceCopies() if mask[0] and mask[1] else None
         if mask[0]:
             w = w.contiguous()
             gi = _empty(x.shape, x, device, layout)
             _engine.grad_input(g, dt, go.data_ptr(), w.data_ptr(), gi.data_ptr(), index, stream, alloc, layout,
-                               precision)
+                               precision, copies)
         if mask[1] or mask[2]:
             if mask[1]:
                 x = _in_layout(x, layout)
                 gw = torch.empty(w.shape, dtype=w.dtype, device=device)
                 _engine.grad_weight(g, dt, x.data_ptr(), go.data_ptr(), gw.data_ptr(), index, stream, alloc, layout,
-                                    precision)
+                                    precision, copies)
             if mask[2]:
                 gb = torch.empty((g.out_channels,), dtype=go.dtype, device=device)
                 _engine.grad_bias(g, dt, go.data_ptr(), gb.data_ptr(), index, stream, alloc, layout)

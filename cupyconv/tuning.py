@@ -160,6 +160,9 @@ def _stage_choices(pass_: str = FORWARD) -> Tuple[int, ...]:
     return tuple(s for s in getattr(launch, "STAGE_CHOICES", ()) if s != default)
 
 
+_TALL_TILE_ROWS = 256 * 132 * 4
+
+
 def gemm_options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Dict[str, object]]:
     """Planner options worth timing for a GEMM pass, the planner's own defaults first.
 
@@ -171,7 +174,10 @@ def gemm_options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Di
     if pass_ == GRAD_WEIGHT:
         bms, bns = _sides(g.in_per_group), _sides(g.out_per_group)
     else:
-        bms = (64, 128) if _gemm_rows(pass_, g) > 64 else (32, 64)
+        rows = _gemm_rows(pass_, g)
+        # 256-row tiles halve the weight traffic per output row; worth it only where the
+        # M grid still fills the GPU many times over.
+        bms = (64, 128, 256) if rows >= _TALL_TILE_ROWS else (64, 128) if rows > 64 else (32, 64)
         bns = _sides(g.out_per_group if pass_ == FORWARD else g.in_per_group)
     options: List[Dict[str, object]] = [{}]
     for bm in bms:

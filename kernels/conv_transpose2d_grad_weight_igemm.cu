@@ -32,10 +32,12 @@ constexpr int BM = {{BM}}, BN = {{BN}};
 constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
 constexpr bool VEC = {{VEC}};
 constexpr int STAGES = {{STAGES}};
+constexpr bool A_L1 = {{A_L1}};       // activation copies through L1 (see cp_async_16_l1)
 
 constexpr int THREADS = WARPS_M * WARPS_N * 32;
-// At least 8 resident warps per SM, so one block's barrier does not idle the SM.
-constexpr int MIN_BLOCKS = THREADS >= 256 ? 2 : THREADS >= 128 ? 3 : 4;
+// At least 8 resident warps per SM, so one block's barrier does not idle the SM; a
+// 64x64 warp tile (128 accumulators a thread) needs the whole register file for one block.
+constexpr int MIN_BLOCKS = BM * BN / THREADS >= 128 ? 1 : THREADS >= 256 ? 2 : THREADS >= 128 ? 3 : 4;
 constexpr int TAPS = KH * KW;
 constexpr int CIN = CIN_G * GROUPS, COUT = COUT_G * GROUPS;
 constexpr int PER_WORD = 4 / sizeof(scalar_t);
@@ -122,7 +124,7 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
                 const int v = tid + q * THREADS, row = v / A_RUNS, c = (v % A_RUNS) * 8;
                 const index_t p = p0 + row;
                 const bool ok = p < K && m0 + c < CIN_G;
-                cp_async_16(smem_addr(a_tile(s) + row * A_PITCH + c / 2), ok ? x_group + p * CIN + c : x, ok);
+                cp_async_16_via<A_L1>(smem_addr(a_tile(s) + row * A_PITCH + c / 2), ok ? x_group + p * CIN + c : x, ok);
             }
 #pragma unroll
             for (int q = 0; q < B_VECS; ++q) {
@@ -132,7 +134,7 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
                 const index_t i = rem / W, j = rem - i * W;
                 const index_t oh = static_cast<index_t>(SH) * i + dh, ow = static_cast<index_t>(SW) * j + dw;
                 const bool ok = p < K && n0 + c < COUT_G && oh >= 0 && oh < H_out && ow >= 0 && ow < W_out;
-                cp_async_16(smem_addr(b_tile(s) + row * B_PITCH + c / 2),
+                cp_async_16_via<A_L1>(smem_addr(b_tile(s) + row * B_PITCH + c / 2),
                             ok ? go_group + ((n * H_out + oh) * W_out + ow) * COUT + c : grad_out, ok);
             }
         };

@@ -39,10 +39,12 @@ constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
 constexpr int BM = {{BM}}, BN = {{BN}};
 constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
 constexpr bool A_VEC = {{A_VEC}};
+constexpr bool A_L1 = {{A_L1}};       // A copies through L1 (see cp_async_16_l1)
 
 constexpr int THREADS = WARPS_M * WARPS_N * 32;
-// At least 8 resident warps per SM, so one block's barrier does not idle the SM.
-constexpr int MIN_BLOCKS = THREADS >= 256 ? 2 : THREADS >= 128 ? 3 : 4;
+// At least 8 resident warps per SM, so one block's barrier does not idle the SM; a
+// 64x64 warp tile (128 accumulators a thread) needs the whole register file for one block.
+constexpr int MIN_BLOCKS = BM * BN / THREADS >= 128 ? 1 : THREADS >= 256 ? 2 : THREADS >= 128 ? 3 : 4;
 constexpr int TAPS = KH * KW;
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;  // src channels per group: the K of the GEMM
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;  // dst channels per group: the N of the GEMM
@@ -169,7 +171,7 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
                 const int ih = a_i[q] + tap.dh, iw = a_j[q] + tap.dw, k = c0 + a_k[q];
                 const bool ok = a_row[q] != nullptr && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC && k < CG_K;
                 const scalar_t* p = ok ? a_row[q] + (static_cast<index_t>(ih) * W_SRC + iw) * C_SRC + k : src;
-                cp_async_16(smem_addr(vector_slot(a_tile(s), q)), p, ok);
+                cp_async_16_via<A_L1>(smem_addr(vector_slot(a_tile(s), q)), p, ok);
             }
 #pragma unroll
             for (int q = 0; q < B_VECS; ++q) cp_async_16(smem_addr(vector_slot(b_tile(s), q)), b_source(kt, q), true);

@@ -29,6 +29,15 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
 }
+// The same copy through L1 (.ca): gathered activation tiles overlap from tap to tap
+// (neighbouring taps read the same pixels shifted by one), so L1 hits spare L2.
+__device__ __forceinline__ void cp_async_16_l1(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+template <bool L1>
+__device__ __forceinline__ void cp_async_16_via(unsigned dst, const void* src, bool ok) {
+    if constexpr (L1) cp_async_16_l1(dst, src, ok); else cp_async_16(dst, src, ok);
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }

@@ -2,39 +2,83 @@
 //
 // The tensor-core GEMMs read channel runs of a pixel as 16-byte cp.async copies,
 // which NCHW memory cannot give them; one bandwidth-bound pass here is cheaper
-// than gathering every element of every K tile.  A 32x32 tile goes through shared
-// memory so that both the reads (along p) and the writes (along c) are coalesced.
+// than gathering every element of every K tile.  A 64x64 tile goes through shared
+// memory so that both the reads (along p) and the writes (along c) are whole
+// 128-byte rows.  Every global access is a 32-bit word: 16-bit elements move in
+// pairs (two pixels in, two channels out), so a warp request is never narrower
+// than the line it touches, and each thread keeps eight or sixteen loads in flight.
 // Only the bits move, so one kernel serves every dtype of a given width.
 typedef {{INDEX_T}} index_t;
 
 constexpr int ELEMENT_BYTES = {{ELEMENT_BYTES}};
-constexpr int TILE = 32, ROWS = 8;
+constexpr int TILE = 64, WARPS = 8;
+constexpr int PAIRS = ELEMENT_BYTES == 2;
 
 template <int BYTES> struct Bits;
 template <> struct Bits<2> { typedef unsigned short type; };
 template <> struct Bits<4> { typedef unsigned int type; };
 typedef Bits<ELEMENT_BYTES>::type bits_t;
 
-extern "C" __global__ void __launch_bounds__(TILE * ROWS)
+// 16-bit: an even pitch keeps pixel pairs word-aligned (reads of channel pairs then
+// meet at most 2-way bank conflicts); 32-bit: an odd pitch, conflict-free both ways.
+constexpr int PITCH = PAIRS ? TILE + 2 : TILE + 1;
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
 to_channels_last(const bits_t* __restrict__ src, bits_t* __restrict__ dst, index_t N, index_t C, index_t P) {
-    // Words, not bits_t, with one word of padding: column reads hit 32 distinct banks.
-    __shared__ unsigned tile[TILE][TILE + 1];
-    const int tx = threadIdx.x, ty = threadIdx.y;
+    __shared__ __align__(4) bits_t tile[TILE][PITCH];  // [channel][pixel]
+    const int lane = threadIdx.x, warp = threadIdx.y;
     const index_t p0 = static_cast<index_t>(blockIdx.x) * TILE;
     const index_t c0 = static_cast<index_t>(blockIdx.y) * TILE;
+    // Pixel pairs are word-aligned in global memory only when a channel plane has even length.
+    const bool pair_loads = PAIRS && P % 2 == 0 && reinterpret_cast<unsigned long long>(src) % 4 == 0;
+    const bool pair_stores = PAIRS && C % 2 == 0 && reinterpret_cast<unsigned long long>(dst) % 4 == 0;
     for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
         const bits_t* s = src + n * C * P;
         bits_t* d = dst + n * C * P;
 #pragma unroll
-        for (int r = ty; r < TILE; r += ROWS) {
-            const index_t c = c0 + r, p = p0 + tx;
-            if (c < C && p < P) tile[r][tx] = s[c * P + p];
+        for (int r = warp; r < TILE; r += WARPS) {
+            const index_t c = c0 + r;
+            if (c >= C) break;
+            if constexpr (PAIRS) {
+                const index_t p = p0 + 2 * lane;
+                if (pair_loads && p + 1 < P) {
+                    *reinterpret_cast<unsigned*>(&tile[r][2 * lane]) =
+                        __ldg(reinterpret_cast<const unsigned*>(s + c * P + p));
+                } else {
+                    if (p < P) tile[r][2 * lane] = s[c * P + p];
+                    if (p + 1 < P) tile[r][2 * lane + 1] = s[c * P + p + 1];
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const index_t p = p0 + lane + 32 * h;
+                    if (p < P) tile[r][lane + 32 * h] = __ldg(s + c * P + p);
+                }
+            }
         }
         __syncthreads();
 #pragma unroll
-        for (int r = ty; r < TILE; r += ROWS) {
-            const index_t p = p0 + r, c = c0 + tx;
-            if (c < C && p < P) d[p * C + c] = static_cast<bits_t>(tile[tx][r]);
+        for (int r = warp; r < TILE; r += WARPS) {
+            const index_t p = p0 + r;
+            if (p >= P) break;
+            if constexpr (PAIRS) {
+                // Channel pairs (C is even wherever a GEMM needs this copy: whole 16-byte
+                // channel runs); otherwise element by element.
+                const index_t c = c0 + 2 * lane;
+                bits_t* out = d + p * C + c;
+                if (pair_stores && c + 1 < C) {
+                    *reinterpret_cast<unsigned*>(out) = tile[2 * lane][r] | (unsigned(tile[2 * lane + 1][r]) << 16);
+                } else {
+                    if (c < C) out[0] = tile[2 * lane][r];
+                    if (c + 1 < C) out[1] = tile[2 * lane + 1][r];
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const index_t c = c0 + lane + 32 * h;
+                    if (c < C) d[p * C + c] = tile[lane + 32 * h][r];
+                }
+            }
         }
         __syncthreads();
     }

@@ -221,3 +221,23 @@ def test_every_block_tile_is_correct(tile, stages):
     ref = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)
     for got, want in zip((y, gi, gw), ref[:3]):
         assert _rel_err(got, want) <= 2e-3
+
+
+@pytest.mark.parametrize("element_bytes", (2, 4))
+@pytest.mark.parametrize("batch,channels,pixels,offset", [
+    (1, 64, 64, 0), (3, 40, 4100, 0), (2, 8, 6, 0), (2, 31, 97, 0), (1, 130, 129, 1), (4, 72, 900, 1),
+    (1, 1, 1, 0), (66000, 2, 2, 0)])
+def test_to_channels_last_copy(element_bytes, batch, channels, pixels, offset):
+    """The NCHW -> channels_last copy in front of the GEMMs: odd sizes, tile edges, a misaligned
+    source (one element past an allocation) and more images than a grid dimension holds."""
+    dtype = {2: torch.int16, 4: torch.int32}[element_bytes]
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + channels + pixels)
+    total = batch * channels * pixels
+    flat = torch.randint(-2 ** 15, 2 ** 15, (total + offset,), generator=gen, device="cuda").to(dtype)
+    src = flat[offset:].view(batch, channels, pixels)
+    dst = torch.full((batch, pixels, channels), -1, dtype=dtype, device="cuda")
+    name = {2: "float16", 4: "float32"}[element_bytes]
+    plan = launch.plan_to_channels_last(batch, channels, pixels, name)
+    plan.run(0, torch.cuda.current_stream().cuda_stream, (src.data_ptr(), dst.data_ptr()))
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src.transpose(1, 2))

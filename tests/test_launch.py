@@ -1,0 +1,77 @@
+"""Host-side launch plumbing, without a GPU: scratch carving and the shared channels_last copies."""
+from __future__ import annotations
+
+import pytest
+
+from cupyconv import launch
+from cupyconv.geometry import ConvParams, geometry
+
+
+class Recorder:
+    """Stands in for the allocator and for Plan.run: hands out fake pointers and logs launches."""
+
+    def __init__(self):
+        self.allocs, self.launches, self.next = [], [], 1 << 20
+
+    def alloc(self, nbytes):
+        self.allocs.append(nbytes)
+        ptr, self.next = self.next, self.next + nbytes + 4096
+        return object(), ptr
+
+    def run(self, plan, device_id, stream_ptr, pointers):
+        self.launches.append((plan.spec.function, tuple(pointers)))
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(launch.Plan, "run", lambda plan, d, s, p: rec.run(plan, d, s, p))
+    return rec
+
+
+def test_carve_gives_aligned_disjoint_pieces(recorder):
+    keep, pieces = launch._carve(recorder.alloc, [1, 300, 0, 256])
+    assert len(recorder.allocs) == 1 and recorder.allocs[0] == 256 + 512 + 0 + 256
+    assert all((p - pieces[0]) % 256 == 0 for p in pieces)
+    assert pieces == sorted(pieces) and pieces[1] - pieces[0] >= 1 and pieces[2] - pieces[1] >= 300
+
+
+def _layer():
+    # fp16, 16 channels a side: NCHW sources go through channels_last copies for every GEMM
+    return geometry((2, 16, 9, 7), (16, 16, 3, 3), None, ConvParams.from_args(stride=2, padding=1))
+
+
+def test_backward_passes_share_one_copy_of_grad_output(recorder):
+    g = _layer()
+    gi = launch.plan_grad_input_gemm(g, "float16", "nchw")
+    partial, reduce = launch.plan_grad_weight_gemm(g, "float16", 132, "nchw")
+    assert gi.to_channels_last is not None and launch.grad_weight_vectors(g, "float16", "nchw")[1]
+    x, go, w, out_gi, out_gw = 0x1000, 0x2000, 0x3000, 0x4000, 0x5000
+
+    copies = launch.SourceCopies()
+    gi.run(0, 0, go, w, 0, out_gi, recorder.alloc, copies)
+    launch.run_grad_weight_gemm(g, "float16", partial, reduce, 0, 0, x, go, out_gw, recorder.alloc, "nchw", True,
+                                copies)
+    copied = [ptrs[0] for name, ptrs in recorder.launches if name == "to_channels_last"]
+    assert sorted(copied) == [x, go], "grad_output is copied once, x once"
+    go_copy = next(ptrs[1] for name, ptrs in recorder.launches if name == "to_channels_last" and ptrs[0] == go)
+    gemm_sources = [ptrs[0] for name, ptrs in recorder.launches if name == "conv_transpose2d_igemm"]
+    gw_sources = [ptrs[1] for name, ptrs in recorder.launches if name == "conv_transpose2d_grad_weight_igemm"]
+    assert gemm_sources == [go_copy] and gw_sources == [go_copy]
+
+    # without sharing, each pass makes its own copy, from one scratch allocation per pass
+    recorder.launches.clear()
+    recorder.allocs.clear()
+    gi.run(0, 0, go, w, 0, out_gi, recorder.alloc)
+    launch.run_grad_weight_gemm(g, "float16", partial, reduce, 0, 0, x, go, out_gw, recorder.alloc, "nchw", True)
+    copied = [ptrs[0] for name, ptrs in recorder.launches if name == "to_channels_last"]
+    assert sorted(copied) == [x, go, go] and len(recorder.allocs) == 2
+
+
+def test_copies_are_keyed_by_source(recorder):
+    plan = launch.plan_to_channels_last(2, 16, 63, "float16")
+    copies = launch.SourceCopies()
+    a = copies.get(plan, 0x1000, 0, 0, recorder.alloc)
+    assert copies.get(plan, 0x1000, 0, 0, recorder.alloc) == a
+    assert copies.get(plan, 0x2000, 0, 0, recorder.alloc) != a
+    assert len(recorder.launches) == 2 and recorder.allocs == [plan.scratch_bytes] * 2
