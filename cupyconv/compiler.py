@@ -92,6 +92,9 @@ class _Entry:
 _entries: Dict[tuple, _Entry] = {}
 _entries_lock = threading.Lock()
 _compile_count = 0
+# Bumped by clear_cache(); launch plans compare it on every launch, so a plain module
+# attribute rather than a function.
+_generation = 0
 
 
 def compile_count() -> int:
@@ -110,9 +113,15 @@ def compiled_devices() -> set:
 
 
 def clear_cache() -> None:
-    """Forget every compiled kernel of this process (CuPy's disk cache is left alone)."""
+    """Forget every compiled kernel of this process (CuPy's disk cache is left alone).
+
+    Launch plans notice (the generation counter changes) and fetch their kernels again;
+    the ones they held stay loaded until then, so a launch never uses an unloaded module.
+    """
+    global _generation
     with _entries_lock:
         _entries.clear()
+        _generation += 1
 
 
 def _build(spec: KernelSpec, device_id: int):

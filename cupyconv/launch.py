@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import compiler
 from .compiler import KernelSpec, get_function
 from .geometry import Geometry
 
@@ -79,19 +80,20 @@ class Plan:
     index_t: str
     scratch_bytes: int = 0     # split-K partials the caller must provide
     smem_bytes: int = 0        # dynamic shared memory per block
-    _functions: Dict[int, int] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # device -> (compiler generation, CUfunction handle, the kernel object that keeps its module loaded)
+    _functions: Dict[int, tuple] = field(default_factory=dict, compare=False, hash=False, repr=False)
     _params: Dict[int, "_ParamBlock"] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def function(self, device_id: int) -> int:
         """The CUfunction handle of this plan's kernel on ``device_id``."""
-        fn = self._functions.get(device_id)
-        if fn is None:
+        held = self._functions.get(device_id)
+        if held is None or held[0] != compiler._generation:
             kernel = get_function(self.spec, device_id)
             if self.smem_bytes > _STATIC_SMEM_LIMIT:
                 # Blocks may only use more than 48 KB once the function has opted in.
                 kernel.max_dynamic_shared_size_bytes = self.smem_bytes
-            fn = self._functions[device_id] = kernel.kernel.ptr
-        return fn
+            held = self._functions[device_id] = (compiler._generation, kernel.kernel.ptr, kernel)
+        return held[1]
 
     def run(self, device_id: int, stream_ptr: int, pointers: Sequence[int]) -> None:
         block = self._params.get(len(pointers))
@@ -337,11 +339,14 @@ def mma_kind(dtype: str, precision: str) -> int:
 # Pipeline depths of the cp.async GEMM loop.  A stage of a BM x BN tile holds
 # (BM + BN) rows of 80 bytes; four stages of 128x128 are 80 KB, so two blocks still
 # fit an SM of sm_80/sm_90.
-# Activation tiles are cp.async copies through L1 (.ca) rather than L2 only (.cg).
-A_CACHE_L1 = True
 STAGE_CHOICES = (2, 3, 4)
 DEFAULT_STAGES = 4
 _ROW_BYTES = 80
+
+# Activation tiles are cp.async copies through L1 (.ca) rather than L2 only (.cg): taps
+# re-read neighbouring pixels, and the GEMMs were L2-bound (benchmarks/NOTES.md, v4).
+# A module switch, so both can be timed in one process.
+A_CACHE_L1 = True
 
 
 def stage_bytes(tile: Tile) -> int:

@@ -160,6 +160,7 @@ def _stage_choices(pass_: str = FORWARD) -> Tuple[int, ...]:
     return tuple(s for s in getattr(launch, "STAGE_CHOICES", ()) if s != default)
 
 
+# GEMM rows from which 256-row tiles are tried: four such tiles per SM of an H100.
 _TALL_TILE_ROWS = 256 * 132 * 4
 
 

@@ -75,3 +75,28 @@ def test_copies_are_keyed_by_source(recorder):
     assert copies.get(plan, 0x1000, 0, 0, recorder.alloc) == a
     assert copies.get(plan, 0x2000, 0, 0, recorder.alloc) != a
     assert len(recorder.launches) == 2 and recorder.allocs == [plan.scratch_bytes] * 2
+
+
+def test_plans_fetch_their_kernels_again_after_the_compiler_cache_is_cleared(monkeypatch):
+    from types import SimpleNamespace
+
+    from cupyconv import compiler
+
+    built = []
+
+    def fake_get_function(spec, device_id):
+        kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=0x1000 + len(built)), max_dynamic_shared_size_bytes=0)
+        built.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(launch, "get_function", fake_get_function)
+    cached = launch.plan_reduce("float32", 1000, 4, "int")
+    # a plan of its own: the cached one is shared and may hold real handles
+    plan = launch.Plan(cached.spec, cached.grid, cached.block, cached.scalars, cached.index_t)
+    first = plan.function(0)
+    assert plan.function(0) == first and len(built) == 1
+    held = plan._functions[0][2]
+    compiler.clear_cache()
+    second = plan.function(0)
+    assert second != first and len(built) == 2, "a cleared compiler cache must not leave plans on old handles"
+    assert held is built[0], "the old kernel stayed referenced until the plan let it go"
