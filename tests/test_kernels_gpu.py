@@ -267,3 +267,23 @@ def test_unwritable_disk_cache_falls_back_to_memory(monkeypatch, tmp_path):
     y = cupyconv.conv_transpose2d(x, w, stride=(3, 1), dilation=(1, 2), padding=(0, 3))
     ref = reference.conv_transpose2d(x.get(), w.get(), None, (3, 1), (0, 3), (0, 0), 1, (1, 2))
     assert float(abs(y.get() - ref).max()) <= 1e-10 * float(abs(ref).max())
+
+
+def test_compiler_cache_cleared_alone_between_calls():
+    """compiler.clear_cache() without the plan cache: plans fetch fresh kernels, nothing launches stale ones."""
+    import gc
+
+    from cupyconv import compiler, reference
+
+    x = cupy.random.standard_normal((2, 16, 7, 6), dtype=cupy.float32)
+    w = cupy.random.standard_normal((16, 16, 3, 3), dtype=cupy.float32)
+    ref = reference.conv_transpose2d(x.get(), w.get(), None, (2, 2), (1, 1), (1, 1), 1, (1, 1))
+    for _ in range(3):
+        y = cupyconv.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1)
+        cupy.cuda.Device().synchronize()
+        assert float(abs(y.get() - ref).max()) <= 1e-4 * float(abs(ref).max())
+        before = compiler.compile_count()
+        compiler.clear_cache()
+        gc.collect()  # modules only the compiler cache held would be unloaded here
+        cupyconv.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1)
+        assert compiler.compile_count() > before, "plans kept launching the kernels the compiler let go of"
