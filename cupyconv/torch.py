@@ -315,7 +315,7 @@ def _cuda_backward(go, x, w, mask, entry):
         stream = _raw_stream(index)
         alloc = _scratch_allocator(device)
         # grad_input and grad_weight share one channels_last copy of an NCHW grad_output.
-        copies = _launch.SourceCopies() if mask[0] and mask[1] else None
+        copies = _launch.SourceCopies() if mask[0] and mask[1] and layout == "nchw" else None
         if mask[0]:
             w = w.contiguous()
             gi = _empty(x.shape, x, device, layout)

@@ -480,9 +480,11 @@ def test_fuzz_random_layers_against_float64_torch(heuristic_tuning):
               derandomize=False, suppress_health_check=list(HealthCheck))
     @given(st.lists(fuzz_cases(), min_size=BATCH, max_size=BATCH))
     def fuzz(batch):
-        batch = [case for case in dict.fromkeys(batch) if case not in stats["unique"]]
-        batch = batch[:max(0, EXAMPLES - stats["layers"])]
-        stats["repeats"] += BATCH - len(batch)
+        if stats["layers"] >= EXAMPLES:
+            return
+        fresh = [case for case in dict.fromkeys(batch) if case not in stats["unique"]]
+        stats["repeats"] += len(batch) - len(fresh)
+        batch = fresh[:EXAMPLES - stats["layers"]]
         specs = [s for case in batch for s in _specs(case)]
         if specs:
             compile_many(specs, 0, workers=os.cpu_count() or 8)
