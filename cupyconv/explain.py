@@ -618,12 +618,15 @@ def _roofline(flops: int, nbytes: int, peak: Peak, dtype: str) -> Tuple[float, f
     return compute, memory, max(compute, memory), "compute" if compute > memory else "memory"
 
 
+_DIRECT_TILING = ("OC_BLOCK", "IC_BLOCK", "KH_BLOCK", "CELLS", "IC_CHUNK", "OC_CHUNK", "BLOCK")
+
+
 def _record(pass_name: str, stage: str, plan: launch.Plan, flops: int, nbytes: int, peak: Peak,
             dtype: str) -> KernelRecord:
     spec = plan.spec
     constants = dict(spec.constants)
     source = spec.source()
-    tiles = {k: constants[k] for k in ("OC_BLOCK", "IC_BLOCK", "TAP_BLOCK", "BLOCK") if k in constants}
+    tiles = {k: constants[k] for k in _DIRECT_TILING if k in constants}
     variant = f"{spec.template}:{spec.function}" + (f" [{_kv(tiles)}, index_t {plan.index_t}]")
     names = _scalar_names(source, spec.function, len(plan.scalars))
     _, _, floor, bound = _roofline(flops, nbytes, peak, dtype)

@@ -144,65 +144,142 @@ def _chunks(rows: int, other_blocks: int, min_rows: int, sm_count: int) -> Tuple
     return _cdiv(rows, rows_per_chunk), rows_per_chunk
 
 
+def _even_block(size: int, cap: int) -> int:
+    """The block of at most ``cap`` that cuts ``size`` into the fewest, most even pieces."""
+    return _cdiv(size, _cdiv(size, max(1, cap)))
+
+
+def _phases(kernel: int, dilation: int, stride: int) -> int:
+    """How many of the ``stride`` output phases along one axis receive at least one tap."""
+    return len({(k * dilation) % stride for k in range(kernel)})
+
+
+# The direct kernels keep their per-thread blocks near this many fp32 accumulators:
+# enough reuse of every load, with registers left for two or more blocks per SM.
+_DIRECT_ACCUMULATORS = 48
+_DIRECT_WEIGHT_SMEM = 12 * 1024
+# The forward stages output runs of up to this many columns per thread through shared
+# memory (at most 17 KB a block); the weight rows get what is left of the 48 KB.
+_STAGED_RUN = 16
+_DIRECT_WEIGHT_LIMIT = 30 * 1024
+
+
+def _weight_rows(g: Geometry, dtype: str, per_tap: int) -> Tuple[int, int]:
+    """(padded row length, bytes per channel) of the direct kernels' staged weight rows."""
+    acc = accumulator_bytes(dtype)
+    vec = 16 // acc
+    row = _cdiv(g.kernel[1] * per_tap, vec) * vec
+    return row, g.kernel[0] * row * acc
+
+
+def _staged_block(g: Geometry, dtype: str, channels: int) -> Tuple[int, int]:
+    """(channels per thread, channels staged at a time) whose weight rows fit shared memory.
+
+    ``channels`` is the group's width on the side a thread blocks over (outputs of the
+    forward, inputs of grad_input).
+    """
+    block = _even_block(channels, 8)
+    while True:
+        _, per_channel = _weight_rows(g, dtype, block)
+        if per_channel <= _DIRECT_WEIGHT_LIMIT or block == 1:
+            break
+        block = _even_block(channels, block // 2)
+    if per_channel > _DIRECT_WEIGHT_LIMIT:
+        raise ValueError(
+            f"kernel_size {g.kernel} is too large for the direct kernels: one channel's weights need "
+            f"{per_channel} bytes of shared memory, over {_DIRECT_WEIGHT_LIMIT}")
+    return block, per_channel
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_forward(g: Geometry, dtype: str, has_bias: bool) -> Plan:
     _check_dtype(dtype)
     sh, sw = g.params.stride
     ph, pw = g.params.padding
+    dh, dw = g.params.dilation
     h_out, w_out = g.out_size
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
-    # Each thread keeps SH*SW*OC_BLOCK accumulators; keep that near 32 registers.
-    oc_block = max(1, min(8, 32 // (sh * sw), g.out_per_group))
+    oc_block, per_channel = _staged_block(g, dtype, g.out_per_group)
+    ic_chunk = max(1, min(g.in_per_group, _DIRECT_WEIGHT_SMEM // per_channel))
+    # Each cell keeps one accumulator per output channel and non-empty stride phase.
+    phases = _phases(g.kernel[0], dh, sh) * _phases(g.kernel[1], dw, sw)
+    cells = max(1, min(4, _DIRECT_ACCUMULATORS // (phases * oc_block), _STAGED_RUN // sw))
     block = 128
     q_h0, q_w0 = ph // sh, pw // sw
     qh = (h_out - 1 + ph) // sh - q_h0 + 1
     qw = (w_out - 1 + pw) // sw - q_w0 + 1
+    cells_w = _cdiv(qw, cells)
     constants = _layer_constants(g, dtype, index_t)
-    constants.update(HAS_BIAS=bool(has_bias), OC_BLOCK=oc_block, BLOCK=block)
+    constants.update(HAS_BIAS=bool(has_bias), OC_BLOCK=oc_block, CELLS=cells, IC_CHUNK=ic_chunk, BLOCK=block,
+                     STAGE_STORES=cells * sw <= _STAGED_RUN)
     oc_blocks = g.groups * _cdiv(g.out_per_group, oc_block)
-    grid = (_cdiv(qh * qw, block), min(oc_blocks, _GRID_YZ_LIMIT), min(g.batch, _GRID_YZ_LIMIT))
+    grid = (_cdiv(qh * cells_w, block), min(oc_blocks, _GRID_YZ_LIMIT), min(g.batch, _GRID_YZ_LIMIT))
     spec = KernelSpec.make("conv_transpose2d_forward.cu", "conv_transpose2d_forward", constants)
     h, w = g.in_size
-    return Plan(spec, grid, (block, 1, 1), (g.batch, h, w, h_out, w_out, q_h0, q_w0, qh, qw), index_t)
+    return Plan(spec, grid, (block, 1, 1), (g.batch, h, w, h_out, w_out, q_h0, q_w0, qh, qw, cells_w), index_t)
+
+
+def _window_cells(g: Geometry, cap: int) -> int:
+    """Adjacent pixels per thread whose shared grad_output window stays small (<= 24 values)."""
+    sw, dw = g.params.stride[1], g.params.dilation[1]
+    cells = cap
+    while cells > 1 and (cells - 1) * sw + (g.kernel[1] - 1) * dw + 1 > 24:
+        cells //= 2
+    return cells
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str) -> Plan:
     _check_dtype(dtype)
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
-    ic_block = max(1, min(4, g.in_per_group))
+    ic_block, per_channel = _staged_block(g, dtype, g.in_per_group)
+    oc_chunk = max(1, min(g.out_per_group, _DIRECT_WEIGHT_SMEM // per_channel))
+    cells = _window_cells(g, max(1, min(8, 32 // ic_block)))
     block = 128
-    constants = _layer_constants(g, dtype, index_t)
-    constants.update(IC_BLOCK=ic_block, BLOCK=block)
     h, w = g.in_size
+    cells_w = _cdiv(w, cells)
+    constants = _layer_constants(g, dtype, index_t)
+    constants.update(IC_BLOCK=ic_block, CELLS=cells, OC_CHUNK=oc_chunk, BLOCK=block)
     ic_blocks = g.groups * _cdiv(g.in_per_group, ic_block)
-    grid = (_cdiv(h * w, block), min(ic_blocks, _GRID_YZ_LIMIT), min(g.batch, _GRID_YZ_LIMIT))
+    grid = (_cdiv(h * cells_w, block), min(ic_blocks, _GRID_YZ_LIMIT), min(g.batch, _GRID_YZ_LIMIT))
     spec = KernelSpec.make("conv_transpose2d_grad_input.cu", "conv_transpose2d_grad_input", constants)
-    return Plan(spec, grid, (block, 1, 1), (g.batch, h, w) + g.out_size, index_t)
+    return Plan(spec, grid, (block, 1, 1), (g.batch, h, w) + g.out_size + (cells_w,), index_t)
+
+
+_GRAD_WEIGHT_ACCUMULATORS = 64
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan]:
     """The split-K partial pass and the fixed-order reduction that finishes it."""
     _check_dtype(dtype)
-    taps = g.kernel[0] * g.kernel[1]
-    tap_block = taps if taps <= 16 else 16
-    oc_block = max(1, min(4, 32 // tap_block, g.out_per_group))
-    block = 256
-    warps = block // 32
+    kh, kw = g.kernel
+    # A thread's block: whole kernel rows, as many input channels as fit, then kernel
+    # rows and output channels from what is left of the accumulator budget.
+    ic_block = _even_block(g.in_per_group, max(1, min(8, _GRAD_WEIGHT_ACCUMULATORS // kw)))
+    rest = max(1, _GRAD_WEIGHT_ACCUMULATORS // (ic_block * kw))
+    kh_block = _even_block(kh, rest)
+    oc_block = _even_block(g.out_per_group, max(1, min(8, rest // kh_block)))
+    cells = _window_cells(g, max(1, min(4, 16 // ic_block)))
+    block = 128
     h, w = g.in_size
     rows = g.batch * h
-    tap_blocks = _cdiv(taps, tap_block)
-    yblocks = g.in_channels * _cdiv(g.out_per_group, oc_block)
-    chunks, rows_per_chunk = _chunks(rows, yblocks * tap_blocks, warps, sm_count)
+    cells_w = _cdiv(w, cells)
+    kh_blocks = _cdiv(kh, kh_block)
+    yblocks = g.groups * _cdiv(g.in_per_group, ic_block) * _cdiv(g.out_per_group, oc_block)
+    # Enough chunks for several waves of blocks, each thread still walking 8 or more steps.
+    wanted = max(1, _cdiv(8 * sm_count, yblocks * kh_blocks))
+    wanted = min(wanted, max(1, _cdiv(rows * cells_w, 8 * block)))
+    rows_per_chunk = _cdiv(rows, wanted)
+    chunks = _cdiv(rows, rows_per_chunk)
     weight_elems = _numel(g.weight_shape)
     partial_elems = chunks * weight_elems
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), partial_elems)
     constants = _layer_constants(g, dtype, index_t)
-    constants.update(OC_BLOCK=oc_block, TAP_BLOCK=tap_block, BLOCK=block)
+    constants.update(IC_BLOCK=ic_block, OC_BLOCK=oc_block, KH_BLOCK=kh_block, CELLS=cells, BLOCK=block)
     spec = KernelSpec.make("conv_transpose2d_grad_weight.cu", "conv_transpose2d_grad_weight_partial", constants)
-    partial = Plan(spec, (chunks, min(yblocks, _GRID_YZ_LIMIT), tap_blocks), (block, 1, 1),
-                   (g.batch, h, w) + g.out_size + (rows_per_chunk,), index_t,
+    partial = Plan(spec, (chunks, min(yblocks, _GRID_YZ_LIMIT), kh_blocks), (block, 1, 1),
+                   (g.batch, h, w) + g.out_size + (cells_w, rows_per_chunk), index_t,
                    scratch_bytes=partial_elems * accumulator_bytes(dtype))
     return partial, plan_reduce(dtype, weight_elems, chunks, index_t)
 

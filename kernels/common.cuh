@@ -52,3 +52,30 @@ __device__ __forceinline__ T warp_sum(T v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
     return v;
 }
+
+// The direct kernels keep a block's weights in shared memory, one row per
+// (channel, kernel row), padded to whole 16-byte vectors: all threads read the
+// same address, so one vector load broadcasts four fp32 (two fp64) weights and
+// the inner loops issue about one instruction per multiply-add.
+template <typename T>
+struct SmemVector {
+    static constexpr int WIDTH = 16 / sizeof(T);
+};
+
+__device__ __forceinline__ void load_smem_vector(float* dst, const float* src) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+}
+__device__ __forceinline__ void load_smem_vector(double* dst, const double* src) {
+    const double2 v = *reinterpret_cast<const double2*>(src);
+    dst[0] = v.x; dst[1] = v.y;
+}
+
+// dst[0..N) = src[0..N) for a 16-byte aligned shared-memory row, N a multiple of the vector width.
+template <int N, typename T>
+__device__ __forceinline__ void load_smem_row(T (&dst)[N], const T* src) {
+    constexpr int V = SmemVector<T>::WIDTH;
+    static_assert(N % V == 0, "shared-memory rows are padded to whole vectors");
+#pragma unroll
+    for (int i = 0; i < N; i += V) load_smem_vector(dst + i, src + i);
+}

@@ -2,9 +2,20 @@
 //
 // Output row oh belongs to phase rh = (oh + PH) % SH and low-resolution row
 // q = (oh + PH) / SH.  Tap kh feeds only phase (kh*DH) % SH, reading input row
-// q - (kh*DH) / SH, so each thread owns one (q_h, q_w) cell and produces all
-// SH*SW outputs of that cell: every tap is used exactly once, none is tested
-// and discarded, and the inner loop has no division or modulo.
+// q - (kh*DH) / SH, so each thread owns CELLS adjacent (q_h, q_w) cells and
+// produces all SH*SW outputs of each: every tap is used exactly once, none is
+// tested and discarded, and the inner loop has no division or modulo.
+//
+// The loops are built to spend about one instruction per multiply-add: the
+// block's weights sit in shared memory as padded rows read with broadcast vector
+// loads, each input value is loaded once per cell row into a register window
+// that all taps and all CELLS cells share, and OC_BLOCK output channels reuse
+// every input load.
+//
+// A thread's outputs in one output row are a run of RUN = CELLS*SW adjacent
+// columns, so a warp's plain stores would be strided by RUN and touch RUN times
+// the sectors they fill.  With STAGE_STORES each warp passes its runs through
+// shared memory and stores them as whole, contiguous warp-wide rows instead.
 #include "common.cuh"
 
 typedef {{SCALAR_T}} scalar_t;
@@ -19,93 +30,166 @@ constexpr int DH = {{DH}}, DW = {{DW}};
 constexpr int GROUPS = {{GROUPS}};
 constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}};
-constexpr int OC_BLOCK = {{OC_BLOCK}};  // output channels per thread: reuses each input load
+constexpr int OC_BLOCK = {{OC_BLOCK}};  // output channels per thread
+constexpr int CELLS = {{CELLS}};        // adjacent low-resolution columns per thread
+constexpr int IC_CHUNK = {{IC_CHUNK}};  // input channels whose weights are staged at a time
 constexpr int BLOCK = {{BLOCK}};
 constexpr int OC_BLOCKS = (COUT_G + OC_BLOCK - 1) / OC_BLOCK;
 constexpr int CIN = CIN_G * GROUPS;
 constexpr int COUT = COUT_G * GROUPS;
+constexpr int VEC = SmemVector<acc_t>::WIDTH;
+constexpr int ROW = (KW * OC_BLOCK + VEC - 1) / VEC * VEC;  // weights of one kernel row, [kw][o]
+constexpr int RH = ((KH - 1) * DH) / SH + 1;                // a cell reads input rows q_h - a, a < RH
+constexpr int BW = ((KW - 1) * DW) / SW;                    // and columns from q_w - BW
+constexpr int RW = BW + CELLS;                              // to the last cell's q_w
+constexpr int RUN = CELLS * SW;
+constexpr bool STAGE_STORES = {{STAGE_STORES}};
+constexpr int STAGE_WARPS = STAGE_STORES ? BLOCK / 32 : 1;
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_forward(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
                          const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
                          index_t N, index_t H, index_t W, index_t H_out, index_t W_out,
-                         index_t q_h0, index_t q_w0, index_t QH, index_t QW) {
-    const index_t cell = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x;
-    if (cell >= QH * QW) return;
-    const index_t qh = q_h0 + cell / QW;
-    const index_t qw = q_w0 + cell % QW;
+                         index_t q_h0, index_t q_w0, index_t QH, index_t QW, index_t cells_w) {
+    __shared__ __align__(16) acc_t ws[IC_CHUNK * KH * ROW];
+    __shared__ acc_t staged[STAGE_WARPS][STAGE_STORES ? 33 * RUN : 1];  // skewed: see below
+    // Threads past the end stay to help stage weights, and neither load nor store.
+    const index_t t = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x;
+    const bool active = t < QH * cells_w;
+    const index_t qh = q_h0 + (active ? t / cells_w : 0);
+    const index_t qw = q_w0 + (active ? t % cells_w : 0) * CELLS;
 
-    // Input rows and columns each tap reads, fixed for this thread.
-    index_t row_off[KH];
-    bool row_ok[KH];
+    index_t row_off[RH];
+    bool row_ok[RH];
 #pragma unroll
-    for (int kh = 0; kh < KH; ++kh) {
-        const index_t ih = qh - (kh * DH) / SH;
-        row_ok[kh] = ih >= 0 && ih < H;
-        row_off[kh] = ih * W;
+    for (int a = 0; a < RH; ++a) {
+        const index_t ih = qh - a;
+        row_ok[a] = active && ih >= 0 && ih < H;
+        row_off[a] = ih * W;
     }
-    index_t col[KW];
-    bool col_ok[KW];
+    index_t col[RW];
+    bool col_ok[RW];
 #pragma unroll
-    for (int kw = 0; kw < KW; ++kw) {
-        const index_t iw = qw - (kw * DW) / SW;
-        col_ok[kw] = iw >= 0 && iw < W;
-        col[kw] = iw;
+    for (int j = 0; j < RW; ++j) {
+        const index_t iw = qw - BW + j;
+        col_ok[j] = iw >= 0 && iw < W;
+        col[j] = iw;
     }
 
     for (int ocb = blockIdx.y; ocb < GROUPS * OC_BLOCKS; ocb += gridDim.y) {
         const int g = ocb / OC_BLOCKS;
         const int ocg0 = (ocb % OC_BLOCKS) * OC_BLOCK;
         for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
-            acc_t acc[SH][SW][OC_BLOCK];
+            acc_t acc[CELLS][SH][SW][OC_BLOCK];
 #pragma unroll
             for (int o = 0; o < OC_BLOCK; ++o) {
-                const int ocg = ocg0 + o < COUT_G ? ocg0 + o : COUT_G - 1;
-                const acc_t b = HAS_BIAS ? static_cast<acc_t>(load(bias + g * COUT_G + ocg)) : acc_t(0);
+                const acc_t b = HAS_BIAS && ocg0 + o < COUT_G ? static_cast<acc_t>(load(bias + g * COUT_G + ocg0 + o))
+                                                               : acc_t(0);
 #pragma unroll
-                for (int rh = 0; rh < SH; ++rh)
+                for (int c = 0; c < CELLS; ++c)
 #pragma unroll
-                    for (int rw = 0; rw < SW; ++rw) acc[rh][rw][o] = b;
+                    for (int rh = 0; rh < SH; ++rh)
+#pragma unroll
+                        for (int rw = 0; rw < SW; ++rw) acc[c][rh][rw][o] = b;
             }
 
             const scalar_t* xg = x + (n * CIN + g * CIN_G) * H * W;
-            const scalar_t* wg = w + (static_cast<index_t>(g) * CIN_G * COUT_G) * (KH * KW);
-#pragma unroll 2
-            for (int ic = 0; ic < CIN_G; ++ic) {
-                const scalar_t* xc = xg + ic * H * W;
-                const scalar_t* wc = wg + static_cast<index_t>(ic) * COUT_G * (KH * KW);
+            for (int ic0 = 0; ic0 < CIN_G; ic0 += IC_CHUNK) {
+                __syncthreads();  // every thread is done with the previous chunk's weights
+                for (int e = threadIdx.x; e < IC_CHUNK * KH * ROW; e += BLOCK) {
+                    const int icl = e / (KH * ROW), kh = e / ROW % KH, kw = e % ROW / OC_BLOCK, o = e % ROW % OC_BLOCK;
+                    const int ic = ic0 + icl, ocg = ocg0 + o;
+                    ws[e] = kw < KW && ic < CIN_G && ocg < COUT_G
+                                ? static_cast<acc_t>(load(w + ((static_cast<index_t>(g * CIN_G + ic) * COUT_G + ocg) * KH + kh) * KW + kw))
+                                : acc_t(0);
+                }
+                __syncthreads();
+                const int chunk = CIN_G - ic0 < IC_CHUNK ? CIN_G - ic0 : IC_CHUNK;
+                for (int icl = 0; icl < chunk; ++icl) {
+                    const scalar_t* xc = xg + static_cast<index_t>(ic0 + icl) * H * W;
 #pragma unroll
-                for (int kh = 0; kh < KH; ++kh) {
+                    for (int a = 0; a < RH; ++a) {
+                        acc_t xv[RW];
 #pragma unroll
-                    for (int kw = 0; kw < KW; ++kw) {
-                        const acc_t xv = (row_ok[kh] && col_ok[kw])
-                                             ? static_cast<acc_t>(load(xc + row_off[kh] + col[kw]))
-                                             : acc_t(0);
+                        for (int j = 0; j < RW; ++j)
+                            xv[j] = row_ok[a] && col_ok[j] ? static_cast<acc_t>(load(xc + row_off[a] + col[j])) : acc_t(0);
 #pragma unroll
-                        for (int o = 0; o < OC_BLOCK; ++o) {
-                            const int ocg = ocg0 + o < COUT_G ? ocg0 + o : COUT_G - 1;
-                            const acc_t wv = static_cast<acc_t>(load(wc + (ocg * KH + kh) * KW + kw));
-                            acc[(kh * DH) % SH][(kw * DW) % SW][o] += xv * wv;
+                        for (int kh = 0; kh < KH; ++kh) {
+                            if ((kh * DH) / SH != a) continue;
+                            acc_t wr[ROW];
+                            load_smem_row(wr, ws + (icl * KH + kh) * ROW);
+#pragma unroll
+                            for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+                                for (int c = 0; c < CELLS; ++c)
+#pragma unroll
+                                    for (int o = 0; o < OC_BLOCK; ++o)
+                                        acc[c][(kh * DH) % SH][(kw * DW) % SW][o] +=
+                                            xv[BW + c - (kw * DW) / SW] * wr[kw * OC_BLOCK + o];
                         }
                     }
                 }
             }
 
+            if (STAGE_STORES) {
+                const int lane = threadIdx.x % 32;
+                acc_t* buf = staged[threadIdx.x / 32];
+#pragma unroll
+                for (int rh = 0; rh < SH; ++rh) {
+                    const index_t oh = qh * SH + rh - PH;
+                    const bool row_ok = active && oh >= 0 && oh < H_out;
+                    const index_t row_base = ((n * COUT + g * COUT_G) * H_out + oh) * W_out;
+                    const index_t run_start = qw * SW - PW;
+                    // Element m*32 + lane of the warp's runs belongs to lane (m*32 + lane) / RUN.
+                    index_t dst[RUN];
+#pragma unroll
+                    for (int m = 0; m < RUN; ++m) {
+                        // Every lane takes part in every shuffle: none sits behind a condition.
+                        const int e = m * 32 + lane, owner = e / RUN;
+                        const index_t ow = __shfl_sync(0xffffffffu, run_start, owner) + e % RUN;
+                        const int owner_row_ok = __shfl_sync(0xffffffffu, static_cast<int>(row_ok), owner);
+                        const index_t owner_row = __shfl_sync(0xffffffffu, row_base, owner);
+                        dst[m] = owner_row_ok && ow >= 0 && ow < W_out ? owner_row + ow : index_t(-1);
+                    }
+#pragma unroll
+                    for (int o = 0; o < OC_BLOCK; ++o) {
+                        if (ocg0 + o >= COUT_G) break;
+#pragma unroll
+                        for (int c = 0; c < CELLS; ++c)
+#pragma unroll
+                            for (int rw = 0; rw < SW; ++rw) {
+                                // One word of skew per 32 keeps both the run writes and the row reads free of bank conflicts.
+                                const int e = lane * RUN + c * SW + rw;
+                                buf[e + e / 32] = acc[c][rh][rw][o];
+                            }
+                        __syncwarp();
+                        const index_t plane = static_cast<index_t>(ocg0 + o) * H_out * W_out;
+#pragma unroll
+                        for (int m = 0; m < RUN; ++m)
+                            if (dst[m] >= 0) store(y + plane + dst[m], buf[m * 33 + lane]);
+                        __syncwarp();
+                    }
+                }
+                continue;
+            }
+            if (!active) continue;
 #pragma unroll
             for (int rh = 0; rh < SH; ++rh) {
                 const index_t oh = qh * SH + rh - PH;
                 if (oh < 0 || oh >= H_out) continue;
 #pragma unroll
-                for (int rw = 0; rw < SW; ++rw) {
-                    const index_t ow = qw * SW + rw - PW;
-                    if (ow < 0 || ow >= W_out) continue;
+                for (int c = 0; c < CELLS; ++c)
 #pragma unroll
-                    for (int o = 0; o < OC_BLOCK; ++o) {
-                        if (ocg0 + o >= COUT_G) continue;
-                        const index_t oc = g * COUT_G + ocg0 + o;
-                        store(y + ((n * COUT + oc) * H_out + oh) * W_out + ow, acc[rh][rw][o]);
+                    for (int rw = 0; rw < SW; ++rw) {
+                        const index_t ow = (qw + c) * SW + rw - PW;
+                        if (ow < 0 || ow >= W_out) continue;
+#pragma unroll
+                        for (int o = 0; o < OC_BLOCK; ++o) {
+                            if (ocg0 + o >= COUT_G) continue;
+                            const index_t oc = g * COUT_G + ocg0 + o;
+                            store(y + ((n * COUT + oc) * H_out + oh) * W_out + ow, acc[c][rh][rw][o]);
+                        }
                     }
-                }
             }
         }
     }

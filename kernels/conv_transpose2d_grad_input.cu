@@ -1,8 +1,11 @@
 // grad_input of a transposed convolution, which is the ordinary convolution
 // conv2d(grad_output, weight, stride, padding, dilation, groups), as a gather.
 //
-// Each thread owns one input pixel and IC_BLOCK input channels of one group,
-// so every grad_output value it loads is used IC_BLOCK times.
+// Each thread owns CELLS adjacent input pixels of one row and IC_BLOCK input
+// channels of one group.  As in the forward kernel, the weights sit in shared
+// memory as padded rows read with broadcast vector loads, and each grad_output
+// row segment the CELLS pixels read is loaded once into a register window that
+// all their taps share, so the inner loop is almost only multiply-adds.
 #include "common.cuh"
 
 typedef {{SCALAR_T}} scalar_t;
@@ -16,72 +19,97 @@ constexpr int OPH = {{OPH}}, OPW = {{OPW}};  // already folded into H_out/W_out 
 constexpr int DH = {{DH}}, DW = {{DW}};
 constexpr int GROUPS = {{GROUPS}};
 constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
-constexpr int IC_BLOCK = {{IC_BLOCK}};
+constexpr int IC_BLOCK = {{IC_BLOCK}};  // input channels per thread
+constexpr int CELLS = {{CELLS}};        // adjacent input pixels per thread
+constexpr int OC_CHUNK = {{OC_CHUNK}};  // output channels whose weights are staged at a time
 constexpr int BLOCK = {{BLOCK}};
 constexpr int IC_BLOCKS = (CIN_G + IC_BLOCK - 1) / IC_BLOCK;
 constexpr int CIN = CIN_G * GROUPS;
 constexpr int COUT = COUT_G * GROUPS;
+constexpr int VEC = SmemVector<acc_t>::WIDTH;
+constexpr int ROW = (KW * IC_BLOCK + VEC - 1) / VEC * VEC;  // weights of one kernel row, [kw][i]
+constexpr int RW = (CELLS - 1) * SW + (KW - 1) * DW + 1;    // grad_output columns the CELLS pixels read
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_input(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ w,
                             scalar_t* __restrict__ grad_in,
-                            index_t N, index_t H, index_t W, index_t H_out, index_t W_out) {
-    const index_t pixel = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x;
-    if (pixel >= H * W) return;
-    const index_t ih = pixel / W;
-    const index_t iw = pixel % W;
+                            index_t N, index_t H, index_t W, index_t H_out, index_t W_out, index_t cells_w) {
+    __shared__ __align__(16) acc_t ws[OC_CHUNK * KH * ROW];
+    // Threads past the end stay to help stage weights, and neither load nor store.
+    const index_t t = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x;
+    const bool active = t < H * cells_w;
+    const index_t ih = active ? t / cells_w : 0;
+    const index_t iw = (active ? t % cells_w : 0) * CELLS;
 
     index_t row_off[KH];
     bool row_ok[KH];
 #pragma unroll
     for (int kh = 0; kh < KH; ++kh) {
         const index_t oh = ih * SH - PH + kh * DH;
-        row_ok[kh] = oh >= 0 && oh < H_out;
+        row_ok[kh] = active && oh >= 0 && oh < H_out;
         row_off[kh] = oh * W_out;
     }
-    index_t col[KW];
-    bool col_ok[KW];
+    index_t col[RW];
+    bool col_ok[RW];
 #pragma unroll
-    for (int kw = 0; kw < KW; ++kw) {
-        const index_t ow = iw * SW - PW + kw * DW;
-        col_ok[kw] = ow >= 0 && ow < W_out;
-        col[kw] = ow;
+    for (int j = 0; j < RW; ++j) {
+        const index_t ow = iw * SW - PW + j;
+        col_ok[j] = ow >= 0 && ow < W_out;
+        col[j] = ow;
     }
 
     for (int icb = blockIdx.y; icb < GROUPS * IC_BLOCKS; icb += gridDim.y) {
         const int g = icb / IC_BLOCKS;
         const int icg0 = (icb % IC_BLOCKS) * IC_BLOCK;
         for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
-            acc_t acc[IC_BLOCK];
+            acc_t acc[CELLS][IC_BLOCK];
 #pragma unroll
-            for (int i = 0; i < IC_BLOCK; ++i) acc[i] = acc_t(0);
+            for (int c = 0; c < CELLS; ++c)
+#pragma unroll
+                for (int i = 0; i < IC_BLOCK; ++i) acc[c][i] = acc_t(0);
 
             const scalar_t* gg = grad_out + (n * COUT + g * COUT_G) * H_out * W_out;
-#pragma unroll 2
-            for (int ocg = 0; ocg < COUT_G; ++ocg) {
-                const scalar_t* gc = gg + ocg * H_out * W_out;
+            for (int oc0 = 0; oc0 < COUT_G; oc0 += OC_CHUNK) {
+                __syncthreads();  // every thread is done with the previous chunk's weights
+                for (int e = threadIdx.x; e < OC_CHUNK * KH * ROW; e += BLOCK) {
+                    const int ocl = e / (KH * ROW), kh = e / ROW % KH, kw = e % ROW / IC_BLOCK, i = e % ROW % IC_BLOCK;
+                    const int ocg = oc0 + ocl, icg = icg0 + i;
+                    ws[e] = kw < KW && ocg < COUT_G && icg < CIN_G
+                                ? static_cast<acc_t>(load(w + ((static_cast<index_t>(g * CIN_G + icg) * COUT_G + ocg) * KH + kh) * KW + kw))
+                                : acc_t(0);
+                }
+                __syncthreads();
+                const int chunk = COUT_G - oc0 < OC_CHUNK ? COUT_G - oc0 : OC_CHUNK;
+                for (int ocl = 0; ocl < chunk; ++ocl) {
+                    const scalar_t* gc = gg + static_cast<index_t>(oc0 + ocl) * H_out * W_out;
 #pragma unroll
-                for (int kh = 0; kh < KH; ++kh) {
+                    for (int kh = 0; kh < KH; ++kh) {
+                        acc_t gv[RW];
 #pragma unroll
-                    for (int kw = 0; kw < KW; ++kw) {
-                        const acc_t gv = (row_ok[kh] && col_ok[kw])
-                                             ? static_cast<acc_t>(load(gc + row_off[kh] + col[kw]))
-                                             : acc_t(0);
+                        for (int j = 0; j < RW; ++j)
+                            gv[j] = row_ok[kh] && col_ok[j] ? static_cast<acc_t>(load(gc + row_off[kh] + col[j])) : acc_t(0);
+                        acc_t wr[ROW];
+                        load_smem_row(wr, ws + (ocl * KH + kh) * ROW);
 #pragma unroll
-                        for (int i = 0; i < IC_BLOCK; ++i) {
-                            const int icg = icg0 + i < CIN_G ? icg0 + i : CIN_G - 1;
-                            const index_t ic = static_cast<index_t>(g) * CIN_G + icg;
-                            acc[i] += gv * static_cast<acc_t>(load(w + ((ic * COUT_G + ocg) * KH + kh) * KW + kw));
-                        }
+                        for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+                            for (int c = 0; c < CELLS; ++c)
+#pragma unroll
+                                for (int i = 0; i < IC_BLOCK; ++i)
+                                    acc[c][i] += gv[c * SW + kw * DW] * wr[kw * IC_BLOCK + i];
                     }
                 }
             }
 
+            if (!active) continue;
 #pragma unroll
             for (int i = 0; i < IC_BLOCK; ++i) {
                 if (icg0 + i >= CIN_G) continue;
                 const index_t ic = static_cast<index_t>(g) * CIN_G + icg0 + i;
-                store(grad_in + ((n * CIN + ic) * H + ih) * W + iw, acc[i]);
+                scalar_t* dst = grad_in + ((n * CIN + ic) * H + ih) * W + iw;
+#pragma unroll
+                for (int c = 0; c < CELLS; ++c)
+                    if (iw + c < W) store(dst + c, acc[c][i]);
             }
         }
     }

@@ -6,6 +6,12 @@
 // reduces its chunk in a fixed order and writes one partial per weight element
 // (no atomics), and reduce_partials.cu sums the chunks in a fixed order.  So the
 // result is bitwise reproducible for a given shape and device.
+//
+// A thread takes CELLS adjacent pixels of a row at a time and keeps an
+// IC_BLOCK x OC_BLOCK x KH_BLOCK x KW block of the weight gradient in registers:
+// each input value it loads serves OC_BLOCK * KH_BLOCK * KW taps, and each
+// grad_output row segment (a register window shared by all kw and all CELLS
+// pixels) serves IC_BLOCK input channels.
 #include "common.cuh"
 
 typedef {{SCALAR_T}} scalar_t;
@@ -19,96 +25,121 @@ constexpr int OPH = {{OPH}}, OPW = {{OPW}};  // already folded into H_out/W_out 
 constexpr int DH = {{DH}}, DW = {{DW}};
 constexpr int GROUPS = {{GROUPS}};
 constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
-constexpr int OC_BLOCK = {{OC_BLOCK}};    // output channels per thread: reuses each input load
-constexpr int TAP_BLOCK = {{TAP_BLOCK}};  // kernel taps per thread; blockIdx.z picks which
+constexpr int IC_BLOCK = {{IC_BLOCK}};  // input channels per thread
+constexpr int OC_BLOCK = {{OC_BLOCK}};  // output channels per thread
+constexpr int KH_BLOCK = {{KH_BLOCK}};  // kernel rows per thread; blockIdx.z picks which
+constexpr int CELLS = {{CELLS}};        // adjacent input pixels per step
 constexpr int BLOCK = {{BLOCK}};
-constexpr int TAPS = KH * KW;
+constexpr int IC_BLOCKS = (CIN_G + IC_BLOCK - 1) / IC_BLOCK;
 constexpr int OC_BLOCKS = (COUT_G + OC_BLOCK - 1) / OC_BLOCK;
 constexpr int CIN = CIN_G * GROUPS;
 constexpr int COUT = COUT_G * GROUPS;
 constexpr int WARPS = BLOCK / 32;
-constexpr int VALUES = OC_BLOCK * TAP_BLOCK;
+constexpr int VALUES = IC_BLOCK * OC_BLOCK * KH_BLOCK * KW;
+constexpr int RW = (CELLS - 1) * SW + (KW - 1) * DW + 1;  // grad_output columns the CELLS pixels read
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_weight_partial(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
                                      acc_t* __restrict__ partial,
                                      index_t N, index_t H, index_t W, index_t H_out, index_t W_out,
-                                     index_t rows_per_chunk) {
+                                     index_t cells_w, index_t rows_per_chunk) {
     __shared__ acc_t warp_partials[WARPS][VALUES];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const index_t rows = N * H;
     const index_t r0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
-    const index_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    const index_t r1 = r0 + rows_per_chunk < N * H ? r0 + rows_per_chunk : N * H;
+    const index_t items = (r1 - r0) * cells_w;
+    // A thread's walk over its items advances by BLOCK cells at a time; carrying
+    // the (row, cell) position forward avoids a division per step.
+    const index_t row_step = BLOCK / cells_w, cell_step = BLOCK % cells_w;
+    const int kh0 = blockIdx.z * KH_BLOCK;
 
-    bool tap_ok[TAP_BLOCK];
-    int tap_dh[TAP_BLOCK], tap_dw[TAP_BLOCK];
-#pragma unroll
-    for (int j = 0; j < TAP_BLOCK; ++j) {
-        const int t = blockIdx.z * TAP_BLOCK + j;
-        tap_ok[j] = t < TAPS;
-        tap_dh[j] = (t / KW) * DH - PH;
-        tap_dw[j] = (t % KW) * DW - PW;
-    }
+    for (int yb = blockIdx.y; yb < GROUPS * IC_BLOCKS * OC_BLOCKS; yb += gridDim.y) {
+        const int g = yb / (IC_BLOCKS * OC_BLOCKS);
+        const int icg0 = yb / OC_BLOCKS % IC_BLOCKS * IC_BLOCK;
+        const int ocg0 = yb % OC_BLOCKS * OC_BLOCK;
 
-    for (int yb = blockIdx.y; yb < CIN * OC_BLOCKS; yb += gridDim.y) {
-        const int ic = yb / OC_BLOCKS;
-        const int g = ic / CIN_G;
-        const int ocg0 = (yb % OC_BLOCKS) * OC_BLOCK;
+        acc_t acc[IC_BLOCK][OC_BLOCK][KH_BLOCK][KW];
+#pragma unroll
+        for (int i = 0; i < IC_BLOCK; ++i)
+#pragma unroll
+            for (int o = 0; o < OC_BLOCK; ++o)
+#pragma unroll
+                for (int kb = 0; kb < KH_BLOCK; ++kb)
+#pragma unroll
+                    for (int kw = 0; kw < KW; ++kw) acc[i][o][kb][kw] = acc_t(0);
 
-        acc_t acc[OC_BLOCK][TAP_BLOCK];
+        index_t n = (r0 + threadIdx.x / cells_w) / H, ih = (r0 + threadIdx.x / cells_w) % H;
+        index_t cell = threadIdx.x % cells_w;
+        for (index_t f = threadIdx.x; f < items; f += BLOCK) {
+            const index_t iw = cell * CELLS;
+            acc_t xv[IC_BLOCK][CELLS];
+            const scalar_t* xp = x + ((n * CIN + g * CIN_G + icg0) * H + ih) * W + iw;
 #pragma unroll
-        for (int o = 0; o < OC_BLOCK; ++o)
+            for (int i = 0; i < IC_BLOCK; ++i)
 #pragma unroll
-            for (int j = 0; j < TAP_BLOCK; ++j) acc[o][j] = acc_t(0);
+                for (int c = 0; c < CELLS; ++c)
+                    xv[i][c] = icg0 + i < CIN_G && iw + c < W ? static_cast<acc_t>(load(xp + i * H * W + c)) : acc_t(0);
 
-        for (index_t r = r0 + warp; r < r1; r += WARPS) {
-            const index_t n = r / H;
-            const index_t ih = r % H;
-            const scalar_t* xrow = x + ((n * CIN + ic) * H + ih) * W;
-            const scalar_t* gbase = grad_out + (n * COUT + g * COUT_G) * H_out * W_out;
-            bool row_ok[TAP_BLOCK];
-            index_t row_off[TAP_BLOCK];
+            bool col_ok[RW];
 #pragma unroll
-            for (int j = 0; j < TAP_BLOCK; ++j) {
-                const index_t oh = ih * SH + tap_dh[j];
-                row_ok[j] = tap_ok[j] && oh >= 0 && oh < H_out;
-                row_off[j] = oh * W_out;
+            for (int j = 0; j < RW; ++j) {
+                const index_t ow = iw * SW - PW + j;
+                col_ok[j] = ow >= 0 && ow < W_out;
             }
-            for (index_t iw = lane; iw < W; iw += 32) {
-                const acc_t xv = static_cast<acc_t>(load(xrow + iw));
 #pragma unroll
-                for (int j = 0; j < TAP_BLOCK; ++j) {
-                    const index_t ow = iw * SW + tap_dw[j];
-                    const bool ok = row_ok[j] && ow >= 0 && ow < W_out;
+            for (int kb = 0; kb < KH_BLOCK; ++kb) {
+                const index_t oh = ih * SH - PH + (kh0 + kb) * DH;
+                const bool row_ok = kh0 + kb < KH && oh >= 0 && oh < H_out;
 #pragma unroll
-                    for (int o = 0; o < OC_BLOCK; ++o) {
-                        const int ocg = ocg0 + o < COUT_G ? ocg0 + o : COUT_G - 1;
-                        const acc_t gv = ok ? static_cast<acc_t>(load(gbase + ocg * H_out * W_out + row_off[j] + ow))
-                                            : acc_t(0);
-                        acc[o][j] += xv * gv;
-                    }
+                for (int o = 0; o < OC_BLOCK; ++o) {
+                    const bool ok = row_ok && ocg0 + o < COUT_G;
+                    const scalar_t* gp = grad_out + ((n * COUT + g * COUT_G + ocg0 + o) * H_out + oh) * W_out + iw * SW - PW;
+                    acc_t gv[RW];
+#pragma unroll
+                    for (int j = 0; j < RW; ++j) gv[j] = ok && col_ok[j] ? static_cast<acc_t>(load(gp + j)) : acc_t(0);
+#pragma unroll
+                    for (int kw = 0; kw < KW; ++kw)
+#pragma unroll
+                        for (int c = 0; c < CELLS; ++c)
+#pragma unroll
+                            for (int i = 0; i < IC_BLOCK; ++i) acc[i][o][kb][kw] += xv[i][c] * gv[c * SW + kw * DW];
                 }
+            }
+
+            cell += cell_step;
+            ih += row_step;
+            if (cell >= cells_w) {
+                cell -= cells_w;
+                ++ih;
+            }
+            if (ih >= H) {
+                n += ih / H;
+                ih %= H;
             }
         }
 
 #pragma unroll
-        for (int o = 0; o < OC_BLOCK; ++o)
+        for (int i = 0; i < IC_BLOCK; ++i)
 #pragma unroll
-            for (int j = 0; j < TAP_BLOCK; ++j) {
-                const acc_t s = warp_sum(acc[o][j]);
-                if (lane == 0) warp_partials[warp][o * TAP_BLOCK + j] = s;
-            }
+            for (int o = 0; o < OC_BLOCK; ++o)
+#pragma unroll
+                for (int kb = 0; kb < KH_BLOCK; ++kb)
+#pragma unroll
+                    for (int kw = 0; kw < KW; ++kw) {
+                        const acc_t s = warp_sum(acc[i][o][kb][kw]);
+                        if (lane == 0) warp_partials[warp][((i * OC_BLOCK + o) * KH_BLOCK + kb) * KW + kw] = s;
+                    }
         __syncthreads();
         for (int v = threadIdx.x; v < VALUES; v += BLOCK) {
-            const int o = v / TAP_BLOCK, j = v % TAP_BLOCK;
-            const int t = blockIdx.z * TAP_BLOCK + j;
-            if (ocg0 + o < COUT_G && t < TAPS) {
+            const int i = v / (OC_BLOCK * KH_BLOCK * KW), o = v / (KH_BLOCK * KW) % OC_BLOCK;
+            const int kh = kh0 + v / KW % KH_BLOCK, kw = v % KW;
+            if (icg0 + i < CIN_G && ocg0 + o < COUT_G && kh < KH) {
                 acc_t s = acc_t(0);
 #pragma unroll
                 for (int k = 0; k < WARPS; ++k) s += warp_partials[k][v];
-                const index_t e = (static_cast<index_t>(ic) * COUT_G + ocg0 + o) * TAPS + t;
-                partial[static_cast<index_t>(blockIdx.x) * (static_cast<index_t>(CIN) * COUT_G * TAPS) + e] = s;
+                const index_t e = ((static_cast<index_t>(g * CIN_G + icg0 + i) * COUT_G + ocg0 + o) * KH + kh) * KW + kw;
+                partial[static_cast<index_t>(blockIdx.x) * (static_cast<index_t>(CIN) * COUT_G * KH * KW) + e] = s;
             }
         }
         __syncthreads();

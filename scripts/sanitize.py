@@ -77,13 +77,15 @@ def _kw(**kwargs) -> Tuple[Tuple[str, object], ...]:
     return tuple(sorted(kwargs.items()))
 
 
-# Thin layers run on the direct kernels; the second has 25 taps (two tap blocks in
-# grad_weight) and stride 4.
+# Thin layers run on the direct kernels; the second has 25 taps (two kernel-row blocks
+# in grad_weight) and stride 4; the last stages its forward weights in three chunks
+# and reads grad_output windows too wide to share between pixels.
 DIRECT_LAYERS = {
     "grouped": ((2, 4, 5, 6), (4, 3, 3, 2), _kw(stride=(2, 1), padding=(1, 0), output_padding=(1, 0), groups=2,
                                                  dilation=(1, 2))),
     "k5s4": ((1, 3, 4, 3), (3, 2, 5, 5), _kw(stride=4, padding=2, output_padding=3)),
     "depthwise": ((2, 6, 5, 5), (6, 1, 4, 4), _kw(stride=2, padding=1, groups=6)),
+    "wide_rows": ((1, 24, 4, 6), (24, 8, 5, 9), _kw(stride=(1, 2), padding=(2, 4), dilation=(1, 3))),
 }
 # Layers wide enough for the tensor cores: 16 and 32 channels per group; 20 input
 # channels per group (rows of 40 bytes in fp16: the element-gathering load path); and

@@ -15,9 +15,10 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 ARCHS = ("compute_80", "compute_90")
 DTYPES = tuple(launch.DTYPES)
 
-# Layers chosen to reach every tiling branch of the planners: one or many stride phases
-# (OC_BLOCK 8, 2 and 1), one or several tap blocks for grad_weight, channel blocks that
-# do and do not divide the group, depthwise, and 64-bit offsets.
+# Layers chosen to reach every tiling branch of the planners: one or many stride phases,
+# one or several kernel-row blocks for grad_weight, channel blocks that do and do not
+# divide the group, depthwise, staged and plain forward stores, chunked weights, and
+# 64-bit offsets.
 VARIANT_LAYERS = {
     "dense_3x5": ((2, 8, 9, 11), (8, 16, 3, 5), dict()),
     "strided_2x3_grouped": ((2, 8, 9, 11), (8, 3, 3, 5), dict(stride=(2, 3), padding=(1, 2), groups=4,
@@ -25,6 +26,11 @@ VARIANT_LAYERS = {
     "stride_4_depthwise": ((1, 6, 7, 7), (6, 1, 4, 4), dict(stride=4, groups=6)),
     "stride_6_kernel_11": ((1, 2, 5, 5), (2, 5, 11, 11), dict(stride=6, dilation=2, padding=3)),
     "huge_64bit": ((1, 1, 50000, 50000), (1, 2, 2, 2), dict(stride=2)),
+    # forward output runs too long to stage through shared memory; grad_output windows
+    # too wide to share between pixels
+    "stride_17": ((1, 3, 3, 4), (3, 2, 3, 2), dict(stride=(17, 18), padding=(1, 2), output_padding=(5, 3))),
+    # weights staged in several chunks
+    "chunked_weights": ((2, 40, 5, 6), (40, 12, 5, 9), dict(stride=(1, 2), padding=(2, 4), dilation=(1, 3))),
 }
 
 

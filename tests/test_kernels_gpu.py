@@ -157,6 +157,55 @@ def test_seed_layer(seed_layer):
     torch.cuda.empty_cache()
 
 
+# Direct-kernel tilings the random sweep (at most 6 channels per group, stride 4) never
+# reaches: (input shape, weight shape, layer arguments, dtypes).
+DIRECT_EDGE_LAYERS = {
+    # stride 17 x 18: output runs too long to stage through shared memory
+    "long_stride": ((2, 3, 3, 4), (3, 2, 3, 2), dict(stride=(17, 18), padding=(1, 2), output_padding=(5, 3)),
+                    ("float32", "float16")),
+    # 40 input channels whose weights are staged in several chunks; 12 outputs per group
+    # in blocks of 6; a 9-wide dilated kernel row too wide for shared grad_output windows
+    "chunked_weights": ((2, 40, 5, 6), (40, 12, 5, 9), dict(stride=(1, 2), padding=(2, 4), dilation=(1, 3)),
+                        ("float64", "float32", "bfloat16")),
+    # more channel blocks than grid.y holds (65535), so blocks loop over them
+    "many_groups": ((1, 66000, 2, 2), (66000, 1, 2, 2), dict(stride=2, padding=0, groups=66000), ("float32",)),
+    # more images than grid.z holds
+    "many_images": ((65600, 2, 2, 1), (2, 3, 2, 2), dict(stride=(1, 2)), ("float32",)),
+}
+
+
+@pytest.mark.parametrize("dtype_name,name", [(dt, name) for name, case in DIRECT_EDGE_LAYERS.items()
+                                             for dt in case[3]])
+def test_direct_kernel_edge_tilings(name, dtype_name):
+    x_shape, w_shape, kwargs, _ = DIRECT_EDGE_LAYERS[name]
+    g = geometry(x_shape, w_shape, (w_shape[1] * kwargs.get("groups", 1),), ConvParams.from_args(**kwargs))
+    assert not engine.uses_gemm(g, dtype_name, 0)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dt = torch_dtype(dtype_name)
+    x, w, b, go = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
+                   for shape in (x_shape, w_shape, (g.out_channels,), g.output_shape))
+    got = cupyconv_raw(kwargs, x, w, b, go, dtype_name)
+    want = torch_reference(kwargs, x, w, b, go)
+    for what, a, e in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
+        assert_close(a, e, TOLERANCE[dtype_name], f"{name} {dtype_name} {what}")
+
+
+def test_direct_edge_layers_reach_their_tilings():
+    def constants(name, dtype, plan):
+        x_shape, w_shape, kwargs, _ = DIRECT_EDGE_LAYERS[name]
+        g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+        return g, dict(plan(g, dtype).spec.constants)
+
+    _, fwd = constants("long_stride", "float32", lambda g, dt: launch.plan_forward(g, dt, True))
+    assert fwd["STAGE_STORES"] is False
+    g, fwd = constants("chunked_weights", "float64", lambda g, dt: launch.plan_forward(g, dt, True))
+    assert fwd["IC_CHUNK"] < g.in_per_group and fwd["OC_BLOCK"] == 6
+    _, gw = constants("chunked_weights", "float32", lambda g, dt: launch.plan_grad_weight(g, dt, 132)[0])
+    assert gw["CELLS"] == 1
+    g, _ = constants("many_groups", "float32", lambda g, dt: launch.plan_forward(g, dt, True))
+    assert launch.plan_forward(g, "float32", True).grid[1] == 65535
+
+
 # ------------------------------------------------------------------ the CuPy array API
 
 cupy = pytest.importorskip("cupy")

@@ -47,8 +47,10 @@ def test_direct_kernels_in_every_dtype(plan):
     for function in ("conv_transpose2d_forward", "conv_transpose2d_grad_input", "conv_transpose2d_grad_weight_partial",
                      "conv_transpose2d_grad_bias_partial", "reduce_partials"):
         assert {c["SCALAR_T"] for c in _constants(specs, function)} == {"float", "double", "half_t", "bf16_t"}, function
-    # grad_weight with one and with several tap blocks
-    assert len({c["TAP_BLOCK"] for c in _constants(specs, "conv_transpose2d_grad_weight_partial")}) >= 2
+    # grad_weight with one and with several kernel-row blocks, and one and several pixels per step
+    grad_weight = _constants(specs, "conv_transpose2d_grad_weight_partial")
+    assert len({c["KH_BLOCK"] for c in grad_weight}) >= 2
+    assert len({c["CELLS"] for c in grad_weight}) >= 2
 
 
 def test_tensor_core_kernels_in_every_dtype_precision_and_layout(san, plan):
