@@ -100,3 +100,26 @@ def test_plans_fetch_their_kernels_again_after_the_compiler_cache_is_cleared(mon
     second = plan.function(0)
     assert second != first and len(built) == 2, "a cleared compiler cache must not leave plans on old handles"
     assert held is built[0], "the old kernel stayed referenced until the plan let it go"
+
+
+def _direct_geometry(kernel, groups=4):
+    return geometry((1, 8, 5, 5), (8, 12 // groups) + kernel, None, ConvParams.from_args(groups=groups))
+
+
+@pytest.mark.parametrize("dtype,kernel", [("float32", (87, 87)), ("float16", (60, 128)), ("float64", (61, 62))])
+def test_direct_kernels_take_kernels_up_to_the_shared_memory_limit(dtype, kernel):
+    g = _direct_geometry(kernel)
+    for plan in (launch.plan_forward(g, dtype, True), launch.plan_grad_input(g, dtype)):
+        constants = dict(plan.spec.constants)
+        block = constants.get("OC_BLOCK", constants.get("IC_BLOCK"))
+        chunk = constants.get("IC_CHUNK", constants.get("OC_CHUNK"))
+        row = -(-kernel[1] * block // (16 // launch.accumulator_bytes(dtype))) * (16 // launch.accumulator_bytes(dtype))
+        assert chunk * kernel[0] * row * launch.accumulator_bytes(dtype) <= 30 * 1024
+
+
+@pytest.mark.parametrize("dtype,kernel", [("float32", (88, 88)), ("bfloat16", (2, 4000)), ("float64", (62, 64))])
+def test_direct_kernels_reject_larger_kernels_by_name(dtype, kernel):
+    g = _direct_geometry(kernel)
+    for plan in (lambda: launch.plan_forward(g, dtype, False), lambda: launch.plan_grad_input(g, dtype)):
+        with pytest.raises(ValueError, match=r"kernel_size \(%d, %d\) is too large" % kernel):
+            plan()
