@@ -1,0 +1,118 @@
+"""The direct kernels, run on the CPU through the C++ emulation, against the float64 reference.
+
+No GPU is needed, so CI checks what the planners choose and what the kernels compute
+(index arithmetic, weight staging in chunks, shared register windows, warp-staged
+stores, the split-K reductions) for float32 and float64.  See ``cuda_emulator``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyconv import launch, reference
+from cupyconv.geometry import ConvParams, geometry
+
+import cuda_emulator
+
+pytestmark = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ to emulate the kernels")
+
+# (input shape, weight shape, layer arguments): between them they reach every tiling
+# branch of the direct planners.
+LAYERS = {
+    # the seed layer's shape in miniature: grouped, dilated, strides 2 x 3, an empty phase
+    "grouped_dilated": ((2, 8, 5, 7), (8, 4, 3, 5), dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4)),
+    # depthwise, every phase full, enough rows for several grad_weight chunks
+    "depthwise": ((4, 4, 200, 9), (4, 1, 4, 4), dict(stride=2, padding=1, groups=4)),
+    # 40 input channels staged in chunks, 6-channel output blocks, grad_output windows too wide to share
+    "chunked_weights": ((1, 40, 4, 6), (40, 6, 2, 9), dict(stride=(1, 2), padding=(2, 4), dilation=(1, 3))),
+    # stride 17 x 18: forward runs too long to stage, so plain stores
+    "long_stride": ((2, 3, 3, 4), (3, 2, 3, 2), dict(stride=(17, 18), padding=(1, 2), output_padding=(5, 3))),
+    # a warp's cells span several rows; output_padding; bias on 5 channels
+    "narrow_rows": ((1, 2, 7, 3), (2, 5, 2, 3), dict(stride=(3, 2), padding=(0, 1), output_padding=(2, 1))),
+}
+CASES = [(name, "float64") for name in LAYERS] + [("grouped_dilated", "float32"), ("chunked_weights", "float32")]
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5}
+C_TYPE = {"float32": "float", "float64": "double"}
+
+
+def _layer(name):
+    x_shape, w_shape, kwargs = LAYERS[name]
+    params = ConvParams.from_args(**kwargs)
+    g = geometry(x_shape, w_shape, (w_shape[1] * params.groups,), params)
+    args = dict(stride=params.stride, padding=params.padding, output_padding=params.output_padding,
+                groups=params.groups, dilation=params.dilation)
+    return g, args
+
+
+def _data(g, dtype, seed):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(shape).astype(dtype)
+                 for shape in (g.input_shape, g.weight_shape, (g.out_channels,), g.output_shape))
+
+
+def _close(actual, expected, tol, what):
+    scale = np.abs(expected).max()
+    err = np.abs(actual.astype(np.float64) - expected).max()
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:g} * {scale:.3e}"
+
+
+def _split_k(partial_plan, reduce_plan, inputs, out_shape, dtype):
+    ctype = C_TYPE[dtype]
+    chunks = partial_plan.grid[0]
+    elements = int(np.prod(out_shape))
+    partials = np.full(chunks * elements, np.nan, dtype)
+    *_, partials = cuda_emulator.run(partial_plan, list(inputs) + [partials], [ctype] * (len(inputs) + 1))
+    out = np.full(out_shape, np.nan, dtype)
+    _, out = cuda_emulator.run(reduce_plan, [partials, out], [ctype, ctype])
+    return out, chunks
+
+
+@pytest.mark.parametrize("name,dtype", CASES)
+def test_direct_kernels_match_the_reference(name, dtype):
+    g, args = _layer(name)
+    x, w, b, go = _data(g, dtype, seed=len(name))
+    ctype, tol = C_TYPE[dtype], TOLERANCE[dtype]
+
+    y = np.full(g.output_shape, np.nan, dtype)
+    *_, y = cuda_emulator.run(launch.plan_forward(g, dtype, True), [x, w, b, y], [ctype] * 4)
+    _close(y, reference.conv_transpose2d(x, w, b, **args), tol, f"{name} forward")
+
+    want_gi, want_gw, want_gb = reference.conv_transpose2d_backward(go, x, w, **args)
+    gi = np.full(g.input_shape, np.nan, dtype)
+    *_, gi = cuda_emulator.run(launch.plan_grad_input(g, dtype), [go, w, gi], [ctype] * 3)
+    _close(gi, want_gi, tol, f"{name} grad_input")
+
+    gw, _ = _split_k(*launch.plan_grad_weight(g, dtype, 4), (x, go), g.weight_shape, dtype)
+    _close(gw, want_gw, tol, f"{name} grad_weight")
+    gb, _ = _split_k(*launch.plan_grad_bias(g, dtype, 4), (go,), (g.out_channels,), dtype)
+    _close(gb, want_gb, tol, f"{name} grad_bias")
+
+
+def test_the_layers_reach_the_planners_branches():
+    def constants(name, plan):
+        g, _ = _layer(name)
+        return dict(plan(g).spec.constants)
+
+    assert constants("long_stride", lambda g: launch.plan_forward(g, "float64", True))["STAGE_STORES"] is False
+    assert constants("grouped_dilated", lambda g: launch.plan_forward(g, "float64", True))["STAGE_STORES"] is True
+    chunked = constants("chunked_weights", lambda g: launch.plan_forward(g, "float64", True))
+    assert chunked["IC_CHUNK"] < 40 and chunked["OC_BLOCK"] == 6
+    assert constants("chunked_weights", lambda g: launch.plan_grad_weight(g, "float64", 4)[0])["CELLS"] == 1
+    depthwise, _ = _layer("depthwise")
+    assert launch.plan_grad_weight(depthwise, "float64", 4)[0].grid[0] > 1  # several split-K chunks
+    kh_blocks = {launch.plan_grad_weight(_layer(n)[0], "float64", 4)[0].grid[2] for n in LAYERS}
+    assert max(kh_blocks) > 1
+
+
+def test_a_wrong_kernel_is_caught(monkeypatch):
+    """The emulation is a real check: a kernel that drops one tap no longer matches."""
+    g, args = _layer("grouped_dilated")
+    x, w, b, _ = _data(g, "float64", seed=1)
+    plan = launch.plan_forward(g, "float64", True)
+    broken = launch.Plan(launch.KernelSpec.make(plan.spec.template, plan.spec.function,
+                                                {**dict(plan.spec.constants), "KW": 4}),
+                         plan.grid, plan.block, plan.scalars, plan.index_t)
+    y = np.full(g.output_shape, np.nan, "float64")
+    *_, y = cuda_emulator.run(broken, [x, w, b, y], ["double"] * 4)
+    with pytest.raises(AssertionError, match="max error"):
+        _close(y, reference.conv_transpose2d(x, w, b, **args), TOLERANCE["float64"], "broken forward")
