@@ -3,8 +3,10 @@
 A small shim stands in for CUDA: each CUDA thread of a block is a ``std::thread``,
 ``__syncthreads`` is a block-wide ``std::barrier``, and warp shuffles and
 ``__syncwarp`` go through a per-warp barrier and exchange slots.  Blocks run one after
-another, so ``__shared__`` arrays are plain statics.  Inline PTX is compiled out, which
-is why only float32 and float64 kernels (no PTX conversions) can run here.
+another, so ``__shared__`` arrays are plain statics.  The two inline-PTX conversions of
+``common.cuh`` (fp32 <-> fp16) become ``_Float16`` casts, which round the same way; any
+other inline PTX is compiled out, so kernels that need it (the tensor-core ones) cannot
+run here.
 
 This checks the kernels' index arithmetic, tiling, staging and reductions without a
 GPU; it says nothing about timing, and the GPU tests remain the real check.
@@ -143,9 +145,19 @@ def _cache_dir() -> Path:
     return path
 
 
+# PTX conversions and the C++ that does the same (round to nearest even, as cvt.rn).
+_PTX_EQUIVALENTS = {
+    'asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));': "f = static_cast<float>(__builtin_bit_cast(_Float16, bits));",
+    'asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(v));':
+        "bits = __builtin_bit_cast(unsigned short, static_cast<_Float16>(v));",
+}
+
+
 def _source(plan, pointer_types: Sequence[str]) -> str:
     spec = plan.spec
     kernel = templates.render(spec.template, dict(spec.constants)).replace('extern "C" ', "")
+    for ptx, cpp in _PTX_EQUIVALENTS.items():
+        kernel = kernel.replace(ptx, cpp)
     pointers = ", ".join(f"reinterpret_cast<{t}*>(data[{i}])" for i, t in enumerate(pointer_types))
     scalars = ", ".join(f"static_cast<index_t>({s}LL)" for s in plan.scalars)
     main = (_MAIN.replace("GRID_X", f"{plan.grid[0]}u").replace("GRID_Y", f"{plan.grid[1]}u")

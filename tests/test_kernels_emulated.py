@@ -2,14 +2,15 @@
 
 No GPU is needed, so CI checks what the planners choose and what the kernels compute
 (index arithmetic, weight staging in chunks, shared register windows, warp-staged
-stores, the split-K reductions) for float32 and float64.  See ``cuda_emulator``.
+stores, the split-K reductions and the fp16/bf16 conversions) in every dtype.  See
+``cuda_emulator``.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cupyconv import launch, reference
+from cupyconv import launch, reference, templates
 from cupyconv.geometry import ConvParams, geometry
 
 import cuda_emulator
@@ -30,9 +31,35 @@ LAYERS = {
     # a warp's cells span several rows; output_padding; bias on 5 channels
     "narrow_rows": ((1, 2, 7, 3), (2, 5, 2, 3), dict(stride=(3, 2), padding=(0, 1), output_padding=(2, 1))),
 }
-CASES = [(name, "float64") for name in LAYERS] + [("grouped_dilated", "float32"), ("chunked_weights", "float32")]
-TOLERANCE = {"float64": 1e-12, "float32": 1e-5}
-C_TYPE = {"float32": "float", "float64": "double"}
+CASES = [(name, "float64") for name in LAYERS] + [
+    ("grouped_dilated", "float32"), ("chunked_weights", "float32"),
+    ("grouped_dilated", "float16"), ("depthwise", "float16"),
+    ("grouped_dilated", "bfloat16"), ("narrow_rows", "bfloat16"),
+]
+# Relative to max|reference|, as in the GPU sweep; the reference sees the same rounded inputs.
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+C_TYPE = {"float32": "float", "float64": "double", "float16": "half_t", "bfloat16": "bf16_t"}
+ACC_TYPE = {"float32": "float", "float64": "double", "float16": "float", "bfloat16": "float"}
+ACC_DTYPE = {"float": np.float32, "double": np.float64}
+
+
+def _storage(a, dtype):
+    """float64 values rounded to ``dtype``, as the kernels' buffers hold them (bfloat16 as its bits)."""
+    if dtype != "bfloat16":
+        return a.astype(dtype)
+    bits = a.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+
+
+def _values(a, dtype):
+    """The float64 values a buffer of ``dtype`` holds."""
+    if dtype != "bfloat16":
+        return a.astype(np.float64)
+    return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _empty(shape, dtype):
+    return _storage(np.full(shape, np.nan), dtype)
 
 
 def _layer(name):
@@ -45,25 +72,24 @@ def _layer(name):
 
 
 def _data(g, dtype, seed):
+    """Input, weight, bias and grad_output in ``dtype``'s storage."""
     rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal(shape).astype(dtype)
+    return tuple(_storage(rng.standard_normal(shape), dtype)
                  for shape in (g.input_shape, g.weight_shape, (g.out_channels,), g.output_shape))
 
 
-def _close(actual, expected, tol, what):
+def _close(actual, expected, tol, what, dtype):
     scale = np.abs(expected).max()
-    err = np.abs(actual.astype(np.float64) - expected).max()
+    err = np.abs(_values(actual, dtype) - expected).max()
     assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:g} * {scale:.3e}"
 
 
 def _split_k(partial_plan, reduce_plan, inputs, out_shape, dtype):
-    ctype = C_TYPE[dtype]
+    ctype, acc = C_TYPE[dtype], ACC_TYPE[dtype]
     chunks = partial_plan.grid[0]
-    elements = int(np.prod(out_shape))
-    partials = np.full(chunks * elements, np.nan, dtype)
-    *_, partials = cuda_emulator.run(partial_plan, list(inputs) + [partials], [ctype] * (len(inputs) + 1))
-    out = np.full(out_shape, np.nan, dtype)
-    _, out = cuda_emulator.run(reduce_plan, [partials, out], [ctype, ctype])
+    partials = np.full(chunks * int(np.prod(out_shape)), np.nan, ACC_DTYPE[acc])
+    *_, partials = cuda_emulator.run(partial_plan, list(inputs) + [partials], [ctype] * len(inputs) + [acc])
+    _, out = cuda_emulator.run(reduce_plan, [partials, _empty(out_shape, dtype)], [acc, ctype])
     return out, chunks
 
 
@@ -71,21 +97,21 @@ def _split_k(partial_plan, reduce_plan, inputs, out_shape, dtype):
 def test_direct_kernels_match_the_reference(name, dtype):
     g, args = _layer(name)
     x, w, b, go = _data(g, dtype, seed=len(name))
+    x64, w64, b64, go64 = (_values(a, dtype) for a in (x, w, b, go))
     ctype, tol = C_TYPE[dtype], TOLERANCE[dtype]
 
-    y = np.full(g.output_shape, np.nan, dtype)
-    *_, y = cuda_emulator.run(launch.plan_forward(g, dtype, True), [x, w, b, y], [ctype] * 4)
-    _close(y, reference.conv_transpose2d(x, w, b, **args), tol, f"{name} forward")
+    *_, y = cuda_emulator.run(launch.plan_forward(g, dtype, True), [x, w, b, _empty(g.output_shape, dtype)],
+                              [ctype] * 4)
+    _close(y, reference.conv_transpose2d(x64, w64, b64, **args), tol, f"{name} forward", dtype)
 
-    want_gi, want_gw, want_gb = reference.conv_transpose2d_backward(go, x, w, **args)
-    gi = np.full(g.input_shape, np.nan, dtype)
-    *_, gi = cuda_emulator.run(launch.plan_grad_input(g, dtype), [go, w, gi], [ctype] * 3)
-    _close(gi, want_gi, tol, f"{name} grad_input")
+    want_gi, want_gw, want_gb = reference.conv_transpose2d_backward(go64, x64, w64, **args)
+    *_, gi = cuda_emulator.run(launch.plan_grad_input(g, dtype), [go, w, _empty(g.input_shape, dtype)], [ctype] * 3)
+    _close(gi, want_gi, tol, f"{name} grad_input", dtype)
 
     gw, _ = _split_k(*launch.plan_grad_weight(g, dtype, 4), (x, go), g.weight_shape, dtype)
-    _close(gw, want_gw, tol, f"{name} grad_weight")
+    _close(gw, want_gw, tol, f"{name} grad_weight", dtype)
     gb, _ = _split_k(*launch.plan_grad_bias(g, dtype, 4), (go,), (g.out_channels,), dtype)
-    _close(gb, want_gb, tol, f"{name} grad_bias")
+    _close(gb, want_gb, tol, f"{name} grad_bias", dtype)
 
 
 def test_the_layers_reach_the_planners_branches():
@@ -112,7 +138,12 @@ def test_a_wrong_kernel_is_caught(monkeypatch):
     broken = launch.Plan(launch.KernelSpec.make(plan.spec.template, plan.spec.function,
                                                 {**dict(plan.spec.constants), "KW": 4}),
                          plan.grid, plan.block, plan.scalars, plan.index_t)
-    y = np.full(g.output_shape, np.nan, "float64")
-    *_, y = cuda_emulator.run(broken, [x, w, b, y], ["double"] * 4)
+    *_, y = cuda_emulator.run(broken, [x, w, b, _empty(g.output_shape, "float64")], ["double"] * 4)
     with pytest.raises(AssertionError, match="max error"):
-        _close(y, reference.conv_transpose2d(x, w, b, **args), TOLERANCE["float64"], "broken forward")
+        _close(y, reference.conv_transpose2d(x, w, b, **args), TOLERANCE["float64"], "broken forward", "float64")
+
+
+def test_the_emulation_replaces_every_ptx_conversion_of_the_common_header():
+    header = templates.expanded("common.cuh")
+    assert header.count("asm(") == len(cuda_emulator._PTX_EQUIVALENTS)
+    assert all(ptx in header for ptx in cuda_emulator._PTX_EQUIVALENTS)
