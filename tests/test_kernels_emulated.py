@@ -7,6 +7,8 @@ stores, the split-K reductions and the fp16/bf16 conversions) in every dtype.  S
 """
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from cupyconv import launch, reference, templates
 from cupyconv.geometry import ConvParams, geometry
 
 import cuda_emulator
+from layers import random_layer
 
 pytestmark = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ to emulate the kernels")
 
@@ -60,6 +63,16 @@ def _values(a, dtype):
 
 def _empty(shape, dtype):
     return _storage(np.full(shape, np.nan), dtype)
+
+
+# A seeded sweep of small random layers on top, as the GPU sweep draws them (batched here).
+RANDOM_LAYERS = {}
+_rng = random.Random(20261126)
+for _i in range(12):
+    _l = random_layer(_rng, "float64", max_size=8)
+    RANDOM_LAYERS[f"random{_i}"] = ((_l.batch or 1,) + _l.input_shape[-3:], _l.weight_shape, _l.kwargs())
+LAYERS.update(RANDOM_LAYERS)
+CASES += [(name, ("float64", "float32", "float16", "bfloat16")[i % 4]) for i, name in enumerate(RANDOM_LAYERS)]
 
 
 def _layer(name):
