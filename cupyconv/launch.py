@@ -136,10 +136,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _chunks(rows: int, other_blocks: int, min_rows: int, sm_count: int) -> Tuple[int, int]:
-    """Split ``rows`` into enough fixed chunks to fill the GPU; returns (chunks, rows_per_chunk)."""
-    wanted = max(1, _cdiv(4 * sm_count, max(other_blocks, 1)))
-    wanted = min(wanted, max(1, _cdiv(rows, min_rows)))
+def _chunks(rows: int, other_blocks: int, min_items: int, sm_count: int, blocks_per_sm: int = 4,
+            row_items: int = 1) -> Tuple[int, int]:
+    """Split ``rows`` into enough fixed chunks to fill the GPU; returns (chunks, rows_per_chunk).
+
+    ``blocks_per_sm`` blocks per SM are wanted in all, counting the ``other_blocks`` each
+    chunk is launched with, but no chunk gets fewer than ``min_items`` of the
+    ``row_items`` items that each row holds.
+    """
+    wanted = max(1, _cdiv(blocks_per_sm * sm_count, max(other_blocks, 1)))
+    wanted = min(wanted, max(1, _cdiv(rows * row_items, min_items)))
     rows_per_chunk = _cdiv(rows, wanted)
     return _cdiv(rows, rows_per_chunk), rows_per_chunk
 
@@ -268,10 +274,8 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan
     kh_blocks = _cdiv(kh, kh_block)
     yblocks = g.groups * _cdiv(g.in_per_group, ic_block) * _cdiv(g.out_per_group, oc_block)
     # Enough chunks for several waves of blocks, each thread still walking 8 or more steps.
-    wanted = max(1, _cdiv(8 * sm_count, yblocks * kh_blocks))
-    wanted = min(wanted, max(1, _cdiv(rows * cells_w, 8 * block)))
-    rows_per_chunk = _cdiv(rows, wanted)
-    chunks = _cdiv(rows, rows_per_chunk)
+    chunks, rows_per_chunk = _chunks(rows, yblocks * kh_blocks, 8 * block, sm_count, blocks_per_sm=8,
+                                     row_items=cells_w)
     weight_elems = _numel(g.weight_shape)
     partial_elems = chunks * weight_elems
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), partial_elems)

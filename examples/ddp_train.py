@@ -109,9 +109,14 @@ def other_devices(device: torch.device):
     return [d for d in range(torch.cuda.device_count()) if d != device.index]
 
 
+def launched_distributed() -> bool:
+    """Whether a launcher such as torchrun started this process as one rank of several."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    distributed = launched_distributed()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -231,7 +236,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if "RANK" in os.environ:
+    if launched_distributed():
         # Leave without interpreter finalization: gloo's worker threads can still hold
         # work objects at that point, and tearing them down then aborts the process
         # ("terminate called without an active exception") after a clean run.
