@@ -52,7 +52,7 @@ def uses_gemm(g: Geometry, dtype: str, device_id: int) -> bool:
     Those need sm_80 or newer and a GEMM with at least 16 channels per group on both
     sides; thinner layers (grouped, depthwise) waste most of each mma on padding and
     run faster on the direct kernels.  ``CUPYCONV_TENSOR_CORES=0`` turns them off.
-    Only the GEMM kernels read channels_last memory directly.
+    Both kinds read and write channels_last memory in place.
     """
     return gemm_eligible(g, dtype) and _tensor_cores(device_id)
 
@@ -66,11 +66,6 @@ def gemm_eligible(g: Geometry, dtype: str) -> bool:
 def _gemm_shape(g: Geometry, dtype: str) -> bool:
     # Asked on every launch (the torch layer asks once more to pick a layout): cache it.
     return min(g.in_per_group, g.out_per_group) >= 16 and launch.gemm_fits(g, dtype)
-
-
-def _direct_only(layout: str, what: str) -> None:
-    if layout != "nchw":
-        raise ValueError(f"{what}: layout {layout!r} needs the tensor-core kernels; pass NCHW memory")
 
 
 def _aligned(*pointers: int) -> bool:
@@ -147,8 +142,7 @@ def _run_forward(v: tuning.Variant, g: Geometry, dtype: str, x: int, weight: int
                                          **v.kwargs)
         plans.run(device_id, stream_ptr, x, weight, bias or 0, out, alloc)
     else:
-        _direct_only(layout, "forward")
-        launch.plan_forward(g, dtype, bias is not None).run(device_id, stream_ptr, (x, weight, bias or 0, out))
+        launch.plan_forward(g, dtype, bias is not None, layout).run(device_id, stream_ptr, (x, weight, bias or 0, out))
 
 
 def _run_grad_input(v: tuning.Variant, g: Geometry, dtype: str, grad_out: int, weight: int, out: int,
@@ -158,8 +152,7 @@ def _run_grad_input(v: tuning.Variant, g: Geometry, dtype: str, grad_out: int, w
         plans = launch.plan_grad_input_gemm(g, dtype, layout, precision, aligned=_aligned(grad_out, out), **v.kwargs)
         plans.run(device_id, stream_ptr, grad_out, weight, 0, out, alloc, copies)
     else:
-        _direct_only(layout, "grad_input")
-        launch.plan_grad_input(g, dtype).run(device_id, stream_ptr, (grad_out, weight, out))
+        launch.plan_grad_input(g, dtype, layout).run(device_id, stream_ptr, (grad_out, weight, out))
 
 
 def _run_grad_weight(v: tuning.Variant, g: Geometry, dtype: str, x: int, grad_out: int, out: int, device_id: int,
@@ -172,8 +165,7 @@ def _run_grad_weight(v: tuning.Variant, g: Geometry, dtype: str, x: int, grad_ou
         launch.run_grad_weight_gemm(g, dtype, partial, reduce, device_id, stream_ptr, x, grad_out, out, alloc,
                                     layout, aligned, copies)
     else:
-        _direct_only(layout, "grad_weight")
-        partial, reduce = launch.plan_grad_weight(g, dtype, sm_count(device_id))
+        partial, reduce = launch.plan_grad_weight(g, dtype, sm_count(device_id), layout)
         launch.run_split_k(partial, reduce, device_id, stream_ptr, (x, grad_out), out, alloc)
 
 

@@ -618,7 +618,8 @@ def _roofline(flops: int, nbytes: int, peak: Peak, dtype: str) -> Tuple[float, f
     return compute, memory, max(compute, memory), "compute" if compute > memory else "memory"
 
 
-_DIRECT_TILING = ("OC_BLOCK", "IC_BLOCK", "KH_BLOCK", "CELLS", "IC_CHUNK", "OC_CHUNK", "BLOCK")
+_DIRECT_TILING = ("OC_BLOCK", "IC_BLOCK", "OC_TILE", "IC_TILE", "RUNS", "KH_BLOCK", "CELLS", "IC_CHUNK", "OC_CHUNK",
+                  "BLOCK")
 
 
 def _record(pass_name: str, stage: str, plan: launch.Plan, flops: int, nbytes: int, peak: Peak,

@@ -198,8 +198,11 @@ def _staged_block(g: Geometry, dtype: str, channels: int) -> Tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_forward(g: Geometry, dtype: str, has_bias: bool) -> Plan:
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw") -> Plan:
     _check_dtype(dtype)
+    _check_layout(layout)
+    if layout == "nhwc":
+        return _plan_forward_nhwc(g, dtype, has_bias)
     sh, sw = g.params.stride
     ph, pw = g.params.padding
     dh, dw = g.params.dilation
@@ -235,8 +238,11 @@ def _window_cells(g: Geometry, cap: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_grad_input(g: Geometry, dtype: str) -> Plan:
+def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw") -> Plan:
     _check_dtype(dtype)
+    _check_layout(layout)
+    if layout == "nhwc":
+        return _plan_grad_input_nhwc(g, dtype)
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
     ic_block, per_channel = _staged_block(g, dtype, g.in_per_group)
     oc_chunk = max(1, min(g.out_per_group, _DIRECT_WEIGHT_SMEM // per_channel))
@@ -256,9 +262,12 @@ _GRAD_WEIGHT_ACCUMULATORS = 64
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_grad_weight(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan]:
+def plan_grad_weight(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Plan]:
     """The split-K partial pass and the fixed-order reduction that finishes it."""
     _check_dtype(dtype)
+    _check_layout(layout)
+    if layout == "nhwc":
+        return _plan_grad_weight_nhwc(g, dtype, sm_count)
     kh, kw = g.kernel
     # A thread's block: whole kernel rows, as many input channels as fit, then kernel
     # rows and output channels from what is left of the accumulator budget.
@@ -285,6 +294,120 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan
     partial = Plan(spec, (chunks, min(yblocks, _GRID_YZ_LIMIT), kh_blocks), (block, 1, 1),
                    (g.batch, h, w) + g.out_size + (cells_w, rows_per_chunk), index_t,
                    scratch_bytes=partial_elems * accumulator_bytes(dtype))
+    return partial, plan_reduce(dtype, weight_elems, chunks, index_t)
+
+
+# channels_last direct kernels: lanes run along channels, a block holds a tile of at most
+# _NHWC_TILE of them and as many pixel runs as fill _NHWC_THREADS threads.
+_NHWC_TILE = 64
+_NHWC_THREADS = 128
+_NHWC_WEIGHT_SMEM = 40 * 1024  # five blocks of 128 threads still fit an SM
+
+
+def _nhwc_tile(g: Geometry, dtype: str, channels: int, per_group: int) -> Tuple[int, int, int]:
+    """(channel tile, channels per thread, staged channels per chunk) for an NHWC kernel
+    whose lanes run along ``channels``, ``per_group`` of them to a group."""
+    _staged_block(g, dtype, 1)  # the same kernel-size limit as the NCHW kernels
+    per_tap = accumulator_bytes(dtype) * g.kernel[0] * g.kernel[1]
+    tile = min(channels, _NHWC_TILE)
+    while tile > 1 and tile * per_tap > _NHWC_WEIGHT_SMEM:
+        tile = _cdiv(tile, 2)
+    # A thread's channels share their group's input loads, so they must not straddle groups.
+    per_thread = next(b for b in (4, 2, 1) if per_group % b == 0 and tile % b == 0)
+    return tile, per_thread, max(1, _NHWC_WEIGHT_SMEM // (tile * per_tap))
+
+
+_BLOCKS_TO_FILL = 2048  # enough blocks for several waves on any GPU we plan for
+
+
+def _images_per_block(blocks: int, batch: int) -> int:
+    """Images each block walks: up to 8, while ``_BLOCKS_TO_FILL`` blocks remain to fill the GPU."""
+    per_block = 1
+    while per_block < 8 and per_block < batch and blocks * _cdiv(batch, per_block * 2) >= _BLOCKS_TO_FILL:
+        per_block *= 2
+    return per_block
+
+
+def _plan_forward_nhwc(g: Geometry, dtype: str, has_bias: bool) -> Plan:
+    sh, sw = g.params.stride
+    ph, pw = g.params.padding
+    dh, dw = g.params.dilation
+    h_out, w_out = g.out_size
+    index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
+    tile, ocb, ic_chunk = _nhwc_tile(g, dtype, g.out_channels, g.out_per_group)
+    lanes = tile // ocb
+    runs = max(1, _NHWC_THREADS // lanes)
+    phases = _phases(g.kernel[0], dh, sh) * _phases(g.kernel[1], dw, sw)
+    cells = max(1, min(4, 32 // (phases * ocb)))
+    q_h0, q_w0 = ph // sh, pw // sw
+    qh = (h_out - 1 + ph) // sh - q_h0 + 1
+    qw = (w_out - 1 + pw) // sw - q_w0 + 1
+    cells_w = _cdiv(qw, cells)
+    ic_chunk = min(ic_chunk, g.in_per_group)
+    constants = _layer_constants(g, dtype, index_t)
+    constants.update(HAS_BIAS=bool(has_bias), OC_TILE=tile, OCB=ocb, RUNS=runs, CELLS=cells, IC_CHUNK=ic_chunk)
+    grid_xy = (_cdiv(qh * cells_w, runs), min(_cdiv(g.out_channels, tile), _GRID_YZ_LIMIT))
+    # Weights staged once per tile serve several images; staged per chunk, they would not.
+    images = _images_per_block(grid_xy[0] * grid_xy[1], g.batch) if ic_chunk == g.in_per_group else 1
+    grid = grid_xy + (min(_cdiv(g.batch, images), _GRID_YZ_LIMIT),)
+    spec = KernelSpec.make("conv_transpose2d_forward_nhwc.cu", "conv_transpose2d_forward_nhwc", constants)
+    h, w = g.in_size
+    return Plan(spec, grid, (lanes * runs, 1, 1), (g.batch, h, w, h_out, w_out, q_h0, q_w0, qh, qw, cells_w), index_t)
+
+
+def _plan_grad_input_nhwc(g: Geometry, dtype: str) -> Plan:
+    index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
+    tile, icb, oc_chunk = _nhwc_tile(g, dtype, g.in_channels, g.in_per_group)
+    lanes = tile // icb
+    runs = max(1, _NHWC_THREADS // lanes)
+    cells = _window_cells(g, max(1, 8 // icb))
+    h, w = g.in_size
+    cells_w = _cdiv(w, cells)
+    oc_chunk = min(oc_chunk, g.out_per_group)
+    constants = _layer_constants(g, dtype, index_t)
+    constants.update(IC_TILE=tile, ICB=icb, RUNS=runs, CELLS=cells, OC_CHUNK=oc_chunk)
+    grid_xy = (_cdiv(h * cells_w, runs), min(_cdiv(g.in_channels, tile), _GRID_YZ_LIMIT))
+    images = _images_per_block(grid_xy[0] * grid_xy[1], g.batch) if oc_chunk == g.out_per_group else 1
+    grid = grid_xy + (min(_cdiv(g.batch, images), _GRID_YZ_LIMIT),)
+    spec = KernelSpec.make("conv_transpose2d_grad_input_nhwc.cu", "conv_transpose2d_grad_input_nhwc", constants)
+    return Plan(spec, grid, (lanes * runs, 1, 1), (g.batch, h, w) + g.out_size + (cells_w,), index_t)
+
+
+_NHWC_REDUCE_SMEM = 32 * 1024
+
+
+def _plan_grad_weight_nhwc(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan]:
+    kh, kw = g.kernel
+    acc = accumulator_bytes(dtype)
+    ic_block = _even_block(g.in_per_group, max(1, min(8, _GRAD_WEIGHT_ACCUMULATORS // kw)))
+    kh_block = _even_block(kh, max(1, _GRAD_WEIGHT_ACCUMULATORS // (ic_block * kw)))
+    values = ic_block * kh_block * kw
+    # One input channel per thread (depthwise-like layers) leaves little to share between
+    # cells, and narrower tiles with single cells ran fastest there (depthwise_up on an H100:
+    # 0.14 ms against 0.34 ms with 64-channel tiles of 4 cells in float16).
+    thin = ic_block == 1
+    tile = min(g.out_channels, 16 if thin else _NHWC_TILE)
+    while tile > 1 and values * tile * acc > _NHWC_REDUCE_SMEM:
+        tile = _cdiv(tile, 2)
+    runs = max(1, min(_NHWC_THREADS // tile, _NHWC_REDUCE_SMEM // (values * tile * acc)))
+    cells = _window_cells(g, 1 if thin else max(1, min(4, 16 // ic_block)))
+    h, w = g.in_size
+    rows = g.batch * h
+    cells_w = _cdiv(w, cells)
+    kh_blocks = _cdiv(kh, kh_block)
+    yblocks = _cdiv(g.out_channels, tile) * _cdiv(g.in_per_group, ic_block)
+    chunks, rows_per_chunk = _chunks(rows, yblocks * kh_blocks, 8 * runs, sm_count, blocks_per_sm=8,
+                                     row_items=cells_w)
+    weight_elems = _numel(g.weight_shape)
+    partial_elems = chunks * weight_elems
+    index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), partial_elems)
+    constants = _layer_constants(g, dtype, index_t)
+    constants.update(OC_TILE=tile, RUNS=runs, IC_BLOCK=ic_block, KH_BLOCK=kh_block, CELLS=cells)
+    spec = KernelSpec.make("conv_transpose2d_grad_weight_nhwc.cu", "conv_transpose2d_grad_weight_nhwc_partial",
+                           constants)
+    partial = Plan(spec, (chunks, min(yblocks, _GRID_YZ_LIMIT), kh_blocks), (tile * runs, 1, 1),
+                   (g.batch, h, w) + g.out_size + (cells_w, rows_per_chunk), index_t,
+                   scratch_bytes=partial_elems * acc)
     return partial, plan_reduce(dtype, weight_elems, chunks, index_t)
 
 
@@ -683,11 +806,11 @@ def gemm_fits(g: Geometry, dtype: str) -> bool:
         <= _GRID_YZ_LIMIT and taps <= 256
 
 
-def all_plans(g: Geometry, dtype: str, has_bias: bool, sm_count: int = 132) -> List[Plan]:
-    """Every launch the forward and the three grads of this layer need (for compiling ahead)."""
-    plans = [plan_forward(g, dtype, has_bias), plan_grad_input(g, dtype)]
-    plans += plan_grad_weight(g, dtype, sm_count)
-    plans += plan_grad_bias(g, dtype, sm_count)
+def all_plans(g: Geometry, dtype: str, has_bias: bool, sm_count: int = 132, layout: str = "nchw") -> List[Plan]:
+    """Every direct-kernel launch the forward and the three grads of this layer need (for compiling ahead)."""
+    plans = [plan_forward(g, dtype, has_bias, layout), plan_grad_input(g, dtype, layout)]
+    plans += plan_grad_weight(g, dtype, sm_count, layout)
+    plans += plan_grad_bias(g, dtype, sm_count, layout)
     return plans
 
 

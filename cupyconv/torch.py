@@ -271,9 +271,9 @@ def _precision(dtype: str) -> str:
     return "tf32" if dtype == "float32" and tf32_allowed() else "strict"
 
 
-def _layout_for(x: Tensor, g, dt: str, index: int) -> str:
-    """channels_last memory is read in place when the tensor-core kernels run the layer."""
-    return "nhwc" if _channels_last(x) and _engine.uses_gemm(g, dt, index) else "nchw"
+def _layout_for(x: Tensor) -> str:
+    """channels_last memory is read and written in place, by every kernel."""
+    return "nhwc" if _channels_last(x) else "nchw"
 
 
 def _in_layout(t: Tensor, layout: str) -> Tensor:
@@ -287,8 +287,7 @@ def _empty(shape, like: Tensor, device, layout: str) -> Tensor:
 
 def _cuda_forward(x, w, b, entry):
     g, dt, device, index, out_shape = entry
-    cl = _channels_last(x)
-    layout = _layout_for(x, g, dt, index)
+    layout = _layout_for(x)
     x, w = _in_layout(x, layout), w.contiguous()
     if b is not None:
         b = b.contiguous()
@@ -300,13 +299,12 @@ def _cuda_forward(x, w, b, entry):
     finally:
         if prev != index:
             _set_device(prev)
-    return _as_channels_last(out) if cl and layout == "nchw" else out
+    return out
 
 
 def _cuda_backward(go, x, w, mask, entry):
     g, dt, device, index, = entry
-    cl = _channels_last(x)
-    layout = _layout_for(x, g, dt, index)
+    layout = _layout_for(x)
     precision = _precision(dt)
     go = _in_layout(go, layout)
     gi = gw = gb = None
@@ -333,8 +331,6 @@ def _cuda_backward(go, x, w, mask, entry):
     finally:
         if prev != index:
             _set_device(prev)
-    if cl and gi is not None and layout == "nchw":
-        gi = _as_channels_last(gi)
     return gi, gw, gb
 
 

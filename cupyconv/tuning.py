@@ -196,13 +196,13 @@ def _plan(pass_: str, v: Variant, g: Geometry, dtype: str, layout: str, precisio
     if pass_ == FORWARD:
         if v.gemm:
             return launch.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=aligned, **v.kwargs)
-        return launch.plan_forward(g, dtype, has_bias)
+        return launch.plan_forward(g, dtype, has_bias, layout)
     if pass_ == GRAD_INPUT:
         if v.gemm:
             return launch.plan_grad_input_gemm(g, dtype, layout, precision, aligned=aligned, **v.kwargs)
-        return launch.plan_grad_input(g, dtype)
+        return launch.plan_grad_input(g, dtype, layout)
     if not v.gemm:
-        return launch.plan_grad_weight(g, dtype, sm_count)
+        return launch.plan_grad_weight(g, dtype, sm_count, layout)
     if not _accepts("plan_grad_weight_gemm", "aligned"):
         return launch.plan_grad_weight_gemm(g, dtype, sm_count, layout, precision, **v.kwargs)
     plans = launch.plan_grad_weight_gemm(g, dtype, sm_count, layout, precision, aligned=aligned, **v.kwargs)
@@ -229,8 +229,7 @@ def candidates(pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precis
 
     ``gemm``: whether the tensor-core kernels can run the layer (by default
     ``engine.gemm_eligible``; the engine passes ``uses_gemm`` for its device).  Variants
-    that plan to the same kernel are listed once.  The direct kernels are a candidate for
-    NCHW memory only (channels_last is read in place by the GEMM kernels alone), and only
+    that plan to the same kernel are listed once.  The direct kernels are a candidate only
     for layers thin enough that they can win.
     """
     _check_pass(pass_)
@@ -257,7 +256,7 @@ def candidates(pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precis
         found.append(v)
         if len(found) >= MAX_GEMM_CANDIDATES:
             break
-    if layout == "nchw" and min(g.in_per_group, g.out_per_group) < DIRECT_MAX_CHANNELS:
+    if min(g.in_per_group, g.out_per_group) < DIRECT_MAX_CHANNELS:
         found.append(DIRECT)
     return found
 

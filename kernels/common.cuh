@@ -79,3 +79,18 @@ __device__ __forceinline__ void load_smem_row(T (&dst)[N], const T* src) {
 #pragma unroll
     for (int i = 0; i < N; i += V) load_smem_vector(dst + i, src + i);
 }
+
+// dst[0..N) = src[0..N) from shared memory, as whole vectors where N allows:
+// src must then be aligned to the vector (N times the element size, at most 16 bytes).
+template <int N, typename T>
+__device__ __forceinline__ void load_smem_small(T (&dst)[N], const T* src) {
+    if constexpr (N % SmemVector<T>::WIDTH == 0) {
+        load_smem_row(dst, src);
+    } else if constexpr (N == 2 && sizeof(T) == 4) {
+        const float2 v = *reinterpret_cast<const float2*>(src);
+        dst[0] = v.x; dst[1] = v.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) dst[i] = src[i];
+    }
+}

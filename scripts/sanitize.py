@@ -106,6 +106,9 @@ def base_cases() -> List[Case]:
     xs, ws, kw = DIRECT_LAYERS["grouped"]
     cases.append(Case("direct-grouped-float32-cupy", xs, ws, kw, True, "float32", api="cupy"))
     cases.append(Case("direct-grouped-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))
+    for name, (xs, ws, kw) in DIRECT_LAYERS.items():
+        for dtype in ("float32", "float16"):
+            cases.append(Case(f"direct-{name}-{dtype}-nhwc", xs, ws, kw, name != "depthwise", dtype, layout="nhwc"))
     for name, (xs, ws, kw) in GEMM_LAYERS.items():
         for dtype, precision in GEMM_CASES:
             tag = "tf32" if precision == "tf32" else dtype
@@ -212,7 +215,7 @@ def planned_specs(case: Case, sm_count: int = 132) -> list:
     g = _geometry(case)
     dtype = case.dtype
     with _planning_only(sm_count) as seen, _forced_variants(case):
-        layout = case.layout if engine.uses_gemm(g, dtype, 0) else "nchw"
+        layout = case.layout
         act = 2 if case.unaligned else 1 << 20
         w, out, scratch = 2 << 20, 3 << 20, 4 << 20
 

@@ -59,6 +59,7 @@ inline void __syncwarp(unsigned = 0xffffffffu) { warp_barriers[emu_warp]->arrive
 template <class T> T __ldg(const T* p) { return *p; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct double2 { double x, y; };
 

@@ -40,8 +40,9 @@ def _plans():
         g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
         for dtype in DTYPES:
             for bias in (False, True):
-                for plan in launch.all_plans(g, dtype, bias):
-                    seen.setdefault(plan.spec, f"{layer}-{dtype}-{plan.spec.function}-{plan.index_t}")
+                for layout in launch.LAYOUTS:
+                    for plan in launch.all_plans(g, dtype, bias, layout=layout):
+                        seen.setdefault(plan.spec, f"{layer}-{dtype}-{layout}-{plan.spec.function}-{plan.index_t}")
     return seen
 
 

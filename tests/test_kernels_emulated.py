@@ -106,25 +106,37 @@ def _split_k(partial_plan, reduce_plan, inputs, out_shape, dtype):
     return out, chunks
 
 
+def _nhwc(a):
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
+
+
+def _nchw(a):
+    return np.ascontiguousarray(a.transpose(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("name,dtype", CASES)
-def test_direct_kernels_match_the_reference(name, dtype):
+def test_direct_kernels_match_the_reference(name, dtype, layout):
     g, args = _layer(name)
     x, w, b, go = _data(g, dtype, seed=len(name))
     x64, w64, b64, go64 = (_values(a, dtype) for a in (x, w, b, go))
     ctype, tol = C_TYPE[dtype], TOLERANCE[dtype]
+    to_layout, from_layout = (_nhwc, _nchw) if layout == "nhwc" else (np.ascontiguousarray,) * 2
+    xl, gol = to_layout(x), to_layout(go)
 
-    *_, y = cuda_emulator.run(launch.plan_forward(g, dtype, True), [x, w, b, _empty(g.output_shape, dtype)],
-                              [ctype] * 4)
-    _close(y, reference.conv_transpose2d(x64, w64, b64, **args), tol, f"{name} forward", dtype)
+    *_, y = cuda_emulator.run(launch.plan_forward(g, dtype, True, layout),
+                              [xl, w, b, to_layout(_empty(g.output_shape, dtype))], [ctype] * 4)
+    _close(from_layout(y), reference.conv_transpose2d(x64, w64, b64, **args), tol, f"{name} {layout} forward", dtype)
 
     want_gi, want_gw, want_gb = reference.conv_transpose2d_backward(go64, x64, w64, **args)
-    *_, gi = cuda_emulator.run(launch.plan_grad_input(g, dtype), [go, w, _empty(g.input_shape, dtype)], [ctype] * 3)
-    _close(gi, want_gi, tol, f"{name} grad_input", dtype)
+    *_, gi = cuda_emulator.run(launch.plan_grad_input(g, dtype, layout),
+                               [gol, w, to_layout(_empty(g.input_shape, dtype))], [ctype] * 3)
+    _close(from_layout(gi), want_gi, tol, f"{name} {layout} grad_input", dtype)
 
-    gw, _ = _split_k(*launch.plan_grad_weight(g, dtype, 4), (x, go), g.weight_shape, dtype)
-    _close(gw, want_gw, tol, f"{name} grad_weight", dtype)
-    gb, _ = _split_k(*launch.plan_grad_bias(g, dtype, 4), (go,), (g.out_channels,), dtype)
-    _close(gb, want_gb, tol, f"{name} grad_bias", dtype)
+    gw, _ = _split_k(*launch.plan_grad_weight(g, dtype, 4, layout), (xl, gol), g.weight_shape, dtype)
+    _close(gw, want_gw, tol, f"{name} {layout} grad_weight", dtype)
+    gb, _ = _split_k(*launch.plan_grad_bias(g, dtype, 4, layout), (gol,), (g.out_channels,), dtype)
+    _close(gb, want_gb, tol, f"{name} {layout} grad_bias", dtype)
 
 
 def test_the_layers_reach_the_planners_branches():
@@ -160,3 +172,21 @@ def test_the_emulation_replaces_every_ptx_conversion_of_the_common_header():
     header = templates.expanded("common.cuh")
     assert header.count("asm(") == len(cuda_emulator._PTX_EQUIVALENTS)
     assert all(ptx in header for ptx in cuda_emulator._PTX_EQUIVALENTS)
+
+
+@pytest.mark.parametrize("name,dtype", [("depthwise", "float32"), ("grouped_dilated", "float16")])
+def test_nhwc_blocks_walking_several_images(name, dtype, monkeypatch):
+    """Weights staged once per channel tile serve every image a block walks (blockIdx.z < batch)."""
+    monkeypatch.setattr(launch, "_BLOCKS_TO_FILL", 1)
+    g, args = _layer(name)
+    x, w, b, go = _data(g, dtype, seed=7)
+    x64, w64, b64, go64 = (_values(a, dtype) for a in (x, w, b, go))
+    ctype, tol = C_TYPE[dtype], TOLERANCE[dtype]
+    fwd = launch._plan_forward_nhwc(g, dtype, True)
+    gi_plan = launch._plan_grad_input_nhwc(g, dtype)
+    assert fwd.grid[2] < g.batch and gi_plan.grid[2] < g.batch
+    *_, y = cuda_emulator.run(fwd, [_nhwc(x), w, b, _nhwc(_empty(g.output_shape, dtype))], [ctype] * 4)
+    _close(_nchw(y), reference.conv_transpose2d(x64, w64, b64, **args), tol, f"{name} forward", dtype)
+    *_, gi = cuda_emulator.run(gi_plan, [_nhwc(go), w, _nhwc(_empty(g.input_shape, dtype))], [ctype] * 3)
+    want_gi = reference.conv_transpose2d_backward(go64, x64, w64, **args)[0]
+    _close(_nchw(gi), want_gi, tol, f"{name} grad_input", dtype)

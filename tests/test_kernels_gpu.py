@@ -51,29 +51,34 @@ def make_inputs(layer: Layer, seed: int):
     return x, w, b, go
 
 
-def cupyconv_raw(layer_kwargs, x, w, b, go, dtype_name):
-    """Forward and all grads through the raw-pointer engine, on torch tensors (bfloat16 included)."""
+def cupyconv_raw(layer_kwargs, x, w, b, go, dtype_name, layout="nchw"):
+    """Forward and all grads through the raw-pointer engine, on torch tensors (bfloat16 included).
+
+    ``layout="nhwc"`` hands the engine channels_last copies of the activations and
+    channels_last outputs to fill.
+    """
     params = ConvParams.from_args(**layer_kwargs)
     g = geometry(x.shape, w.shape, None if b is None else b.shape, params)
     dev = x.device.index
     stream = torch.cuda.current_stream(x.device).cuda_stream
     nan = float("nan")
-    y = torch.full(g.output_shape, nan, dtype=x.dtype, device=x.device)
-    gi = torch.full(g.input_shape, nan, dtype=x.dtype, device=x.device)
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    y = torch.full(g.output_shape, nan, dtype=x.dtype, device=x.device).contiguous(memory_format=fmt)
+    gi = torch.full(g.input_shape, nan, dtype=x.dtype, device=x.device).contiguous(memory_format=fmt)
     gw = torch.full(g.weight_shape, nan, dtype=x.dtype, device=x.device)
     gb = torch.full((g.out_channels,), nan, dtype=x.dtype, device=x.device)
     x4, go4 = (x, go) if g.batched else (x[None], go[None])
-    x4, go4 = x4.contiguous(), go4.contiguous()
+    x4, go4 = x4.contiguous(memory_format=fmt), go4.contiguous(memory_format=fmt)
 
     def alloc(nbytes):
         t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=x.device)
         return t, t.data_ptr()
 
     engine.forward(g, dtype_name, x4.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                   dev, stream, alloc)
-    engine.grad_input(g, dtype_name, go4.data_ptr(), w.data_ptr(), gi.data_ptr(), dev, stream, alloc)
-    engine.grad_weight(g, dtype_name, x4.data_ptr(), go4.data_ptr(), gw.data_ptr(), dev, stream, alloc)
-    engine.grad_bias(g, dtype_name, go4.data_ptr(), gb.data_ptr(), dev, stream, alloc)
+                   dev, stream, alloc, layout)
+    engine.grad_input(g, dtype_name, go4.data_ptr(), w.data_ptr(), gi.data_ptr(), dev, stream, alloc, layout)
+    engine.grad_weight(g, dtype_name, x4.data_ptr(), go4.data_ptr(), gw.data_ptr(), dev, stream, alloc, layout)
+    engine.grad_bias(g, dtype_name, go4.data_ptr(), gb.data_ptr(), dev, stream, alloc, layout)
     unbatch = (lambda t: t) if g.batched else (lambda t: t[0])
     return unbatch(y), unbatch(gi), gw, gb
 
@@ -106,7 +111,8 @@ def precompiled():
     for layer in LAYERS:
         g = geometry(layer.input_shape, layer.weight_shape, (layer.out_channels,) if layer.bias else None,
                      ConvParams.from_args(**layer.kwargs()))
-        specs += [p.spec for p in launch.all_plans(g, layer.dtype, layer.bias, engine.sm_count(0))]
+        for layout in ("nchw", "nhwc"):
+            specs += [p.spec for p in launch.all_plans(g, layer.dtype, layer.bias, engine.sm_count(0), layout)]
     compile_many(specs, 0, workers=os.cpu_count() or 8)
 
 
@@ -120,6 +126,19 @@ def test_random_layer(index):
     tol = TOLERANCE[layer.dtype]
     for name, a, e in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
         assert_close(a, e, tol, f"{layer} {name}")
+
+
+@pytest.mark.parametrize("index", range(0, len(LAYERS), 3))
+def test_random_layer_channels_last(index):
+    """The same kernels reading and writing channels_last memory in place."""
+    layer = LAYERS[index]
+    x, w, b, go = make_inputs(layer, seed=index)
+    kwargs = layer.kwargs()
+    got = cupyconv_raw(kwargs, x, w, b, go, layer.dtype, layout="nhwc")
+    want = torch_reference(kwargs, x, w, b, go)
+    tol = TOLERANCE[layer.dtype]
+    for name, a, e in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
+        assert_close(a, e, tol, f"{layer} channels_last {name}")
 
 
 def test_sweep_covers_the_required_space():
@@ -174,9 +193,10 @@ DIRECT_EDGE_LAYERS = {
 }
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype_name,name", [(dt, name) for name, case in DIRECT_EDGE_LAYERS.items()
                                              for dt in case[3]])
-def test_direct_kernel_edge_tilings(name, dtype_name):
+def test_direct_kernel_edge_tilings(name, dtype_name, layout):
     x_shape, w_shape, kwargs, _ = DIRECT_EDGE_LAYERS[name]
     g = geometry(x_shape, w_shape, (w_shape[1] * kwargs.get("groups", 1),), ConvParams.from_args(**kwargs))
     assert not engine.uses_gemm(g, dtype_name, 0)
@@ -184,10 +204,10 @@ def test_direct_kernel_edge_tilings(name, dtype_name):
     dt = torch_dtype(dtype_name)
     x, w, b, go = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
                    for shape in (x_shape, w_shape, (g.out_channels,), g.output_shape))
-    got = cupyconv_raw(kwargs, x, w, b, go, dtype_name)
+    got = cupyconv_raw(kwargs, x, w, b, go, dtype_name, layout)
     want = torch_reference(kwargs, x, w, b, go)
     for what, a, e in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, want):
-        assert_close(a, e, TOLERANCE[dtype_name], f"{name} {dtype_name} {what}")
+        assert_close(a, e, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} {what}")
 
 
 def test_direct_edge_layers_reach_their_tilings():

@@ -11,6 +11,9 @@ EXPECTED = {
     "conv_transpose2d_grad_weight.cu",
     "conv_transpose2d_grad_bias.cu",
     "reduce_partials.cu",
+    "conv_transpose2d_forward_nhwc.cu",
+    "conv_transpose2d_grad_input_nhwc.cu",
+    "conv_transpose2d_grad_weight_nhwc.cu",
 }
 GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
 DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu"}
@@ -37,7 +40,9 @@ def test_includes_are_inlined_and_placeholders_listed(name):
     assert '#include "common.cuh"' not in text
     assert "warp_sum" in text  # from common.cuh
     needed = templates.placeholders(name)
-    assert {"SCALAR_T", "ACC_T", "INDEX_T", "BLOCK"} <= needed
+    assert {"SCALAR_T", "ACC_T", "INDEX_T"} <= needed
+    # the block size: given, or (channels_last kernels) a channel tile times its pixel runs
+    assert "BLOCK" in needed or {"RUNS"} <= needed
 
 
 def test_layer_templates_take_every_layer_constant():
