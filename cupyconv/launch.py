@@ -417,9 +417,12 @@ def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw")
     _check_layout(layout)
     block = 256
     h_out, w_out = g.out_size
+    channel_tile = min(g.out_channels, block)
     if layout == "nhwc":
-        channel_blocks = _cdiv(g.out_channels, block)
-        chunks, rows_per_chunk = _chunks(g.batch * h_out * w_out, channel_blocks, 64, sm_count)
+        # A block is (pixel lane, channel): few channels leave room for many pixel lanes.
+        channel_blocks = _cdiv(g.out_channels, channel_tile)
+        chunks, rows_per_chunk = _chunks(g.batch * h_out * w_out, channel_blocks, 64 * (block // channel_tile),
+                                         sm_count)
         grid_y = min(channel_blocks, _GRID_YZ_LIMIT)
     else:
         chunks, rows_per_chunk = _chunks(g.batch * h_out, g.out_channels, block // 32, sm_count)
@@ -427,7 +430,7 @@ def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw")
     index_t = index_type(_numel(g.output_shape), chunks * g.out_channels)
     scalar_t, acc_t, _ = DTYPES[dtype]
     constants = dict(SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block,
-                     CHANNELS_LAST=layout == "nhwc")
+                     CHANNELS_LAST=layout == "nhwc", CHANNEL_TILE=channel_tile if layout == "nhwc" else 1)
     spec = KernelSpec.make("conv_transpose2d_grad_bias.cu", "conv_transpose2d_grad_bias_partial", constants)
     partial = Plan(spec, (chunks, grid_y, 1), (block, 1, 1),
                    (g.batch, h_out, w_out, rows_per_chunk), index_t,

@@ -1,6 +1,6 @@
 // grad_bias = grad_out.sum((0, 2, 3)), first pass of a deterministic split-K:
 // blockIdx.x takes a fixed chunk of the (n, oh) rows of one channel (NCHW) or of
-// the pixels of every channel (channels_last) and writes one partial per channel;
+// the pixels of a tile of channels (channels_last) and writes one partial per channel;
 // reduce_partials.cu adds the chunks in a fixed order.
 #include "common.cuh"
 
@@ -11,26 +11,44 @@ typedef {{INDEX_T}} index_t;
 constexpr int COUT = {{COUT}};
 constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
 constexpr int BLOCK = {{BLOCK}};
+constexpr int CHANNEL_TILE = {{CHANNEL_TILE}};  // channels_last: channels of a block, at most BLOCK
 constexpr int WARPS = BLOCK / 32;
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, acc_t* __restrict__ partial,
                                    index_t N, index_t H_out, index_t W_out, index_t rows_per_chunk) {
     if constexpr (CHANNELS_LAST) {
-        // One thread per channel walks the chunk's pixels: a warp reads 32 adjacent
-        // channels of one pixel per step, and each sum keeps a fixed order.
+        // Threads are (pixel lane, channel) with the channel fastest: a warp reads
+        // whole channel runs of adjacent pixels, and a layer with few channels still
+        // keeps every thread busy.  Each thread sums every PIXEL_LANES-th pixel of the
+        // chunk, then the lanes' sums are added in lane order: a fixed order throughout.
+        constexpr int PIXEL_LANES = BLOCK / CHANNEL_TILE;
+        __shared__ acc_t lane_sums[PIXEL_LANES][CHANNEL_TILE];
+        const int lane_c = threadIdx.x % CHANNEL_TILE;
+        const int pixel_lane = threadIdx.x / CHANNEL_TILE;
         const index_t pixels = N * H_out * W_out;
         const index_t p0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
         const index_t p1 = p0 + rows_per_chunk < pixels ? p0 + rows_per_chunk : pixels;
-        for (index_t c = static_cast<index_t>(blockIdx.y) * BLOCK + threadIdx.x; c < COUT;
-             c += static_cast<index_t>(gridDim.y) * BLOCK) {
+        for (index_t c0 = static_cast<index_t>(blockIdx.y) * CHANNEL_TILE; c0 < COUT;
+             c0 += static_cast<index_t>(gridDim.y) * CHANNEL_TILE) {
+            const index_t c = c0 + lane_c;
             acc_t acc[4] = {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
-            index_t p = p0;
-            for (; p + 4 <= p1; p += 4)
+            if (pixel_lane < PIXEL_LANES && c < COUT) {
+                index_t p = p0 + pixel_lane;
+                for (; p + 3 * PIXEL_LANES < p1; p += 4 * PIXEL_LANES)
 #pragma unroll
-                for (int u = 0; u < 4; ++u) acc[u] += static_cast<acc_t>(load(grad_out + (p + u) * COUT + c));
-            for (; p < p1; ++p) acc[0] += static_cast<acc_t>(load(grad_out + p * COUT + c));
-            partial[static_cast<index_t>(blockIdx.x) * COUT + c] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+                    for (int u = 0; u < 4; ++u)
+                        acc[u] += static_cast<acc_t>(load(grad_out + (p + u * PIXEL_LANES) * COUT + c));
+                for (; p < p1; p += PIXEL_LANES) acc[0] += static_cast<acc_t>(load(grad_out + p * COUT + c));
+            }
+            if (pixel_lane < PIXEL_LANES) lane_sums[pixel_lane][lane_c] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+            __syncthreads();
+            if (pixel_lane == 0 && c < COUT) {
+                acc_t s = lane_sums[0][lane_c];
+                for (int l = 1; l < PIXEL_LANES; ++l) s += lane_sums[l][lane_c];
+                partial[static_cast<index_t>(blockIdx.x) * COUT + c] = s;
+            }
+            __syncthreads();
         }
         return;
     }

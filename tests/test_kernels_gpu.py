@@ -210,6 +210,34 @@ def test_direct_kernel_edge_tilings(name, dtype_name, layout):
         assert_close(a, e, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} {what}")
 
 
+@pytest.mark.parametrize("channels", [3, 32, 300])
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+def test_channels_last_grad_bias_tiles(channels, dtype_name):
+    """grad_bias on channels_last: pixel lanes for few channels, channel tiles past 256, many chunks."""
+    x_shape, w_shape = (4, 2, 45, 61), (2, channels, 2, 2)
+    g = geometry(x_shape, w_shape, (channels,), ConvParams.from_args(stride=2))
+    plan = launch.plan_grad_bias(g, dtype_name, engine.sm_count(0), "nhwc")[0]
+    tile = dict(plan.spec.constants)["CHANNEL_TILE"]
+    assert tile == min(channels, 256) and plan.grid[0] > 1
+    gen = torch.Generator(device="cuda").manual_seed(channels)
+    go = torch.randn(g.output_shape, generator=gen, device="cuda", dtype=torch.float64)
+    go_cl = go.to(torch_dtype(dtype_name)).contiguous(memory_format=torch.channels_last)
+    want = go_cl.double().sum((0, 2, 3))
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def alloc(nbytes):
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
+        return t, t.data_ptr()
+
+    results = []
+    for _ in range(2):
+        gb = torch.full((channels,), float("nan"), device="cuda", dtype=go_cl.dtype)
+        engine.grad_bias(g, dtype_name, go_cl.data_ptr(), gb.data_ptr(), 0, stream, alloc, "nhwc")
+        results.append(gb)
+    assert_close(results[0], want, TOLERANCE[dtype_name], f"grad_bias {channels} channels {dtype_name}")
+    assert torch.equal(results[0], results[1]), "grad_bias is not reproducible bit for bit"
+
+
 def test_direct_edge_layers_reach_their_tilings():
     def constants(name, dtype, plan):
         x_shape, w_shape, kwargs, _ = DIRECT_EDGE_LAYERS[name]
