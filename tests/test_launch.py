@@ -1,4 +1,5 @@
-"""Host-side launch plumbing, without a GPU: scratch carving and the shared channels_last copies."""
+"""Host-side launch plumbing, without a GPU: scratch carving, the shared channels_last copies and
+the tilings the direct planners choose."""
 from __future__ import annotations
 
 import pytest
@@ -117,9 +118,61 @@ def test_direct_kernels_take_kernels_up_to_the_shared_memory_limit(dtype, kernel
         assert chunk * kernel[0] * row * launch.accumulator_bytes(dtype) <= 30 * 1024
 
 
-@pytest.mark.parametrize("dtype,kernel", [("float32", (88, 88)), ("bfloat16", (2, 4000)), ("float64", (62, 64))])
-def test_direct_kernels_reject_larger_kernels_by_name(dtype, kernel):
+@pytest.mark.parametrize("dtype,kernel", [("float32", (87, 87)), ("float16", (60, 128)), ("float64", (61, 62))])
+def test_channels_last_direct_kernels_fit_static_shared_memory(dtype, kernel):
     g = _direct_geometry(kernel)
-    for plan in (lambda: launch.plan_forward(g, dtype, False), lambda: launch.plan_grad_input(g, dtype)):
+    acc = launch.accumulator_bytes(dtype)
+    for plan, tile, chunk in ((launch.plan_forward(g, dtype, True, "nhwc"), "OC_TILE", "IC_CHUNK"),
+                              (launch.plan_grad_input(g, dtype, "nhwc"), "IC_TILE", "OC_CHUNK")):
+        c = dict(plan.spec.constants)
+        assert c[chunk] * kernel[0] * kernel[1] * c[tile] * acc <= 48 * 1024
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype,kernel", [("float32", (88, 88)), ("bfloat16", (2, 4000)), ("float64", (62, 64))])
+def test_direct_kernels_reject_larger_kernels_by_name(dtype, kernel, layout):
+    g = _direct_geometry(kernel)
+    for plan in (lambda: launch.plan_forward(g, dtype, False, layout), lambda: launch.plan_grad_input(g, dtype, layout)):
         with pytest.raises(ValueError, match=r"kernel_size \(%d, %d\) is too large" % kernel):
             plan()
+
+
+@pytest.mark.parametrize("in_per_group,out_per_group,groups", [(8, 16, 4), (1, 1, 128), (6, 6, 3), (3, 5, 2),
+                                                               (40, 12, 1), (2, 100, 1)])
+def test_channels_last_threads_own_channels_of_one_group(in_per_group, out_per_group, groups):
+    """A thread's channels share their group's loads, so they never straddle a group or a tile."""
+    g = geometry((2, in_per_group * groups, 9, 9), (in_per_group * groups, out_per_group, 3, 3), None,
+                 ConvParams.from_args(stride=2, groups=groups))
+    fwd = dict(launch.plan_forward(g, "float32", True, "nhwc").spec.constants)
+    gi = dict(launch.plan_grad_input(g, "float32", "nhwc").spec.constants)
+    assert out_per_group % fwd["OCB"] == 0 and fwd["OC_TILE"] % fwd["OCB"] == 0
+    assert in_per_group % gi["ICB"] == 0 and gi["IC_TILE"] % gi["ICB"] == 0
+    # as many channels per thread as the group allows, up to four
+    assert fwd["OCB"] == max(b for b in (1, 2, 4) if out_per_group % b == 0 and fwd["OC_TILE"] % b == 0)
+
+
+def test_channels_last_blocks_walk_several_images_only_when_the_weights_stay_staged():
+    # the seed layer: a group's weights fit, so each block serves up to 8 of the 16 images
+    g = geometry((16, 32, 128, 256), (32, 16, 3, 5), None,
+                 ConvParams.from_args(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4))
+    plan = launch.plan_forward(g, "float16", False, "nhwc")
+    c = dict(plan.spec.constants)
+    assert c["IC_CHUNK"] == g.in_per_group and plan.grid[2] == 2
+    assert plan.grid[0] * plan.grid[1] * plan.grid[2] >= launch._BLOCKS_TO_FILL
+    # float64 weights of 40 input channels are staged in chunks: one image per block
+    g = geometry((16, 40, 64, 64), (40, 12, 5, 9), None, ConvParams.from_args(stride=(1, 2), padding=(2, 4)))
+    plan = launch.plan_forward(g, "float64", False, "nhwc")
+    assert dict(plan.spec.constants)["IC_CHUNK"] < g.in_per_group and plan.grid[2] == g.batch
+    # a small layer keeps one image per block, so the GPU still gets its blocks
+    g = geometry((4, 8, 5, 7), (8, 4, 3, 3), None, ConvParams.from_args(stride=2, groups=2))
+    assert launch.plan_forward(g, "float32", False, "nhwc").grid[2] == 4
+
+
+@pytest.mark.parametrize("channels", [3, 32, 256, 300])
+def test_channels_last_grad_bias_tiles_channels_and_fills_the_rest_with_pixel_lanes(channels):
+    g = geometry((4, 2, 45, 61), (2, channels, 2, 2), (channels,), ConvParams.from_args(stride=2))
+    partial, reduce = launch.plan_grad_bias(g, "float16", 132, "nhwc")
+    c = dict(partial.spec.constants)
+    tile = min(channels, 256)
+    assert c["CHANNEL_TILE"] == tile and partial.grid[1] == -(-channels // tile)
+    assert partial.block[0] == 256 and reduce.scalars == (channels, partial.grid[0])
