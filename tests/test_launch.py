@@ -132,7 +132,8 @@ def test_channels_last_direct_kernels_fit_static_shared_memory(dtype, kernel):
 @pytest.mark.parametrize("dtype,kernel", [("float32", (88, 88)), ("bfloat16", (2, 4000)), ("float64", (62, 64))])
 def test_direct_kernels_reject_larger_kernels_by_name(dtype, kernel, layout):
     g = _direct_geometry(kernel)
-    for plan in (lambda: launch.plan_forward(g, dtype, False, layout), lambda: launch.plan_grad_input(g, dtype, layout)):
+    for plan in (lambda: launch.plan_forward(g, dtype, False, layout),
+                 lambda: launch.plan_grad_input(g, dtype, layout)):
         with pytest.raises(ValueError, match=r"kernel_size \(%d, %d\) is too large" % kernel):
             plan()
 
