@@ -155,6 +155,17 @@ def _even_block(size: int, cap: int) -> int:
     return _cdiv(size, _cdiv(size, max(1, cap)))
 
 
+def _phase_cells(g: Geometry) -> Tuple[int, int, int, int]:
+    """(q_h0, q_w0, QH, QW): the low-resolution cells whose stride phases cover the output.
+
+    Output pixel (oh, ow) is phase (oh + PH) % SH of cell (oh + PH) // SH (and the same
+    along w); the forward kernels walk cells q_h0 .. q_h0 + QH - 1 and q_w0 .. q_w0 + QW - 1.
+    """
+    (sh, sw), (ph, pw), (h_out, w_out) = g.params.stride, g.params.padding, g.out_size
+    q_h0, q_w0 = ph // sh, pw // sw
+    return q_h0, q_w0, (h_out - 1 + ph) // sh - q_h0 + 1, (w_out - 1 + pw) // sw - q_w0 + 1
+
+
 def _phases(kernel: int, dilation: int, stride: int) -> int:
     """How many of the ``stride`` output phases along one axis receive at least one tap."""
     return len({(k * dilation) % stride for k in range(kernel)})
@@ -204,7 +215,6 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw") 
     if layout == "nhwc":
         return _plan_forward_nhwc(g, dtype, has_bias)
     sh, sw = g.params.stride
-    ph, pw = g.params.padding
     dh, dw = g.params.dilation
     h_out, w_out = g.out_size
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
@@ -214,9 +224,7 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw") 
     phases = _phases(g.kernel[0], dh, sh) * _phases(g.kernel[1], dw, sw)
     cells = max(1, min(4, _DIRECT_ACCUMULATORS // (phases * oc_block), _STAGED_RUN // sw))
     block = 128
-    q_h0, q_w0 = ph // sh, pw // sw
-    qh = (h_out - 1 + ph) // sh - q_h0 + 1
-    qw = (w_out - 1 + pw) // sw - q_w0 + 1
+    q_h0, q_w0, qh, qw = _phase_cells(g)
     cells_w = _cdiv(qw, cells)
     constants = _layer_constants(g, dtype, index_t)
     constants.update(HAS_BIAS=bool(has_bias), OC_BLOCK=oc_block, CELLS=cells, IC_CHUNK=ic_chunk, BLOCK=block,
@@ -328,9 +336,20 @@ def _images_per_block(blocks: int, batch: int) -> int:
     return per_block
 
 
+def _nhwc_grid(g: Geometry, runs_total: int, runs: int, channels: int, tile: int,
+               staged_once: bool) -> Tuple[int, int, int]:
+    """(run blocks, channel tiles, image blocks) of an NHWC forward or grad_input kernel.
+
+    Weights staged once per channel tile serve several images; staged per chunk, they
+    would not, so then each block takes one image.
+    """
+    xy = (_cdiv(runs_total, runs), min(_cdiv(channels, tile), _GRID_YZ_LIMIT))
+    images = _images_per_block(xy[0] * xy[1], g.batch) if staged_once else 1
+    return xy + (min(_cdiv(g.batch, images), _GRID_YZ_LIMIT),)
+
+
 def _plan_forward_nhwc(g: Geometry, dtype: str, has_bias: bool) -> Plan:
     sh, sw = g.params.stride
-    ph, pw = g.params.padding
     dh, dw = g.params.dilation
     h_out, w_out = g.out_size
     index_t = index_type(_numel(g.input_shape), _numel(g.output_shape), _numel(g.weight_shape))
@@ -339,17 +358,12 @@ def _plan_forward_nhwc(g: Geometry, dtype: str, has_bias: bool) -> Plan:
     runs = max(1, _NHWC_THREADS // lanes)
     phases = _phases(g.kernel[0], dh, sh) * _phases(g.kernel[1], dw, sw)
     cells = max(1, min(4, 32 // (phases * ocb)))
-    q_h0, q_w0 = ph // sh, pw // sw
-    qh = (h_out - 1 + ph) // sh - q_h0 + 1
-    qw = (w_out - 1 + pw) // sw - q_w0 + 1
+    q_h0, q_w0, qh, qw = _phase_cells(g)
     cells_w = _cdiv(qw, cells)
     ic_chunk = min(ic_chunk, g.in_per_group)
     constants = _layer_constants(g, dtype, index_t)
     constants.update(HAS_BIAS=bool(has_bias), OC_TILE=tile, OCB=ocb, RUNS=runs, CELLS=cells, IC_CHUNK=ic_chunk)
-    grid_xy = (_cdiv(qh * cells_w, runs), min(_cdiv(g.out_channels, tile), _GRID_YZ_LIMIT))
-    # Weights staged once per tile serve several images; staged per chunk, they would not.
-    images = _images_per_block(grid_xy[0] * grid_xy[1], g.batch) if ic_chunk == g.in_per_group else 1
-    grid = grid_xy + (min(_cdiv(g.batch, images), _GRID_YZ_LIMIT),)
+    grid = _nhwc_grid(g, qh * cells_w, runs, g.out_channels, tile, ic_chunk == g.in_per_group)
     spec = KernelSpec.make("conv_transpose2d_forward_nhwc.cu", "conv_transpose2d_forward_nhwc", constants)
     h, w = g.in_size
     return Plan(spec, grid, (lanes * runs, 1, 1), (g.batch, h, w, h_out, w_out, q_h0, q_w0, qh, qw, cells_w), index_t)
@@ -366,9 +380,7 @@ def _plan_grad_input_nhwc(g: Geometry, dtype: str) -> Plan:
     oc_chunk = min(oc_chunk, g.out_per_group)
     constants = _layer_constants(g, dtype, index_t)
     constants.update(IC_TILE=tile, ICB=icb, RUNS=runs, CELLS=cells, OC_CHUNK=oc_chunk)
-    grid_xy = (_cdiv(h * cells_w, runs), min(_cdiv(g.in_channels, tile), _GRID_YZ_LIMIT))
-    images = _images_per_block(grid_xy[0] * grid_xy[1], g.batch) if oc_chunk == g.out_per_group else 1
-    grid = grid_xy + (min(_cdiv(g.batch, images), _GRID_YZ_LIMIT),)
+    grid = _nhwc_grid(g, h * cells_w, runs, g.in_channels, tile, oc_chunk == g.out_per_group)
     spec = KernelSpec.make("conv_transpose2d_grad_input_nhwc.cu", "conv_transpose2d_grad_input_nhwc", constants)
     return Plan(spec, grid, (lanes * runs, 1, 1), (g.batch, h, w) + g.out_size + (cells_w,), index_t)
 
