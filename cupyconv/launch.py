@@ -61,12 +61,10 @@ def _numel(shape: Sequence[int]) -> int:
 
 def _layer_constants(g: Geometry, dtype: str, index_t: str) -> dict:
     p = g.params
-    scalar_t, acc_t, _ = DTYPES[dtype]
     return dict(
-        SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t,
+        SCALAR_T=DTYPES[dtype][0], INDEX_T=index_t,
         KH=g.kernel[0], KW=g.kernel[1], SH=p.stride[0], SW=p.stride[1], PH=p.padding[0], PW=p.padding[1],
-        OPH=p.output_padding[0], OPW=p.output_padding[1], DH=p.dilation[0], DW=p.dilation[1],
-        GROUPS=p.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group)
+        DH=p.dilation[0], DW=p.dilation[1], GROUPS=p.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group)
 
 
 @dataclass(frozen=True)
@@ -440,8 +438,7 @@ def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw")
         chunks, rows_per_chunk = _chunks(g.batch * h_out, g.out_channels, block // 32, sm_count)
         grid_y = min(g.out_channels, _GRID_YZ_LIMIT)
     index_t = index_type(_numel(g.output_shape), chunks * g.out_channels)
-    scalar_t, acc_t, _ = DTYPES[dtype]
-    constants = dict(SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block,
+    constants = dict(SCALAR_T=DTYPES[dtype][0], INDEX_T=index_t, COUT=g.out_channels, BLOCK=block,
                      CHANNELS_LAST=layout == "nhwc", CHANNEL_TILE=channel_tile if layout == "nhwc" else 1)
     spec = KernelSpec.make("conv_transpose2d_grad_bias.cu", "conv_transpose2d_grad_bias_partial", constants)
     partial = Plan(spec, (chunks, grid_y, 1), (block, 1, 1),
@@ -452,8 +449,7 @@ def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw")
 
 @functools.lru_cache(maxsize=1024)
 def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
-    scalar_t, acc_t, _ = DTYPES[dtype]
-    constants = dict(SCALAR_T=scalar_t, ACC_T=acc_t, INDEX_T=index_t, BLOCK=_REDUCE_BLOCK)
+    constants = dict(SCALAR_T=DTYPES[dtype][0], INDEX_T=index_t, BLOCK=_REDUCE_BLOCK)
     spec = KernelSpec.make("reduce_partials.cu", "reduce_partials", constants)
     grid = (min(_cdiv(elements, _REDUCE_BLOCK), 8192), 1, 1)
     return Plan(spec, grid, (_REDUCE_BLOCK, 1, 1), (elements, chunks), index_t)

@@ -19,10 +19,14 @@ _PRAGMA_ONCE = re.compile(r"^[ \t]*#pragma[ \t]+once[ \t]*$", re.MULTILINE)
 
 
 def kernels_dir() -> Path:
-    """The folder holding the templates: inside the installed package, or the source tree's top level."""
+    """The folder holding the templates: inside the installed package, or the source tree's top level.
+
+    Templates (``*.cu``, one kernel concept each) sit at its top; the headers they share
+    sit in ``include/``, where every ``#include "name.cuh"`` is looked up.
+    """
     here = Path(__file__).resolve().parent
     for candidate in (here / "kernels", here.parent / "kernels"):
-        if (candidate / "common.cuh").is_file():
+        if (candidate / "include" / "common.cuh").is_file():
             return candidate
     raise FileNotFoundError(
         f"cupyconv's kernel templates were not found next to {here}; the installation is incomplete")
@@ -39,9 +43,10 @@ def _read(path: str, mtime_ns: int) -> str:
 
 
 def _text(name: str) -> str:
-    path = kernels_dir() / name
+    folder = kernels_dir()
+    path = folder / ("include" if name.endswith(".cuh") else "") / name
     if not path.is_file():
-        raise ValueError(f"no kernel template named {name!r} in {kernels_dir()}")
+        raise ValueError(f"no kernel template or header named {name!r} in {folder}")
     return _read(str(path), path.stat().st_mtime_ns)
 
 

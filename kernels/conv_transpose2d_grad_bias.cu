@@ -5,7 +5,7 @@
 #include "common.cuh"
 
 typedef {{SCALAR_T}} scalar_t;
-typedef {{ACC_T}} acc_t;
+typedef Accumulator<scalar_t>::type acc_t;
 typedef {{INDEX_T}} index_t;
 
 constexpr int COUT = {{COUT}};

@@ -11,13 +11,12 @@
 #include "common.cuh"
 
 typedef {{SCALAR_T}} scalar_t;
-typedef {{ACC_T}} acc_t;
+typedef Accumulator<scalar_t>::type acc_t;
 typedef {{INDEX_T}} index_t;
 
 constexpr int KH = {{KH}}, KW = {{KW}};
 constexpr int SH = {{SH}}, SW = {{SW}};
 constexpr int PH = {{PH}}, PW = {{PW}};
-constexpr int OPH = {{OPH}}, OPW = {{OPW}};  // already folded into H_out/W_out by the host
 constexpr int DH = {{DH}}, DW = {{DW}};
 constexpr int GROUPS = {{GROUPS}};
 constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};

@@ -21,8 +21,8 @@ DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu"}
 
 def test_every_template_is_found():
     assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT
-    assert (templates.kernels_dir() / "common.cuh").is_file()
-    assert (templates.kernels_dir() / "mma.cuh").is_file()
+    assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
+    assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))
@@ -40,20 +40,23 @@ def test_includes_are_inlined_and_placeholders_listed(name):
     assert '#include "common.cuh"' not in text
     assert "warp_sum" in text  # from common.cuh
     needed = templates.placeholders(name)
-    assert {"SCALAR_T", "ACC_T", "INDEX_T"} <= needed
+    assert {"SCALAR_T", "INDEX_T"} <= needed
+    assert "ACC_T" not in needed  # the accumulator follows from the storage type (common.cuh)
     # the block size: given, or (channels_last kernels) a channel tile times its pixel runs
     assert "BLOCK" in needed or {"RUNS"} <= needed
 
 
 def test_layer_templates_take_every_layer_constant():
-    layer_constants = {"KH", "KW", "SH", "SW", "PH", "PW", "OPH", "OPW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
+    layer_constants = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
     for name in ("conv_transpose2d_forward.cu", "conv_transpose2d_grad_input.cu", "conv_transpose2d_grad_weight.cu"):
         assert layer_constants <= templates.placeholders(name), name
+        # output_padding only sizes the output, which the host passes at run time
+        assert not {"OPH", "OPW"} & templates.placeholders(name), name
 
 
 def _constants(name, **overrides):
     values = {k: 1 for k in templates.placeholders(name)}
-    values.update(SCALAR_T="float", ACC_T="float", INDEX_T="int", HAS_BIAS=True, BLOCK=128)
+    values.update(SCALAR_T="float", INDEX_T="int", HAS_BIAS=True, BLOCK=128)
     values = {k: v for k, v in values.items() if k in templates.placeholders(name)}
     values.update(overrides)
     return values

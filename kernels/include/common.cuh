@@ -10,6 +10,10 @@
 struct __align__(2) half_t { unsigned short bits; };
 struct __align__(2) bf16_t { unsigned short bits; };
 
+// What a storage type sums in: fp16, bf16 and fp32 in fp32, fp64 in fp64.
+template <typename T> struct Accumulator { typedef float type; };
+template <> struct Accumulator<double> { typedef double type; };
+
 __device__ __forceinline__ float load(const float* p) { return __ldg(p); }
 __device__ __forceinline__ double load(const double* p) { return __ldg(p); }
 __device__ __forceinline__ float load(const half_t* p) {
