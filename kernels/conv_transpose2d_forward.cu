@@ -1,9 +1,6 @@
-// Transposed-convolution forward as a gather, decomposed by stride phase.
-//
-// Output row oh belongs to phase rh = (oh + PH) % SH and low-resolution row
-// q = (oh + PH) / SH.  Tap kh feeds only phase (kh*DH) % SH, reading input row
-// q - (kh*DH) / SH, so each thread owns CELLS adjacent (q_h, q_w) cells and
-// produces all SH*SW outputs of each: every tap is used exactly once, none is
+// Transposed-convolution forward as a gather, decomposed by stride phase
+// (forward_phases.cuh): each thread owns CELLS adjacent (q_h, q_w) cells and
+// produces all SH*SW outputs of each, so every tap is used exactly once, none is
 // tested and discarded, and the inner loop has no division or modulo.
 //
 // The loops are built to spend about one instruction per multiply-add: the
@@ -16,31 +13,19 @@
 // columns, so a warp's plain stores would be strided by RUN and touch RUN times
 // the sectors they fill.  With STAGE_STORES each warp passes its runs through
 // shared memory and stores them as whole, contiguous warp-wide rows instead.
-#include "common.cuh"
+#include "layer.cuh"
+#include "direct.cuh"
+#include "forward_phases.cuh"
 
-typedef {{SCALAR_T}} scalar_t;
-typedef Accumulator<scalar_t>::type acc_t;
-typedef {{INDEX_T}} index_t;
-
-constexpr int KH = {{KH}}, KW = {{KW}};
-constexpr int SH = {{SH}}, SW = {{SW}};
-constexpr int PH = {{PH}}, PW = {{PW}};
-constexpr int DH = {{DH}}, DW = {{DW}};
-constexpr int GROUPS = {{GROUPS}};
-constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}};
 constexpr int OC_BLOCK = {{OC_BLOCK}};  // output channels per thread
 constexpr int CELLS = {{CELLS}};        // adjacent low-resolution columns per thread
 constexpr int IC_CHUNK = {{IC_CHUNK}};  // input channels whose weights are staged at a time
 constexpr int BLOCK = {{BLOCK}};
 constexpr int OC_BLOCKS = (COUT_G + OC_BLOCK - 1) / OC_BLOCK;
-constexpr int CIN = CIN_G * GROUPS;
-constexpr int COUT = COUT_G * GROUPS;
 constexpr int VEC = SmemVector<acc_t>::WIDTH;
 constexpr int ROW = (KW * OC_BLOCK + VEC - 1) / VEC * VEC;  // weights of one kernel row, [kw][o]
-constexpr int RH = ((KH - 1) * DH) / SH + 1;                // a cell reads input rows q_h - a, a < RH
-constexpr int BW = ((KW - 1) * DW) / SW;                    // and columns from q_w - BW
-constexpr int RW = BW + CELLS;                              // to the last cell's q_w
+constexpr int RW = BW + CELLS;                              // input columns the CELLS cells read
 constexpr int RUN = CELLS * SW;
 constexpr bool STAGE_STORES = {{STAGE_STORES}};
 constexpr int STAGE_WARPS = STAGE_STORES ? BLOCK / 32 : 1;
@@ -58,75 +43,34 @@ conv_transpose2d_forward(const scalar_t* __restrict__ x, const scalar_t* __restr
     const index_t qh = q_h0 + (active ? t / cells_w : 0);
     const index_t qw = q_w0 + (active ? t % cells_w : 0) * CELLS;
 
-    index_t row_off[RH];
-    bool row_ok[RH];
-#pragma unroll
-    for (int a = 0; a < RH; ++a) {
-        const index_t ih = qh - a;
-        row_ok[a] = active && ih >= 0 && ih < H;
-        row_off[a] = ih * W;
-    }
-    index_t col[RW];
-    bool col_ok[RW];
-#pragma unroll
-    for (int j = 0; j < RW; ++j) {
-        const index_t iw = qw - BW + j;
-        col_ok[j] = iw >= 0 && iw < W;
-        col[j] = iw;
-    }
+    const Window<RH, RW, -1, 1> window(active, qh, H, qw - BW, W);
 
     for (int ocb = blockIdx.y; ocb < GROUPS * OC_BLOCKS; ocb += gridDim.y) {
         const int g = ocb / OC_BLOCKS;
         const int ocg0 = (ocb % OC_BLOCKS) * OC_BLOCK;
         for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
             acc_t acc[CELLS][SH][SW][OC_BLOCK];
-#pragma unroll
-            for (int o = 0; o < OC_BLOCK; ++o) {
-                const acc_t b = HAS_BIAS && ocg0 + o < COUT_G ? static_cast<acc_t>(load(bias + g * COUT_G + ocg0 + o))
-                                                               : acc_t(0);
-#pragma unroll
-                for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                    for (int rh = 0; rh < SH; ++rh)
-#pragma unroll
-                        for (int rw = 0; rw < SW; ++rw) acc[c][rh][rw][o] = b;
-            }
+            fill_phases(acc, [&](int o) {
+                return HAS_BIAS && ocg0 + o < COUT_G ? static_cast<acc_t>(load(bias + g * COUT_G + ocg0 + o)) : acc_t(0);
+            });
 
             const scalar_t* xg = x + (n * CIN + g * CIN_G) * H * W;
             for (int ic0 = 0; ic0 < CIN_G; ic0 += IC_CHUNK) {
-                __syncthreads();  // every thread is done with the previous chunk's weights
-                for (int e = threadIdx.x; e < IC_CHUNK * KH * ROW; e += BLOCK) {
-                    const int icl = e / (KH * ROW), kh = e / ROW % KH, kw = e % ROW / OC_BLOCK, o = e % ROW % OC_BLOCK;
+                stage_weight_rows<IC_CHUNK, OC_BLOCK, ROW, BLOCK>(ws, [&](int icl, int o, int kh, int kw) {
                     const int ic = ic0 + icl, ocg = ocg0 + o;
-                    ws[e] = kw < KW && ic < CIN_G && ocg < COUT_G
-                                ? static_cast<acc_t>(load(w + ((static_cast<index_t>(g * CIN_G + ic) * COUT_G + ocg) * KH + kh) * KW + kw))
-                                : acc_t(0);
-                }
-                __syncthreads();
+                    return ic < CIN_G && ocg < COUT_G ? static_cast<acc_t>(load(w + weight_index(g * CIN_G + ic, ocg, kh, kw)))
+                                                      : acc_t(0);
+                });
                 const int chunk = CIN_G - ic0 < IC_CHUNK ? CIN_G - ic0 : IC_CHUNK;
                 for (int icl = 0; icl < chunk; ++icl) {
                     const scalar_t* xc = xg + static_cast<index_t>(ic0 + icl) * H * W;
+                    // Apart from forward_nhwc.cu's tap loop: here one broadcast load brings a whole kernel row of weights.
+                    for_each_tap_row(window, xc, [&](const acc_t (&xv)[RW], int kh) {
+                        acc_t wr[ROW];
+                        load_smem_row(wr, ws + (icl * KH + kh) * ROW);
 #pragma unroll
-                    for (int a = 0; a < RH; ++a) {
-                        acc_t xv[RW];
-#pragma unroll
-                        for (int j = 0; j < RW; ++j)
-                            xv[j] = row_ok[a] && col_ok[j] ? static_cast<acc_t>(load(xc + row_off[a] + col[j])) : acc_t(0);
-#pragma unroll
-                        for (int kh = 0; kh < KH; ++kh) {
-                            if ((kh * DH) / SH != a) continue;
-                            acc_t wr[ROW];
-                            load_smem_row(wr, ws + (icl * KH + kh) * ROW);
-#pragma unroll
-                            for (int kw = 0; kw < KW; ++kw)
-#pragma unroll
-                                for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                                    for (int o = 0; o < OC_BLOCK; ++o)
-                                        acc[c][(kh * DH) % SH][(kw * DW) % SW][o] +=
-                                            xv[BW + c - (kw * DW) / SW] * wr[kw * OC_BLOCK + o];
-                        }
-                    }
+                        for (int kw = 0; kw < KW; ++kw) accumulate_tap(acc, xv, wr + kw * OC_BLOCK, kh, kw);
+                    });
                 }
             }
 
@@ -172,24 +116,14 @@ conv_transpose2d_forward(const scalar_t* __restrict__ x, const scalar_t* __restr
                 continue;
             }
             if (!active) continue;
+            for_each_output<CELLS>(qh, qw, H_out, W_out, [&](int c, int rh, int rw, index_t oh, index_t ow) {
 #pragma unroll
-            for (int rh = 0; rh < SH; ++rh) {
-                const index_t oh = qh * SH + rh - PH;
-                if (oh < 0 || oh >= H_out) continue;
-#pragma unroll
-                for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                    for (int rw = 0; rw < SW; ++rw) {
-                        const index_t ow = (qw + c) * SW + rw - PW;
-                        if (ow < 0 || ow >= W_out) continue;
-#pragma unroll
-                        for (int o = 0; o < OC_BLOCK; ++o) {
-                            if (ocg0 + o >= COUT_G) continue;
-                            const index_t oc = g * COUT_G + ocg0 + o;
-                            store(y + ((n * COUT + oc) * H_out + oh) * W_out + ow, acc[c][rh][rw][o]);
-                        }
-                    }
-            }
+                for (int o = 0; o < OC_BLOCK; ++o) {
+                    if (ocg0 + o >= COUT_G) continue;
+                    const index_t oc = g * COUT_G + ocg0 + o;
+                    store(y + ((n * COUT + oc) * H_out + oh) * W_out + ow, acc[c][rh][rw][o]);
+                }
+            });
         }
     }
 }

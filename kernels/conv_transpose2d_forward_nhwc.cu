@@ -1,7 +1,7 @@
 // Transposed-convolution forward on channels_last (NHWC) memory, by stride phase.
 //
-// The phase decomposition is the NCHW kernel's (conv_transpose2d_forward.cu):
-// a thread owns CELLS adjacent (q_h, q_w) cells and every tap is used once.
+// The phase decomposition is the NCHW kernel's (forward_phases.cuh): a thread
+// owns CELLS adjacent (q_h, q_w) cells and every tap is used once.
 // What changes is which way the lanes run.  In NHWC a pixel's channels are
 // adjacent, so threads are (cell run, channel lane) with the lane fastest and
 // each lane owning OCB adjacent output channels of one group.  A warp stores
@@ -13,18 +13,10 @@
 // The block's weights sit in shared memory as [ic][tap][channel of the tile].
 // When one chunk holds all of a group's input channels they are staged once and
 // serve every image the block walks (blockIdx.z strides over the batch).
-#include "common.cuh"
+#include "layer.cuh"
+#include "direct.cuh"
+#include "forward_phases.cuh"
 
-typedef {{SCALAR_T}} scalar_t;
-typedef Accumulator<scalar_t>::type acc_t;
-typedef {{INDEX_T}} index_t;
-
-constexpr int KH = {{KH}}, KW = {{KW}};
-constexpr int SH = {{SH}}, SW = {{SW}};
-constexpr int PH = {{PH}}, PW = {{PW}};
-constexpr int DH = {{DH}}, DW = {{DW}};
-constexpr int GROUPS = {{GROUPS}};
-constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}};
 constexpr int OC_TILE = {{OC_TILE}};    // output channels of a block
 constexpr int OCB = {{OCB}};            // adjacent output channels per thread; divides COUT_G and OC_TILE
@@ -33,26 +25,18 @@ constexpr int CELLS = {{CELLS}};        // adjacent low-resolution columns per t
 constexpr int IC_CHUNK = {{IC_CHUNK}};  // input channels whose weights are staged at a time
 constexpr int LANES = OC_TILE / OCB;
 constexpr int BLOCK = LANES * RUNS;
-constexpr int TAPS = KH * KW;
-constexpr int CIN = CIN_G * GROUPS;
-constexpr int COUT = COUT_G * GROUPS;
 constexpr bool ONE_CHUNK = IC_CHUNK >= CIN_G;
-constexpr int RH = ((KH - 1) * DH) / SH + 1;  // a cell reads input rows q_h - a, a < RH
-constexpr int BW = ((KW - 1) * DW) / SW;      // and columns from q_w - BW
-constexpr int RW = BW + CELLS;                // to the last cell's q_w
+constexpr int RW = BW + CELLS;                // input columns the CELLS cells read
 static_assert(COUT_G % OCB == 0 && OC_TILE % OCB == 0, "a thread's channels lie in one group and one tile");
 
 // ws[icl][tap][o] = w[ic0 + icl, channel oc0 + o, tap], zero past the ends.
 __device__ __forceinline__ void stage_weights(acc_t* ws, const scalar_t* __restrict__ w, int ic0, int oc0) {
-    for (int e = threadIdx.x; e < IC_CHUNK * TAPS * OC_TILE; e += BLOCK) {
-        const int icl = e / (TAPS * OC_TILE), tap = e / OC_TILE % TAPS, o = oc0 + e % OC_TILE;
-        const int ic = ic0 + icl;
+    stage_weight_taps<IC_CHUNK, OC_TILE, BLOCK>(ws, [&](int icl, int tap, int t) {
+        const int ic = ic0 + icl, o = oc0 + t;
         // Each channel of the tile reads the weights of its own group.
-        ws[e] = ic < CIN_G && o < COUT
-                    ? static_cast<acc_t>(load(w + (static_cast<index_t>((o / COUT_G) * CIN_G + ic) * COUT_G +
-                                                  o % COUT_G) * TAPS + tap))
-                    : acc_t(0);
-    }
+        return ic < CIN_G && o < COUT ? static_cast<acc_t>(load(w + weight_index((o / COUT_G) * CIN_G + ic, o % COUT_G, tap)))
+                                      : acc_t(0);
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
@@ -68,97 +52,43 @@ conv_transpose2d_forward_nhwc(const scalar_t* __restrict__ x, const scalar_t* __
     const index_t qh = q_h0 + (active ? run / cells_w : 0);
     const index_t qw = q_w0 + (active ? run % cells_w : 0) * CELLS;
 
-    index_t row_off[RH];
-    bool row_ok[RH];
-#pragma unroll
-    for (int a = 0; a < RH; ++a) {
-        const index_t ih = qh - a;
-        row_ok[a] = active && ih >= 0 && ih < H;
-        row_off[a] = ih * W * CIN;
-    }
-    index_t col[RW];
-    bool col_ok[RW];
-#pragma unroll
-    for (int j = 0; j < RW; ++j) {
-        const index_t iw = qw - BW + j;
-        col_ok[j] = iw >= 0 && iw < W;
-        col[j] = iw * CIN;
-    }
+    const Window<RH, RW, -1, CIN> window(active, qh, H, qw - BW, W);
 
     for (int tile = blockIdx.y; tile * OC_TILE < COUT; tile += gridDim.y) {
         const int oc0 = tile * OC_TILE;
         const int oc = oc0 + lane * OCB;  // the first of the thread's OCB channels
         const bool oc_ok = oc < COUT;
         const int g = (oc_ok ? oc : COUT - 1) / COUT_G;
-        if (ONE_CHUNK) {
-            __syncthreads();  // every thread is done with the previous tile's weights
-            stage_weights(ws, w, 0, oc0);
-            __syncthreads();
-        }
+        if (ONE_CHUNK) stage_weights(ws, w, 0, oc0);
         for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
             acc_t acc[CELLS][SH][SW][OCB];
-#pragma unroll
-            for (int o = 0; o < OCB; ++o) {
-                const acc_t b = HAS_BIAS && oc_ok ? static_cast<acc_t>(load(bias + oc + o)) : acc_t(0);
-#pragma unroll
-                for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                    for (int rh = 0; rh < SH; ++rh)
-#pragma unroll
-                        for (int rw = 0; rw < SW; ++rw) acc[c][rh][rw][o] = b;
-            }
+            fill_phases(acc, [&](int o) { return HAS_BIAS && oc_ok ? static_cast<acc_t>(load(bias + oc + o)) : acc_t(0); });
 
             const scalar_t* xg = x + n * H * W * CIN + g * CIN_G;
             for (int ic0 = 0; ic0 < CIN_G; ic0 += IC_CHUNK) {
-                if (!ONE_CHUNK) {
-                    __syncthreads();  // every thread is done with the previous chunk's weights
-                    stage_weights(ws, w, ic0, oc0);
-                    __syncthreads();
-                }
+                if (!ONE_CHUNK) stage_weights(ws, w, ic0, oc0);
                 const int chunk = CIN_G - ic0 < IC_CHUNK ? CIN_G - ic0 : IC_CHUNK;
                 for (int icl = 0; icl < chunk; ++icl) {
                     const scalar_t* xc = xg + ic0 + icl;
                     const acc_t* wc = ws + icl * TAPS * OC_TILE + lane * OCB;
+                    for_each_tap_row(window, xc, [&](const acc_t (&xv)[RW], int kh) {
+                        // Apart from forward.cu's tap loop: here each tap's OCB weights come in their own vector.
 #pragma unroll
-                    for (int a = 0; a < RH; ++a) {
-                        acc_t xv[RW];
-#pragma unroll
-                        for (int j = 0; j < RW; ++j)
-                            xv[j] = row_ok[a] && col_ok[j] ? static_cast<acc_t>(load(xc + row_off[a] + col[j])) : acc_t(0);
-#pragma unroll
-                        for (int kh = 0; kh < KH; ++kh) {
-                            if ((kh * DH) / SH != a) continue;
-#pragma unroll
-                            for (int kw = 0; kw < KW; ++kw) {
-                                acc_t wv[OCB];
-                                load_smem_small(wv, wc + (kh * KW + kw) * OC_TILE);
-#pragma unroll
-                                for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                                    for (int o = 0; o < OCB; ++o)
-                                        acc[c][(kh * DH) % SH][(kw * DW) % SW][o] += xv[BW + c - (kw * DW) / SW] * wv[o];
-                            }
+                        for (int kw = 0; kw < KW; ++kw) {
+                            acc_t wv[OCB];
+                            load_smem_small(wv, wc + (kh * KW + kw) * OC_TILE);
+                            accumulate_tap(acc, xv, wv, kh, kw);
                         }
-                    }
+                    });
                 }
             }
 
             if (!active || !oc_ok) continue;
+            for_each_output<CELLS>(qh, qw, H_out, W_out, [&](int c, int rh, int rw, index_t oh, index_t ow) {
+                scalar_t* dst = y + ((n * H_out + oh) * W_out + ow) * COUT + oc;
 #pragma unroll
-            for (int rh = 0; rh < SH; ++rh) {
-                const index_t oh = qh * SH + rh - PH;
-                if (oh < 0 || oh >= H_out) continue;
-#pragma unroll
-                for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                    for (int rw = 0; rw < SW; ++rw) {
-                        const index_t ow = (qw + c) * SW + rw - PW;
-                        if (ow < 0 || ow >= W_out) continue;
-                        scalar_t* dst = y + ((n * H_out + oh) * W_out + ow) * COUT + oc;
-#pragma unroll
-                        for (int o = 0; o < OCB; ++o) store(dst + o, acc[c][rh][rw][o]);
-                    }
-            }
+                for (int o = 0; o < OCB; ++o) store(dst + o, acc[c][rh][rw][o]);
+            });
         }
     }
 }

@@ -6,25 +6,14 @@
 // memory as padded rows read with broadcast vector loads, and each grad_output
 // row segment the CELLS pixels read is loaded once into a register window that
 // all their taps share, so the inner loop is almost only multiply-adds.
-#include "common.cuh"
+#include "layer.cuh"
+#include "direct.cuh"
 
-typedef {{SCALAR_T}} scalar_t;
-typedef Accumulator<scalar_t>::type acc_t;
-typedef {{INDEX_T}} index_t;
-
-constexpr int KH = {{KH}}, KW = {{KW}};
-constexpr int SH = {{SH}}, SW = {{SW}};
-constexpr int PH = {{PH}}, PW = {{PW}};
-constexpr int DH = {{DH}}, DW = {{DW}};
-constexpr int GROUPS = {{GROUPS}};
-constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr int IC_BLOCK = {{IC_BLOCK}};  // input channels per thread
 constexpr int CELLS = {{CELLS}};        // adjacent input pixels per thread
 constexpr int OC_CHUNK = {{OC_CHUNK}};  // output channels whose weights are staged at a time
 constexpr int BLOCK = {{BLOCK}};
 constexpr int IC_BLOCKS = (CIN_G + IC_BLOCK - 1) / IC_BLOCK;
-constexpr int CIN = CIN_G * GROUPS;
-constexpr int COUT = COUT_G * GROUPS;
 constexpr int VEC = SmemVector<acc_t>::WIDTH;
 constexpr int ROW = (KW * IC_BLOCK + VEC - 1) / VEC * VEC;  // weights of one kernel row, [kw][i]
 constexpr int RW = (CELLS - 1) * SW + (KW - 1) * DW + 1;    // grad_output columns the CELLS pixels read
@@ -40,53 +29,26 @@ conv_transpose2d_grad_input(const scalar_t* __restrict__ grad_out, const scalar_
     const index_t ih = active ? t / cells_w : 0;
     const index_t iw = (active ? t % cells_w : 0) * CELLS;
 
-    index_t row_off[KH];
-    bool row_ok[KH];
-#pragma unroll
-    for (int kh = 0; kh < KH; ++kh) {
-        const index_t oh = ih * SH - PH + kh * DH;
-        row_ok[kh] = active && oh >= 0 && oh < H_out;
-        row_off[kh] = oh * W_out;
-    }
-    index_t col[RW];
-    bool col_ok[RW];
-#pragma unroll
-    for (int j = 0; j < RW; ++j) {
-        const index_t ow = iw * SW - PW + j;
-        col_ok[j] = ow >= 0 && ow < W_out;
-        col[j] = ow;
-    }
+    const Window<KH, RW, DH, 1> window(active, ih * SH - PH, H_out, iw * SW - PW, W_out);
 
     for (int icb = blockIdx.y; icb < GROUPS * IC_BLOCKS; icb += gridDim.y) {
         const int g = icb / IC_BLOCKS;
         const int icg0 = (icb % IC_BLOCKS) * IC_BLOCK;
         for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
-            acc_t acc[CELLS][IC_BLOCK];
-#pragma unroll
-            for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                for (int i = 0; i < IC_BLOCK; ++i) acc[c][i] = acc_t(0);
+            acc_t acc[CELLS][IC_BLOCK] = {};
 
             const scalar_t* gg = grad_out + (n * COUT + g * COUT_G) * H_out * W_out;
             for (int oc0 = 0; oc0 < COUT_G; oc0 += OC_CHUNK) {
-                __syncthreads();  // every thread is done with the previous chunk's weights
-                for (int e = threadIdx.x; e < OC_CHUNK * KH * ROW; e += BLOCK) {
-                    const int ocl = e / (KH * ROW), kh = e / ROW % KH, kw = e % ROW / IC_BLOCK, i = e % ROW % IC_BLOCK;
+                stage_weight_rows<OC_CHUNK, IC_BLOCK, ROW, BLOCK>(ws, [&](int ocl, int i, int kh, int kw) {
                     const int ocg = oc0 + ocl, icg = icg0 + i;
-                    ws[e] = kw < KW && ocg < COUT_G && icg < CIN_G
-                                ? static_cast<acc_t>(load(w + ((static_cast<index_t>(g * CIN_G + icg) * COUT_G + ocg) * KH + kh) * KW + kw))
-                                : acc_t(0);
-                }
-                __syncthreads();
+                    return ocg < COUT_G && icg < CIN_G ? static_cast<acc_t>(load(w + weight_index(g * CIN_G + icg, ocg, kh, kw)))
+                                                       : acc_t(0);
+                });
                 const int chunk = COUT_G - oc0 < OC_CHUNK ? COUT_G - oc0 : OC_CHUNK;
                 for (int ocl = 0; ocl < chunk; ++ocl) {
                     const scalar_t* gc = gg + static_cast<index_t>(oc0 + ocl) * H_out * W_out;
-#pragma unroll
-                    for (int kh = 0; kh < KH; ++kh) {
-                        acc_t gv[RW];
-#pragma unroll
-                        for (int j = 0; j < RW; ++j)
-                            gv[j] = row_ok[kh] && col_ok[j] ? static_cast<acc_t>(load(gc + row_off[kh] + col[j])) : acc_t(0);
+                    // Apart from grad_input_nhwc.cu's tap loop: here one broadcast load brings a whole kernel row of weights.
+                    window.for_each_row(gc, [&](const acc_t (&gv)[RW], int kh) {
                         acc_t wr[ROW];
                         load_smem_row(wr, ws + (ocl * KH + kh) * ROW);
 #pragma unroll
@@ -94,9 +56,8 @@ conv_transpose2d_grad_input(const scalar_t* __restrict__ grad_out, const scalar_
 #pragma unroll
                             for (int c = 0; c < CELLS; ++c)
 #pragma unroll
-                                for (int i = 0; i < IC_BLOCK; ++i)
-                                    acc[c][i] += gv[c * SW + kw * DW] * wr[kw * IC_BLOCK + i];
-                    }
+                                for (int i = 0; i < IC_BLOCK; ++i) acc[c][i] += gv[c * SW + kw * DW] * wr[kw * IC_BLOCK + i];
+                    });
                 }
             }
 

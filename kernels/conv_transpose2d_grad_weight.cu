@@ -12,18 +12,9 @@
 // each input value it loads serves OC_BLOCK * KH_BLOCK * KW taps, and each
 // grad_output row segment (a register window shared by all kw and all CELLS
 // pixels) serves IC_BLOCK input channels.
-#include "common.cuh"
+#include "layer.cuh"
+#include "grad_weight_cells.cuh"
 
-typedef {{SCALAR_T}} scalar_t;
-typedef Accumulator<scalar_t>::type acc_t;
-typedef {{INDEX_T}} index_t;
-
-constexpr int KH = {{KH}}, KW = {{KW}};
-constexpr int SH = {{SH}}, SW = {{SW}};
-constexpr int PH = {{PH}}, PW = {{PW}};
-constexpr int DH = {{DH}}, DW = {{DW}};
-constexpr int GROUPS = {{GROUPS}};
-constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr int IC_BLOCK = {{IC_BLOCK}};  // input channels per thread
 constexpr int OC_BLOCK = {{OC_BLOCK}};  // output channels per thread
 constexpr int KH_BLOCK = {{KH_BLOCK}};  // kernel rows per thread; blockIdx.z picks which
@@ -31,8 +22,6 @@ constexpr int CELLS = {{CELLS}};        // adjacent input pixels per step
 constexpr int BLOCK = {{BLOCK}};
 constexpr int IC_BLOCKS = (CIN_G + IC_BLOCK - 1) / IC_BLOCK;
 constexpr int OC_BLOCKS = (COUT_G + OC_BLOCK - 1) / OC_BLOCK;
-constexpr int CIN = CIN_G * GROUPS;
-constexpr int COUT = COUT_G * GROUPS;
 constexpr int WARPS = BLOCK / 32;
 constexpr int VALUES = IC_BLOCK * OC_BLOCK * KH_BLOCK * KW;
 constexpr int RW = (CELLS - 1) * SW + (KW - 1) * DW + 1;  // grad_output columns the CELLS pixels read
@@ -48,8 +37,7 @@ conv_transpose2d_grad_weight_partial(const scalar_t* __restrict__ x, const scala
     const index_t r0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
     const index_t r1 = r0 + rows_per_chunk < N * H ? r0 + rows_per_chunk : N * H;
     const index_t items = (r1 - r0) * cells_w;
-    // A thread's walk over its items advances by BLOCK cells at a time; carrying
-    // the (row, cell) position forward avoids a division per step.
+    // A thread's walk over its items advances by BLOCK cells at a time.
     const index_t row_step = BLOCK / cells_w, cell_step = BLOCK % cells_w;
     const int kh0 = blockIdx.z * KH_BLOCK;
 
@@ -58,34 +46,17 @@ conv_transpose2d_grad_weight_partial(const scalar_t* __restrict__ x, const scala
         const int icg0 = yb / OC_BLOCKS % IC_BLOCKS * IC_BLOCK;
         const int ocg0 = yb % OC_BLOCKS * OC_BLOCK;
 
-        acc_t acc[IC_BLOCK][OC_BLOCK][KH_BLOCK][KW];
-#pragma unroll
-        for (int i = 0; i < IC_BLOCK; ++i)
-#pragma unroll
-            for (int o = 0; o < OC_BLOCK; ++o)
-#pragma unroll
-                for (int kb = 0; kb < KH_BLOCK; ++kb)
-#pragma unroll
-                    for (int kw = 0; kw < KW; ++kw) acc[i][o][kb][kw] = acc_t(0);
+        acc_t acc[IC_BLOCK][OC_BLOCK][KH_BLOCK][KW] = {};
 
-        index_t n = (r0 + threadIdx.x / cells_w) / H, ih = (r0 + threadIdx.x / cells_w) % H;
-        index_t cell = threadIdx.x % cells_w;
+        CellWalk at(r0, threadIdx.x, cells_w, H);
         for (index_t f = threadIdx.x; f < items; f += BLOCK) {
-            const index_t iw = cell * CELLS;
+            const index_t n = at.n, ih = at.ih, iw = at.cell * CELLS;
             acc_t xv[IC_BLOCK][CELLS];
             const scalar_t* xp = x + ((n * CIN + g * CIN_G + icg0) * H + ih) * W + iw;
-#pragma unroll
-            for (int i = 0; i < IC_BLOCK; ++i)
-#pragma unroll
-                for (int c = 0; c < CELLS; ++c)
-                    xv[i][c] = icg0 + i < CIN_G && iw + c < W ? static_cast<acc_t>(load(xp + i * H * W + c)) : acc_t(0);
+            read_cell(xv, true, icg0, iw, W, [&](int i, int c) { return xp + i * H * W + c; });
 
             bool col_ok[RW];
-#pragma unroll
-            for (int j = 0; j < RW; ++j) {
-                const index_t ow = iw * SW - PW + j;
-                col_ok[j] = ow >= 0 && ow < W_out;
-            }
+            window_columns(col_ok, iw, W_out, true);
 #pragma unroll
             for (int kb = 0; kb < KH_BLOCK; ++kb) {
                 const index_t oh = ih * SH - PH + (kh0 + kb) * DH;
@@ -95,29 +66,15 @@ conv_transpose2d_grad_weight_partial(const scalar_t* __restrict__ x, const scala
                     const bool ok = row_ok && ocg0 + o < COUT_G;
                     const scalar_t* gp = grad_out + ((n * COUT + g * COUT_G + ocg0 + o) * H_out + oh) * W_out + iw * SW - PW;
                     acc_t gv[RW];
-#pragma unroll
-                    for (int j = 0; j < RW; ++j) gv[j] = ok && col_ok[j] ? static_cast<acc_t>(load(gp + j)) : acc_t(0);
-#pragma unroll
-                    for (int kw = 0; kw < KW; ++kw)
-#pragma unroll
-                        for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                            for (int i = 0; i < IC_BLOCK; ++i) acc[i][o][kb][kw] += xv[i][c] * gv[c * SW + kw * DW];
+                    read_window<1>(gv, gp, ok, col_ok);
+                    accumulate_row([&](int i, int kw) -> acc_t& { return acc[i][o][kb][kw]; }, xv, gv);
                 }
             }
 
-            cell += cell_step;
-            ih += row_step;
-            if (cell >= cells_w) {
-                cell -= cells_w;
-                ++ih;
-            }
-            if (ih >= H) {
-                n += ih / H;
-                ih %= H;
-            }
+            at.advance(row_step, cell_step, cells_w, H);
         }
 
+        // Apart from grad_weight_nhwc.cu's sum: every thread here holds the same weights, so warps reduce by shuffles.
 #pragma unroll
         for (int i = 0; i < IC_BLOCK; ++i)
 #pragma unroll
@@ -137,7 +94,7 @@ conv_transpose2d_grad_weight_partial(const scalar_t* __restrict__ x, const scala
                 acc_t s = acc_t(0);
 #pragma unroll
                 for (int k = 0; k < WARPS; ++k) s += warp_partials[k][v];
-                const index_t e = ((static_cast<index_t>(g * CIN_G + icg0 + i) * COUT_G + ocg0 + o) * KH + kh) * KW + kw;
+                const index_t e = weight_index(g * CIN_G + icg0 + i, ocg0 + o, kh, kw);
                 partial[static_cast<index_t>(blockIdx.x) * (static_cast<index_t>(CIN) * COUT_G * KH * KW) + e] = s;
             }
         }

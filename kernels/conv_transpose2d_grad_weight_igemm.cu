@@ -14,45 +14,23 @@
 // STAGES-deep ring of [K][channels] buffers, read with ldmatrix.trans.  Otherwise
 // the pixels of the next K tile are decoded into a small shared table one tile
 // ahead and the elements are gathered through registers.
-#include "common.cuh"
+#include "layer.cuh"
 #include "mma.cuh"
+#include "gemm_tile.cuh"
+#include "cp_async_pipeline.cuh"
 
-typedef {{SCALAR_T}} scalar_t;
-typedef {{INDEX_T}} index_t;
-
-constexpr int KIND = {{MMA_KIND}};
 constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
-constexpr int KH = {{KH}}, KW = {{KW}};
-constexpr int SH = {{SH}}, SW = {{SW}};
-constexpr int PH = {{PH}}, PW = {{PW}};
-constexpr int DH = {{DH}}, DW = {{DW}};
-constexpr int GROUPS = {{GROUPS}};
-constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
-constexpr int BM = {{BM}}, BN = {{BN}};
-constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
 constexpr bool VEC = {{VEC}};
 constexpr int STAGES = {{STAGES}};
 constexpr bool A_L1 = {{A_L1}};       // activation copies through L1 (see cp_async_16_l1)
 
-constexpr int THREADS = WARPS_M * WARPS_N * 32;
-// At least 8 resident warps per SM, so one block's barrier does not idle the SM; a
-// 64x64 warp tile (128 accumulators a thread) needs the whole register file for one block.
-constexpr int MIN_BLOCKS = BM * BN / THREADS >= 128 ? 1 : THREADS >= 256 ? 2 : THREADS >= 128 ? 3 : 4;
-constexpr int TAPS = KH * KW;
-constexpr int CIN = CIN_G * GROUPS, COUT = COUT_G * GROUPS;
-constexpr int PER_WORD = 4 / sizeof(scalar_t);
-constexpr int BK = TILE_K_WORDS * PER_WORD;
 constexpr int M_TILES = (CIN_G + BM - 1) / BM;
 constexpr int N_TILES = (COUT_G + BN - 1) / BN;
-constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
-constexpr int MI = WM / 16, NI = WN / 8;
 // NCHW: pixels (K) are adjacent, so threads run along K; channels_last: along channels.
 constexpr bool ROWS_FASTEST = CHANNELS_LAST;
 constexpr int A_WORDS = BM * TILE_K_WORDS / THREADS;
 constexpr int B_WORDS = BN * TILE_K_WORDS / THREADS;
 
-static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole 16x16 mma pairs");
-static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS == 0, "loader mapping");
 static_assert(A_WORDS >= 1 && B_WORDS >= 1, "every thread loads at least one word of each tile");
 
 // VEC: [BK][BM] and [BK][BN] 16-bit tiles; a pitch of 4 (mod 16) words keeps ldmatrix conflict-free.
@@ -138,22 +116,13 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
                             ok ? go_group + ((n * H_out + oh) * W_out + ow) * COUT + c : grad_out, ok);
             }
         };
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < k_tiles) issue(s, s);
-            cp_async_commit();  // empty groups keep the wait count uniform
-        }
-        for (int kt = 0; kt < k_tiles; ++kt) {
-            cp_async_wait<STAGES - 2>();
-            __syncthreads();  // tile kt landed everywhere; the buffer issued next is free
-            const int next = kt + STAGES - 1;
-            if (next < k_tiles) issue(next, next % STAGES);
-            cp_async_commit();
-            const int cur = kt % STAGES;
-            warp_tile_mma_kmajor<KIND, MI, NI, A_PITCH, B_PITCH, BK / 16>(acc, a_tile(cur), b_tile(cur), warp_row,
-                                                                          warp_col, lane);
-        }
-        cp_async_wait<0>();
+        cp_async_pipeline<STAGES>(k_tiles, issue, [&](int cur) {
+            // VEC holds here; testing it again keeps the K-major mma (no TF32 form) from being instantiated
+            // for the register-staged path's kinds, since a lambda's body is compiled even in a discarded branch.
+            if constexpr (VEC)
+                warp_tile_mma_kmajor<KIND, MI, NI, A_PITCH, B_PITCH, BK / 16>(acc, a_tile(cur), b_tile(cur), warp_row,
+                                                                              warp_col, lane);
+        });
     } else {
         unsigned a_regs[A_WORDS], b_regs[B_WORDS];
         auto load_tiles = [&](int slot) {

@@ -8,18 +8,9 @@
 // channel run and each input load is one address per group of lanes.  A thread
 // keeps IC_BLOCK x KH_BLOCK x KW accumulators for its output channel and takes
 // CELLS adjacent pixels a step, sharing one grad_output window per kernel row.
-#include "common.cuh"
+#include "layer.cuh"
+#include "grad_weight_cells.cuh"
 
-typedef {{SCALAR_T}} scalar_t;
-typedef Accumulator<scalar_t>::type acc_t;
-typedef {{INDEX_T}} index_t;
-
-constexpr int KH = {{KH}}, KW = {{KW}};
-constexpr int SH = {{SH}}, SW = {{SW}};
-constexpr int PH = {{PH}}, PW = {{PW}};
-constexpr int DH = {{DH}}, DW = {{DW}};
-constexpr int GROUPS = {{GROUPS}};
-constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr int OC_TILE = {{OC_TILE}};    // output channels of a block, one per thread
 constexpr int RUNS = {{RUNS}};          // pixel streams of a block
 constexpr int IC_BLOCK = {{IC_BLOCK}};  // input channels per thread
@@ -28,8 +19,6 @@ constexpr int CELLS = {{CELLS}};        // adjacent input pixels per step
 constexpr int BLOCK = OC_TILE * RUNS;
 constexpr int IC_BLOCKS = (CIN_G + IC_BLOCK - 1) / IC_BLOCK;
 constexpr int OC_TILES = (COUT_G * GROUPS + OC_TILE - 1) / OC_TILE;
-constexpr int CIN = CIN_G * GROUPS;
-constexpr int COUT = COUT_G * GROUPS;
 constexpr int VALUES = IC_BLOCK * KH_BLOCK * KW;
 constexpr int RW = (CELLS - 1) * SW + (KW - 1) * DW + 1;  // grad_output columns the CELLS pixels read
 
@@ -44,8 +33,7 @@ conv_transpose2d_grad_weight_nhwc_partial(const scalar_t* __restrict__ x, const 
     const index_t r0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
     const index_t r1 = r0 + rows_per_chunk < N * H ? r0 + rows_per_chunk : N * H;
     const index_t items = (r1 - r0) * cells_w;
-    // A stream advances RUNS cells at a time; carrying the (row, cell) position
-    // forward avoids a division per step.
+    // A stream's walk over its items advances by RUNS cells at a time.
     const index_t row_step = RUNS / cells_w, cell_step = RUNS % cells_w;
     const int kh0 = blockIdx.z * KH_BLOCK;
 
@@ -55,61 +43,31 @@ conv_transpose2d_grad_weight_nhwc_partial(const scalar_t* __restrict__ x, const 
         const int g = (oc_ok ? oc : COUT - 1) / COUT_G;
         const int icg0 = yb % IC_BLOCKS * IC_BLOCK;
 
-        acc_t acc[IC_BLOCK][KH_BLOCK][KW];
-#pragma unroll
-        for (int i = 0; i < IC_BLOCK; ++i)
-#pragma unroll
-            for (int kb = 0; kb < KH_BLOCK; ++kb)
-#pragma unroll
-                for (int kw = 0; kw < KW; ++kw) acc[i][kb][kw] = acc_t(0);
+        acc_t acc[IC_BLOCK][KH_BLOCK][KW] = {};
 
-        index_t n = (r0 + stream / cells_w) / H, ih = (r0 + stream / cells_w) % H;
-        index_t cell = stream % cells_w;
+        CellWalk at(r0, stream, cells_w, H);
         for (index_t f = stream; f < items; f += RUNS) {
-            const index_t iw = cell * CELLS;
+            const index_t n = at.n, ih = at.ih, iw = at.cell * CELLS;
             acc_t xv[IC_BLOCK][CELLS];
             const scalar_t* xp = x + ((n * H + ih) * W + iw) * CIN + g * CIN_G + icg0;
-#pragma unroll
-            for (int i = 0; i < IC_BLOCK; ++i)
-#pragma unroll
-                for (int c = 0; c < CELLS; ++c)
-                    xv[i][c] = oc_ok && icg0 + i < CIN_G && iw + c < W ? static_cast<acc_t>(load(xp + c * CIN + i))
-                                                                        : acc_t(0);
+            read_cell(xv, oc_ok, icg0, iw, W, [&](int i, int c) { return xp + c * CIN + i; });
 
             bool col_ok[RW];
-#pragma unroll
-            for (int j = 0; j < RW; ++j) {
-                const index_t ow = iw * SW - PW + j;
-                col_ok[j] = oc_ok && ow >= 0 && ow < W_out;
-            }
+            window_columns(col_ok, iw, W_out, oc_ok);
 #pragma unroll
             for (int kb = 0; kb < KH_BLOCK; ++kb) {
                 const index_t oh = ih * SH - PH + (kh0 + kb) * DH;
                 const bool row_ok = kh0 + kb < KH && oh >= 0 && oh < H_out;
                 const scalar_t* gp = grad_out + ((n * H_out + oh) * W_out + iw * SW - PW) * COUT + oc;
                 acc_t gv[RW];
-#pragma unroll
-                for (int j = 0; j < RW; ++j) gv[j] = row_ok && col_ok[j] ? static_cast<acc_t>(load(gp + j * COUT)) : acc_t(0);
-#pragma unroll
-                for (int kw = 0; kw < KW; ++kw)
-#pragma unroll
-                    for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-                        for (int i = 0; i < IC_BLOCK; ++i) acc[i][kb][kw] += xv[i][c] * gv[c * SW + kw * DW];
+                read_window<COUT>(gv, gp, row_ok, col_ok);
+                accumulate_row([&](int i, int kw) -> acc_t& { return acc[i][kb][kw]; }, xv, gv);
             }
 
-            cell += cell_step;
-            ih += row_step;
-            if (cell >= cells_w) {
-                cell -= cells_w;
-                ++ih;
-            }
-            if (ih >= H) {
-                n += ih / H;
-                ih %= H;
-            }
+            at.advance(row_step, cell_step, cells_w, H);
         }
 
+        // Apart from grad_weight.cu's sum: lanes hold different output channels, so only streams are added.
 #pragma unroll
         for (int i = 0; i < IC_BLOCK; ++i)
 #pragma unroll
@@ -124,8 +82,7 @@ conv_transpose2d_grad_weight_nhwc_partial(const scalar_t* __restrict__ x, const 
                 acc_t s = acc_t(0);
 #pragma unroll
                 for (int k = 0; k < RUNS; ++k) s += stream_sums[k][value][v % OC_TILE];
-                const index_t e = ((static_cast<index_t>((o / COUT_G) * CIN_G + icg0 + i) * COUT_G + o % COUT_G) * KH + kh) *
-                                      KW + kw;
+                const index_t e = weight_index((o / COUT_G) * CIN_G + icg0 + i, o % COUT_G, kh, kw);
                 partial[static_cast<index_t>(blockIdx.x) * (static_cast<index_t>(CIN) * COUT_G * KH * KW) + e] = s;
             }
         }

@@ -18,43 +18,24 @@
 // global latency overlaps the tensor-core work and no registers stage the data.
 // Otherwise A is gathered element by element through registers, one tile ahead.
 // The source and destination layouts are independent (SRC_CL, DST_CL).
-#include "common.cuh"
+#include "layer.cuh"
 #include "mma.cuh"
-
-typedef {{SCALAR_T}} scalar_t;
-typedef {{INDEX_T}} index_t;
+#include "gemm_tile.cuh"
+#include "cp_async_pipeline.cuh"
 
 constexpr int MODE = {{MODE}};
-constexpr int KIND = {{MMA_KIND}};
 constexpr bool SRC_CL = {{SRC_CL}};   // source activations channels_last
 constexpr bool DST_CL = {{DST_CL}};   // destination channels_last
 constexpr int STAGES = {{STAGES}};
-constexpr int KH = {{KH}}, KW = {{KW}};
-constexpr int SH = {{SH}}, SW = {{SW}};
-constexpr int PH = {{PH}}, PW = {{PW}};
-constexpr int DH = {{DH}}, DW = {{DW}};
-constexpr int GROUPS = {{GROUPS}};
-constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
-constexpr int BM = {{BM}}, BN = {{BN}};
-constexpr int WARPS_M = {{WARPS_M}}, WARPS_N = {{WARPS_N}};
 constexpr bool A_VEC = {{A_VEC}};
 constexpr bool A_L1 = {{A_L1}};       // A copies through L1 (see cp_async_16_l1)
 
-constexpr int THREADS = WARPS_M * WARPS_N * 32;
-// At least 8 resident warps per SM, so one block's barrier does not idle the SM; a
-// 64x64 warp tile (128 accumulators a thread) needs the whole register file for one block.
-constexpr int MIN_BLOCKS = BM * BN / THREADS >= 128 ? 1 : THREADS >= 256 ? 2 : THREADS >= 128 ? 3 : 4;
-constexpr int TAPS = KH * KW;
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;  // src channels per group: the K of the GEMM
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;  // dst channels per group: the N of the GEMM
 constexpr int C_SRC = CG_K * GROUPS, C_DST = CG_N * GROUPS;
-constexpr int PER_WORD = 4 / sizeof(scalar_t);
-constexpr int BK = TILE_K_WORDS * PER_WORD;
 constexpr int CHUNKS = (CG_K + BK - 1) / BK;
 constexpr int N_TILES = (CG_N + BN - 1) / BN;
-constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
-constexpr int MI = WM / 16, NI = WN / 8;
 // packed weight (pack_weight.cu): [GROUPS][TAPS][N_PAD][K_PAD]
 constexpr int N_PAD = N_TILES * BN, K_PAD = CHUNKS * BK;
 constexpr bool A_ROWS_FASTEST = !SRC_CL;   // NCHW: neighbouring pixels are adjacent
@@ -66,8 +47,6 @@ static_assert(!A_VEC || (SRC_CL && CG_K % (4 * PER_WORD) == 0), "vector loads ne
 static_assert(A_VEC ? STAGES >= 2 : STAGES == 2, "the register-staged path double-buffers");
 constexpr int STAGE_WORDS = (BM + BN) * ROW_WORDS;
 
-static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tiles are whole 16x16 mma pairs");
-static_assert(THREADS % BM == 0 && THREADS % BN == 0 && THREADS % TILE_K_WORDS == 0, "loader mapping");
 static_assert(A_WORDS >= 1 && A_VECS >= 1 && B_VECS >= 1, "every thread loads part of each tile");
 
 typedef TileMap<BM, A_ROWS_FASTEST, THREADS> AMap;
@@ -176,24 +155,10 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
 #pragma unroll
             for (int q = 0; q < B_VECS; ++q) cp_async_16(smem_addr(vector_slot(b_tile(s), q)), b_source(kt, q), true);
         };
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < k_tiles) issue(s, s);
-            cp_async_commit();  // empty groups keep the wait count uniform
-        }
-        for (int kt = 0; kt < k_tiles; ++kt) {
-            cp_async_wait<STAGES - 2>();
-            // Tile kt has landed for every thread, and every warp is done with the
-            // buffer the next issue overwrites (it held tile kt - 1).
-            __syncthreads();
-            const int next = kt + STAGES - 1;
-            if (next < k_tiles) issue(next, next % STAGES);
-            cp_async_commit();
-            const int cur = kt % STAGES;
+        cp_async_pipeline<STAGES>(k_tiles, issue, [&](int cur) {
             warp_tile_mma<KIND, MI, NI>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
             if constexpr (KIND == MMA_3XTF32) promote(total, acc);
-        }
-        cp_async_wait<0>();
+        });
     } else {
         unsigned a_regs[A_WORDS];
         uint4 b_vecs[B_VECS];

@@ -23,25 +23,6 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return a;
 }
 
-// Asynchronous global -> shared copies (sm_80+).  A copy whose source is masked
-// off reads nothing and fills its 16 bytes with zeros, so tile edges need no
-// separate stores.
-__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
-// The same copy through L1 (.ca): gathered activation tiles overlap from tap to tap
-// (neighbouring taps read the same pixels shifted by one), so L1 hits spare L2.
-__device__ __forceinline__ void cp_async_16_l1(unsigned dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
-template <bool L1>
-__device__ __forceinline__ void cp_async_16_via(unsigned dst, const void* src, bool ok) {
-    if constexpr (L1) cp_async_16_l1(dst, src, ok); else cp_async_16(dst, src, ok);
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
-
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
