@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .geometry import output_size
+from .core.geometry import output_size
 
 
 @dataclass(frozen=True)
