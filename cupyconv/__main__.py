@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import cupyconv
-from cupyconv.core import reference
+from cupyconv import reference
 from cupyconv.core.geometry import ConvParams
 
 SEED_LAYER = dict(in_channels=32, out_channels=64, kernel=(3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1),

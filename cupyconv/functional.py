@@ -11,7 +11,7 @@ import os
 from typing import Sequence
 
 from . import engine
-from .core import reference
+from . import reference
 from .core.arrays import common_placement
 from .core.device import gpu_present
 from .core.geometry import ConvParams, Geometry, geometry, output_mask as _output_mask

@@ -52,7 +52,7 @@ import torch
 
 from . import engine as _engine
 from .core import dtypes as _dtypes
-from .core import reference as _reference
+from . import reference as _reference
 from .core.geometry import ConvParams, geometry as _geometry, output_mask as _output_mask
 from .plans.launch import Launcher as _Launcher
 

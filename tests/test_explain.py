@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from cupyconv import launch
-from cupyconv.explain import (DEFAULT_PEAK, NA_NO_GPU, Explanation, Peak, _attribute_peak, _table_peak,
-                              explain)
-from cupyconv.functional import _gpu_present
-from cupyconv.geometry import ConvParams, geometry
-from cupyconv.templates import format_constant
+from cupyconv.core import dtypes
+from cupyconv.core.device import attribute_peak as _attribute_peak, gpu_present, table_peak as _table_peak
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.explain import DEFAULT_PEAK, NA_NO_GPU, Explanation, Peak, explain
+from cupyconv.jit.templates import format_constant
+from cupyconv.plans import direct, reduction
 
-GPU = _gpu_present()
+GPU = gpu_present()
 
 # (input shape, weight shape, layer kwargs, dtype)
 LAYERS = {
@@ -54,8 +54,8 @@ def test_reports_every_pass_with_the_plans(name):
     assert e.geometry == g and e.input_shape == tuple(x_shape) and e.dtype == dtype
     assert e.output_shape == g.user_shape(g.output_shape) and len(e.output_shape) == len(x_shape)
     sm = e.sm_count
-    plans = [launch.plan_forward(g, dtype, has_bias), launch.plan_grad_input(g, dtype),
-             *launch.plan_grad_weight(g, dtype, sm), *launch.plan_grad_bias(g, dtype, sm)]
+    plans = [direct.plan_forward(g, dtype, has_bias), direct.plan_grad_input(g, dtype),
+             *direct.plan_grad_weight(g, dtype, sm), *reduction.plan_grad_bias(g, dtype, sm)]
     for k, plan in zip(e.kernels, plans):
         assert k.template == plan.spec.template and k.function == plan.spec.function
         assert k.function in k.variant and k.template in k.variant
@@ -88,7 +88,7 @@ def test_flops_bytes_and_roofline(name):
     n, c_in, h, w = g.input_shape
     c_out, groups = g.out_channels, g.groups
     kh, kw = g.kernel
-    size = launch.DTYPES[dtype][2]
+    size = dtypes.get(dtype).itemsize
     fwd = e.pass_("forward")
     assert fwd.flops == 2 * n * c_in * (c_out // groups) * h * w * kh * kw
     x_b, w_b, y_b = (math.prod(s) * size for s in (g.input_shape, g.weight_shape, g.output_shape))
@@ -211,7 +211,7 @@ def test_custom_peak_and_sm_count():
     e = _explain("dense_3x5", peak=slow_memory, sm_count=4)
     assert all(p.bound == "memory" for p in e.passes) and e.peak is slow_memory and e.sm_count == 4
     g = _geometry("dense_3x5")
-    assert e.pass_("grad_weight").kernels[0].grid == launch.plan_grad_weight(g, "float32", 4)[0].grid
+    assert e.pass_("grad_weight").kernels[0].grid == direct.plan_grad_weight(g, "float32", 4)[0].grid
     slow_math = Peak("toy", bandwidth=1e15, flops_fp32=1e6, flops_fp64=1e6, source="made up")
     assert explain((2, 8, 9, 11), (8, 16, 3, 5), peak=slow_math).pass_("forward").bound == "compute"
 

@@ -8,10 +8,9 @@ grad_weight is a deterministic split-K reduction (see :class:`~.sequences.SplitK
 from __future__ import annotations
 
 import functools
-from typing import List, Tuple
+from typing import Tuple
 
 from ..core import dtypes
-from ..core.device import Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant

@@ -186,7 +186,7 @@ class SourceCopies:
         """The pointer of ``src`` copied by ``plan`` (a channels_last copy), made on first use."""
         hit = self._copies.get((id(plan), src))
         if hit is None:
-            keep, (ptr,) = launcher.scratch([plan.scratch_bytes])
+            keep, ptr = launcher.alloc(plan.scratch_bytes)
             launcher.launch("to_channels_last", plan, (src, ptr))
             hit = self._copies[(id(plan), src)] = (keep, ptr)
         return hit[1]

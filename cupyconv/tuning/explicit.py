@@ -249,13 +249,15 @@ def _tune_job(job: _Job, passes: Sequence[str], device_id: int, repeat: int, for
             dx = cupy.empty(math.prod(g.input_shape), dtype=storage) if table.GRAD_INPUT in timed else None
             dw = cupy.empty(math.prod(g.weight_shape), dtype=storage) if table.GRAD_WEIGHT in timed else None
             launcher = Launcher(device_id, stream.ptr, cupy_allocator())
-            pointers = {
-                table.FORWARD: lambda: (x.data.ptr, w.data.ptr, 0 if b is None else b.data.ptr, y.data.ptr),
-                table.GRAD_INPUT: lambda: (y.data.ptr, w.data.ptr, dx.data.ptr),
-                table.GRAD_WEIGHT: lambda: (x.data.ptr, y.data.ptr, dw.data.ptr),
-            }
+            pointers = {}
+            if table.FORWARD in timed:
+                pointers[table.FORWARD] = (x.data.ptr, w.data.ptr, 0 if b is None else b.data.ptr, y.data.ptr)
+            if table.GRAD_INPUT in timed:
+                pointers[table.GRAD_INPUT] = (y.data.ptr, w.data.ptr, dx.data.ptr)
+            if table.GRAD_WEIGHT in timed:
+                pointers[table.GRAD_WEIGHT] = (x.data.ptr, y.data.ptr, dw.data.ptr)
             for pass_ in timed:
-                ptrs = pointers[pass_]()
+                ptrs = pointers[pass_]
 
                 def plan(v, p=pass_):
                     return table.plan(p, v, g, dtype, layout, precision, job.has_bias, True, device.sm_count)
