@@ -119,8 +119,9 @@ def test_direct_kernels_take_kernels_up_to_the_shared_memory_limit(dtype, kernel
         constants = dict(plan.spec.constants)
         block = constants.get("OC_BLOCK", constants.get("IC_BLOCK"))
         chunk = constants.get("IC_CHUNK", constants.get("OC_CHUNK"))
-        row = -(-kernel[1] * block // (16 // dtypes.get(dtype).accumulator_bytes)) * (16 // dtypes.get(dtype).accumulator_bytes)
-        assert chunk * kernel[0] * row * dtypes.get(dtype).accumulator_bytes <= 30 * 1024
+        acc = dtypes.get(dtype).accumulator_bytes
+        row = -(-kernel[1] * block // (16 // acc)) * (16 // acc)
+        assert chunk * kernel[0] * row * acc <= 30 * 1024
 
 
 @pytest.mark.parametrize("dtype,kernel", [("float32", (87, 87)), ("float16", (60, 128)), ("float64", (61, 62))])

@@ -1,1 +1,1 @@
-"""Turning kernel templates into loaded kernels: rendering (:mod:`.templates`) and NVRTC compiling (:mod:`.compiler`)."""
+"""From kernel template to loaded kernel: rendering (:mod:`.templates`) and NVRTC compiling (:mod:`.compiler`)."""

@@ -158,21 +158,31 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw
     oc_block = even_block(g.out_per_group, max(1, min(8, rest // kh_block)))
     cells = _window_cells(g, max(1, min(4, 16 // ic_block)))
     block = 128
-    h, w = g.in_size
-    rows = g.batch * h
-    cells_w = cdiv(w, cells)
-    kh_blocks = cdiv(kh, kh_block)
     yblocks = g.groups * cdiv(g.in_per_group, ic_block) * cdiv(g.out_per_group, oc_block)
+    return _split_k_partial(g, dtype, sm_count, "conv_transpose2d_grad_weight.cu",
+                            "conv_transpose2d_grad_weight_partial",
+                            dict(IC_BLOCK=ic_block, OC_BLOCK=oc_block, KH_BLOCK=kh_block, BLOCK=block), cells,
+                            yblocks, cdiv(kh, kh_block), block, block)
+
+
+def _split_k_partial(g: Geometry, dtype: str, sm_count: int, template: str, function: str, tiling: dict,
+                     cells: int, yblocks: int, kh_blocks: int, threads: int, row_threads: int) -> Tuple[Plan, Plan]:
+    """A direct grad_weight kernel's partial pass over fixed chunks of input rows, and its reduce.
+
+    ``row_threads`` threads share the steps of one chunk's rows.
+    """
+    h, w = g.in_size
+    cells_w = cdiv(w, cells)
     # Enough chunks for several waves of blocks, each thread still walking 8 or more steps.
-    chunks, rows_per_chunk = split_rows(rows, yblocks * kh_blocks, 8 * block, sm_count, blocks_per_sm=8,
-                                     row_items=cells_w)
+    chunks, rows_per_chunk = split_rows(g.batch * h, yblocks * kh_blocks, 8 * row_threads, sm_count,
+                                        blocks_per_sm=8, row_items=cells_w)
     weight_elems = numel(g.weight_shape)
     partial_elems = chunks * weight_elems
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), partial_elems)
     constants = layer_constants(g, dtype, index_t)
-    constants.update(IC_BLOCK=ic_block, OC_BLOCK=oc_block, KH_BLOCK=kh_block, CELLS=cells, BLOCK=block)
-    spec = KernelSpec.make("conv_transpose2d_grad_weight.cu", "conv_transpose2d_grad_weight_partial", constants)
-    partial = Plan(spec, (chunks, min(yblocks, GRID_YZ_LIMIT), kh_blocks), (block, 1, 1),
+    constants.update(tiling, CELLS=cells)
+    spec = KernelSpec.make(template, function, constants)
+    partial = Plan(spec, (chunks, min(yblocks, GRID_YZ_LIMIT), kh_blocks), (threads, 1, 1),
                    (g.batch, h, w) + g.out_size + (cells_w, rows_per_chunk), index_t,
                    scratch_bytes=partial_elems * _acc_bytes(dtype))
     return partial, plan_reduce(dtype, weight_elems, chunks, index_t)
@@ -276,24 +286,11 @@ def _plan_grad_weight_nhwc(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan
         tile = cdiv(tile, 2)
     runs = max(1, min(_NHWC_THREADS // tile, _NHWC_REDUCE_SMEM // (values * tile * acc)))
     cells = _window_cells(g, 1 if thin else max(1, min(4, 16 // ic_block)))
-    h, w = g.in_size
-    rows = g.batch * h
-    cells_w = cdiv(w, cells)
-    kh_blocks = cdiv(kh, kh_block)
     yblocks = cdiv(g.out_channels, tile) * cdiv(g.in_per_group, ic_block)
-    chunks, rows_per_chunk = split_rows(rows, yblocks * kh_blocks, 8 * runs, sm_count, blocks_per_sm=8,
-                                     row_items=cells_w)
-    weight_elems = numel(g.weight_shape)
-    partial_elems = chunks * weight_elems
-    index_t = index_type(numel(g.input_shape), numel(g.output_shape), partial_elems)
-    constants = layer_constants(g, dtype, index_t)
-    constants.update(OC_TILE=tile, RUNS=runs, IC_BLOCK=ic_block, KH_BLOCK=kh_block, CELLS=cells)
-    spec = KernelSpec.make("conv_transpose2d_grad_weight_nhwc.cu", "conv_transpose2d_grad_weight_nhwc_partial",
-                           constants)
-    partial = Plan(spec, (chunks, min(yblocks, GRID_YZ_LIMIT), kh_blocks), (tile * runs, 1, 1),
-                   (g.batch, h, w) + g.out_size + (cells_w, rows_per_chunk), index_t,
-                   scratch_bytes=partial_elems * acc)
-    return partial, plan_reduce(dtype, weight_elems, chunks, index_t)
+    return _split_k_partial(g, dtype, sm_count, "conv_transpose2d_grad_weight_nhwc.cu",
+                            "conv_transpose2d_grad_weight_nhwc_partial",
+                            dict(OC_TILE=tile, RUNS=runs, IC_BLOCK=ic_block, KH_BLOCK=kh_block), cells, yblocks,
+                            cdiv(kh, kh_block), tile * runs, runs)
 
 
 

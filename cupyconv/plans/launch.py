@@ -51,7 +51,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def split_rows(rows: int, other_blocks: int, min_items: int, sm_count: int, blocks_per_sm: int = 4,
-           row_items: int = 1) -> Tuple[int, int]:
+               row_items: int = 1) -> Tuple[int, int]:
     """Split ``rows`` into enough fixed chunks to fill the GPU; returns (chunks, rows_per_chunk).
 
     ``blocks_per_sm`` blocks per SM are wanted in all, counting the ``other_blocks`` each

@@ -32,7 +32,7 @@ def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw")
         # A block is (pixel lane, channel): few channels leave room for many pixel lanes.
         channel_blocks = cdiv(g.out_channels, channel_tile)
         chunks, rows_per_chunk = split_rows(g.batch * h_out * w_out, channel_blocks, 64 * (block // channel_tile),
-                                         sm_count)
+                                            sm_count)
         grid_y = min(channel_blocks, GRID_YZ_LIMIT)
     else:
         chunks, rows_per_chunk = split_rows(g.batch * h_out, g.out_channels, block // 32, sm_count)

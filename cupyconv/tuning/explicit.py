@@ -104,7 +104,8 @@ def _example(example, dtype, layout):
     shape = _shape_of(example, "input_shape")
     if _torch_tensor(example):
         device = example.device.index if example.device.type == "cuda" else None
-        return shape, dtypes.dtype_name(dtype if dtype is not None else example.dtype), _layout_name(layout, example), device
+        name = dtypes.dtype_name(dtype if dtype is not None else example.dtype)
+        return shape, name, _layout_name(layout, example), device
     return shape, None if dtype is None else dtypes.dtype_name(dtype), _layout_name(layout, None), None
 
 
