@@ -30,6 +30,7 @@ def clear_cache() -> None:
     The next call compiles again (from CuPy's disk cache when it holds the kernel) and takes
     its variant from the tuning file when that holds one.
     """
+    from . import engine
     from .jit import compiler
     from .plans import table
     from .tuning import decide
@@ -37,3 +38,4 @@ def clear_cache() -> None:
     compiler.clear_cache()
     table.clear_plan_cache()
     decide.clear()
+    engine.clear()

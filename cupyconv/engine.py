@@ -14,11 +14,12 @@ accuracy for float32) or "tf32"; it only matters for float32.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from .core import dtypes
 from .core.geometry import Geometry
 from .plans import table
+from .plans.gemm import enabled as gemm_enabled
 from .plans.launch import Launcher, SourceCopies
 from .plans.sequences import PassPlan
 from .tuning import decide
@@ -28,21 +29,44 @@ def _aligned(a: int, b: int) -> bool:
     return a % 16 == 0 and b % 16 == 0
 
 
+# (pass, geometry, dtype, layout, precision, bias, aligned, device, tensor cores on) -> (variant, plan) of a pass
+# with one candidate, or the candidates of one the tuner chooses for.  A repeated call costs one lookup here.
+_prepared: Dict[tuple, tuple] = {}
+_PREPARED_LIMIT = 4096
+
+
+def clear() -> None:
+    """Forget the prepared passes (after the plans or the tuner's choices were forgotten)."""
+    _prepared.clear()
+
+
 def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, has_bias: bool, aligned: bool,
                launcher: Launcher, pointers: Sequence[int]) -> PassPlan:
     device = launcher.device
-    cands = table.candidates(pass_, g, dtype, layout, precision, device)
-    if len(cands) == 1:
-        variant = cands[0]
-    else:
-        variant = decide.chosen(pass_, g, dtype, layout, precision, device.index)
-        if variant is None:
-            def plan(v):
-                return table.plan(pass_, v, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
+    key = (pass_, g, dtype, layout, precision, has_bias, aligned, device, gemm_enabled())
+    prepared = _prepared.get(key)
+    if prepared is None:
+        cands = table.candidates(pass_, g, dtype, layout, precision, device)
+        if len(cands) == 1:
+            prepared = (cands[0], table.plan(pass_, cands[0], g, dtype, layout, precision, has_bias, aligned,
+                                             device.sm_count))
+        else:
+            prepared = (None, cands)
+        if len(_prepared) >= _PREPARED_LIMIT:
+            _prepared.clear()
+        _prepared[key] = prepared
+    variant, found = prepared
+    if variant is not None:
+        launcher.enter(pass_, variant)
+        return found
+    variant = decide.chosen(pass_, g, dtype, layout, precision, device.index)
+    if variant is None:
+        def plan(v):
+            return table.plan(pass_, v, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
 
-            variant = decide.choose(pass_, g, dtype, layout, precision, device, launcher.stream_ptr, cands,
-                                    lambda v: plan(v).run(launcher, pointers), lambda v: plan(v).plans(),
-                                    timing=launcher.timing)
+        variant = decide.choose(pass_, g, dtype, layout, precision, device, launcher.stream_ptr, found,
+                                lambda v: plan(v).run(launcher, pointers), lambda v: plan(v).plans(),
+                                timing=launcher.timing)
     launcher.enter(pass_, variant)
     return table.plan(pass_, variant, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
 

@@ -95,6 +95,15 @@ class Geometry:
     out_size: Pair
     batched: bool = True
 
+    def __hash__(self) -> int:
+        # Every launch looks a geometry up in a few caches; hash its fields once.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.params, self.batch, self.in_channels, self.out_channels, self.in_size, self.kernel,
+                           self.out_size, self.batched))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def groups(self) -> int:
         """The number of groups."""

@@ -59,7 +59,7 @@ class SplitK(PassPlan):
     def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
         *inputs, out = pointers
         if self.sources is None:
-            keep, (scratch,) = launcher.scratch([self.partial.scratch_bytes])
+            keep, scratch = launcher.alloc(self.partial.scratch_bytes)
         else:
             (x, grad_out), (x_plan, go_plan) = inputs, self.sources
             if launcher.copies is None:

@@ -24,6 +24,18 @@ class Variant:
     family: str
     options: Tuple[Tuple[str, object], ...] = ()
 
+    def __hash__(self) -> int:
+        # Looked up on every launch of a tuned pass; hash the fields once.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.family, self.options))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # a string's hash differs between processes: a pickled variant hashes afresh
+        return {f: getattr(self, f) for f in ("family", "options")}
+
     @classmethod
     def make(cls, family: str, **options) -> "Variant":
         return cls(family, tuple(sorted(options.items())))
