@@ -84,6 +84,39 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return found
 
 
+def package_imports(package: Path):
+    """(importing module, imported module, names) of every import of the package's own modules."""
+    modules = module_names(package)
+    root = package.name
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == root:
+                        yield name, alias.name, ()
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node.level, node.module or "")
+                if base.split(".")[0] == root:
+                    yield name, base, tuple(a.name for a in node.names)
+
+
+def test_every_import_of_the_package_resolves():
+    """Imports inside functions run late: a wrong one would only fail when its function runs."""
+    import importlib
+
+    modules = module_names(PACKAGE)
+    checked = 0
+    for importer, target, names in package_imports(PACKAGE):
+        assert target in modules, f"{importer} imports {target}, which is not a module of the package"
+        if names:
+            loaded = importlib.import_module(target)
+            for n in names:
+                assert f"{target}.{n}" in modules or hasattr(loaded, n), f"{importer}: {target} has no {n}"
+        checked += 1
+    assert checked > 50
+
+
 def test_no_import_cycle_in_the_package():
     graph = import_graph(PACKAGE)
     assert len(graph) > 20 and graph["cupyconv.engine"], "the import graph was not read"

@@ -129,7 +129,7 @@ def _dict_job(spec: dict, example, dtype, layout, precision) -> _Job:
     missing = [k for k in ("in_channels", "out_channels", "kernel_size") if k not in spec]
     if missing:
         raise TypeError(f"a layer dict needs {missing}")
-    from .geometry import as_int, as_pair
+    from ..core.geometry import as_int, as_pair
 
     params = ConvParams.from_args(spec.get("stride", 1), spec.get("padding", 0), spec.get("output_padding", 0),
                                   spec.get("groups", 1), spec.get("dilation", 1))
