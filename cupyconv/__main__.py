@@ -81,7 +81,9 @@ def main(argv=None) -> None:
     if backend == "cupy":
         import cupy
 
-        name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        from cupyconv.core import device
+
+        name = device.get(0).name
         print(f"cupyconv {cupyconv.__version__}: GPU backend (CuPy {cupy.__version__}) on {name}")
     else:
         print(f"cupyconv {cupyconv.__version__}: no usable CUDA GPU found, using the NumPy float64 reference "

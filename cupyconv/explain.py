@@ -506,7 +506,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
     if backend_name == "numpy":
         notes.append("NumPy inputs run on the float64 NumPy reference here, not on these kernels; "
                      "CuPy arrays and CUDA torch tensors on a GPU run the kernels below")
-    if dtype in ("float16", "bfloat16"):
+    if dtypes.get(dtype).itemsize == 2:
         notes.append(f"{dtype} is stored in 2 bytes and accumulated in fp32; the compute term uses the fp32 "
                      "CUDA-core peak")
     notes.append("FLOPs count 2 per multiply-add over every tap, cropped ones included (bias adds are not "

@@ -16,13 +16,14 @@ class DType:
     c_type: str             # the storage type in the kernel templates
     itemsize: int           # bytes per element
     accumulator_bytes: int  # bytes per element of split-K partial sums
+    tensor_cores: bool      # whether the tensor-core kernels take it (float32 as TF32 or 3xTF32)
 
 
 DTYPES: Dict[str, DType] = {d.name: d for d in (
-    DType("float16", "half_t", 2, 4),
-    DType("bfloat16", "bf16_t", 2, 4),
-    DType("float32", "float", 4, 4),
-    DType("float64", "double", 8, 8),
+    DType("float16", "half_t", 2, 4, True),
+    DType("bfloat16", "bf16_t", 2, 4, True),
+    DType("float32", "float", 4, 4, True),
+    DType("float64", "double", 8, 8, False),
 )}
 NAMES = tuple(DTYPES)
 SUPPORTED = ", ".join(NAMES)

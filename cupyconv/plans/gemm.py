@@ -273,7 +273,7 @@ def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = 
 
 def gemm_fits(g: Geometry, dtype: str) -> bool:
     """Whether the tensor-core kernels can run this layer at all (grid and dtype limits)."""
-    if dtype not in ("float16", "bfloat16", "float32"):
+    if not dtypes.get(dtype).tensor_cores:
         return False
     taps = g.kernel[0] * g.kernel[1]
     return g.groups * taps < 2 ** 31 and g.groups * cdiv(max(g.in_per_group, g.out_per_group), 32) \

@@ -311,14 +311,10 @@ def tune(layers, input_shape=None, *, dtype=None, layout: Optional[str] = None, 
     jobs = _jobs(layers, input_shape, dtype, layout, precision)
     if not jobs:
         return []
-    try:
-        import cupy
-
-        gpus = cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        gpus = 0
-    if not gpus:
+    if not _device.gpu_present():
         raise RuntimeError("cupyconv.tune needs a CUDA GPU usable through CuPy")
+    import cupy
+
     show = progress if progress is not None else len(jobs) > 1
     bar = None
     if show:
