@@ -99,9 +99,9 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {dict(s.constants).get("SCALAR_T") for s in PLANS} == {"float", "double", "half_t", "bf16_t", None}
     for data_movement in ("pack_weight.cu", "to_channels_last.cu"):
         assert {dict(s.constants)["ELEMENT_BYTES"] for s in PLANS if s.template == data_movement} == {2, 4}
-    gemm = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_igemm.cu"]
-    assert {c["STAGES"] for c in gemm if c["A_VEC"]} == set(gemm.STAGE_CHOICES)
-    assert {(c["SRC_CL"], c["DST_CL"]) for c in gemm} == {(True, True), (True, False), (False, False)}
+    gemms = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_igemm.cu"]
+    assert {c["STAGES"] for c in gemms if c["A_VEC"]} == set(gemm.STAGE_CHOICES)
+    assert {(c["SRC_CL"], c["DST_CL"]) for c in gemms} == {(True, True), (True, False), (False, False)}
     grad_weight = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_grad_weight_igemm.cu"]
     assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(gemm.STAGE_CHOICES)
     assert {c["VEC"] for c in grad_weight} == {True, False}
