@@ -4,13 +4,12 @@ Kernels are CUDA C++ templates compiled at run time with NVRTC (no build step) a
 cached per layer configuration.  Nothing is compiled, and neither CuPy nor torch is
 imported, when this package is imported.
 """
-from .compiler import KernelCompileError
+from .core.geometry import output_size
+from .core.version import VERSION as __version__
 from .explain import explain
 from .functional import backend, conv_transpose2d, conv_transpose2d_backward
-from .geometry import output_size
-from .tuning import tune
-
-__version__ = "0.1.0"
+from .jit.compiler import KernelCompileError
+from .tuning.explicit import tune
 
 __all__ = [
     "KernelCompileError",
@@ -31,8 +30,12 @@ def clear_cache() -> None:
     The next call compiles again (from CuPy's disk cache when it holds the kernel) and takes
     its variant from the tuning file when that holds one.
     """
-    from . import compiler, launch, tuning
+    from . import engine
+    from .jit import compiler
+    from .plans import table
+    from .tuning import decide
 
     compiler.clear_cache()
-    launch.clear_plan_cache()
-    tuning.clear()
+    table.clear_plan_cache()
+    decide.clear()
+    engine.clear()

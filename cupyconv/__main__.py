@@ -14,7 +14,7 @@ import numpy as np
 
 import cupyconv
 from cupyconv import reference
-from cupyconv.geometry import ConvParams
+from cupyconv.core.geometry import ConvParams
 
 SEED_LAYER = dict(in_channels=32, out_channels=64, kernel=(3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1),
                   groups=4)
@@ -81,7 +81,9 @@ def main(argv=None) -> None:
     if backend == "cupy":
         import cupy
 
-        name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        from cupyconv.core import device
+
+        name = device.get(0).name
         print(f"cupyconv {cupyconv.__version__}: GPU backend (CuPy {cupy.__version__}) on {name}")
     else:
         print(f"cupyconv {cupyconv.__version__}: no usable CUDA GPU found, using the NumPy float64 reference "

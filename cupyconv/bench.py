@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .geometry import output_size
+from .core import dtypes
+from .core.geometry import output_size
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ SUITE = SEED_LAYERS + [
 # "float32" is strict float32 on both sides.
 DTYPES = ("tf32", "float32", "float16", "bfloat16")
 DTYPE_CHOICES = DTYPES + ("float64",)
-ELEMENT_BYTES = {"tf32": 4, "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+ELEMENT_BYTES = {mode: dtypes.get("float32" if mode == "tf32" else mode).itemsize for mode in DTYPE_CHOICES}
 LAYOUTS = ("nchw", "channels_last")
 PASSES = ("forward", "forward+backward")
 # grad input and grad weight each cost as many multiply-adds as the forward pass.

@@ -1,14 +1,17 @@
 """``explain``: what cupyconv would launch for a layer, and how fast it could possibly be.
 
-For the forward pass and each gradient this reports the kernel (template, function and
+For the forward pass and each gradient this reports the kernels that a call launches for
+the given layout, dtype and precision (the pass table's families and the tuner's choice,
+replayed on a recorder: the very code path a call takes), each kernel's template,
+function and
 specialisation constants), its grid, block and runtime scalars, the split-K scratch, the
 fully substituted CUDA source, the FLOPs and minimum bytes of the pass, and a roofline
 floor on its time.  Register, shared- and local-memory use are read from the compiled
 kernel when a GPU is present.  Everything else is pure Python: ``explain`` works on a
 machine without a GPU, and imports torch only when it is given a torch module.
 
-    >>> from cupyconv.explain import explain
-    >>> e = explain((8, 32, 64, 64), (32, 16, 4, 4), stride=2, padding=1)
+    >>> from cupyconv import explain
+    >>> e = explain((8, 32, 64, 64), (32, 16, 4, 4), stride=2, padding=1, layout="channels_last")
     >>> print(e)                          # plain text; e.show_source = True for whole sources
     >>> e.passes[0].floor_s, e.kernels[0].grid
 
@@ -19,11 +22,15 @@ from __future__ import annotations
 import html
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import launch
-from .geometry import ConvParams, Geometry, geometry, output_padding_for
+from . import engine
+from .core import device as _device
+from .core import dtypes
+from .core.device import DEFAULT_PEAK, PEAK_TABLE, Peak
+from .core.geometry import ConvParams, Geometry, geometry, output_mask as _output_mask, output_padding_for
+from .plans.launch import Plan, Recorder, RecordedPass
 
 __all__ = ["explain", "Explanation", "KernelRecord", "PassRecord", "Peak", "device_peak", "DEFAULT_PEAK",
            "PEAK_TABLE"]
@@ -31,110 +38,9 @@ __all__ = ["explain", "Explanation", "KernelRecord", "PassRecord", "Peak", "devi
 NA_NO_GPU = "n/a without a GPU"
 
 
-# ------------------------------------------------------------------------------ peaks
-
-@dataclass(frozen=True)
-class Peak:
-    """Roofline peaks of one device: memory bandwidth and CUDA-core (not tensor-core) FLOP rates."""
-
-    name: str
-    bandwidth: float      # bytes per second, read + written, as a device-to-device copy achieves
-    flops_fp32: float     # FP32 FLOP/s on CUDA cores (fp16/bf16 kernels accumulate in fp32 there too)
-    flops_fp64: float     # FP64 FLOP/s on CUDA cores
-    source: str           # how the numbers were obtained; always an estimate
-
-    def flops(self, dtype: str) -> float:
-        """Peak FLOP/s for ``dtype``: the fp64 rate for float64, the fp32 rate otherwise."""
-        return self.flops_fp64 if dtype == "float64" else self.flops_fp32
-
-
-# Sustained figures for common data-centre GPUs (name substring, bandwidth B/s, fp32, fp64).
-# Bandwidth is about what a device-to-device copy reaches, not the data-sheet number;
-# FLOP rates are CUDA-core peaks at boost clock, since the kernels do not use tensor cores.
-# The first matching row wins, so more specific names come first.
-PEAK_TABLE: Tuple[Tuple[str, float, float, float], ...] = (
-    ("GH200", 3.6e12, 67e12, 34e12),
-    ("H200", 4.3e12, 67e12, 34e12),
-    ("H100 PCIe", 1.7e12, 51e12, 26e12),
-    ("H100 NVL", 3.2e12, 60e12, 30e12),
-    ("H100", 3.0e12, 67e12, 34e12),
-    ("H800", 3.0e12, 67e12, 34e12),
-    ("A100-SXM4-80GB", 1.75e12, 19.5e12, 9.7e12),
-    ("A100 80GB PCIe", 1.6e12, 19.5e12, 9.7e12),
-    ("A100", 1.35e12, 19.5e12, 9.7e12),
-    ("L40S", 0.75e12, 91.6e12, 1.4e12),
-    ("L40", 0.75e12, 90.5e12, 1.4e12),
-    ("L4", 0.25e12, 30.3e12, 0.47e12),
-    ("A10", 0.5e12, 31.2e12, 0.98e12),
-    ("V100", 0.8e12, 15.7e12, 7.8e12),
-    ("RTX 4090", 0.9e12, 82.6e12, 1.3e12),
-    ("T4", 0.25e12, 8.1e12, 0.25e12),
-)
-
-DEFAULT_PEAK = Peak("NVIDIA H100 SXM (assumed)", 3.0e12, 67e12, 34e12,
-                    "no GPU here: H100 SXM defaults (3.0 TB/s copy bandwidth, 67 TFLOP/s fp32 CUDA cores); "
-                    "an estimate")
-
-# FP32 lanes per SM, by compute capability (major, minor); FP64 rate as a fraction of FP32.
-_FP32_LANES = {(6, 0): 64, (7, 0): 64, (7, 5): 64, (8, 0): 64, (9, 0): 128}
-_FP64_FULL = {(6, 0), (7, 0), (8, 0), (9, 0)}   # half-rate FP64 parts; the rest are 1/64
-
-
-def _table_peak(name: str) -> Optional[Peak]:
-    for key, bw, f32, f64 in PEAK_TABLE:
-        if key.lower() in name.lower():
-            return Peak(name, bw, f32, f64, f"table entry {key!r} for this device; an estimate")
-    return None
-
-
-def _attribute_peak(name: str, attrs: Dict[str, int], cc: Tuple[int, int]) -> Peak:
-    """A conservative estimate from device attributes, for devices not in the table."""
-    mem_khz = attrs.get("MemoryClockRate") or 0
-    bus_bits = attrs.get("GlobalMemoryBusWidth") or 0
-    sms = attrs.get("MultiProcessorCount") or 0
-    clock_khz = attrs.get("ClockRate") or 0
-    if mem_khz and bus_bits:
-        # Double data rate; a copy reaches roughly 80% of the interface's rate.
-        bandwidth = 0.8 * 2 * mem_khz * 1e3 * bus_bits / 8
-    else:
-        bandwidth = 0.5e12
-    lanes = _FP32_LANES.get(cc, 128 if cc[0] >= 8 or cc == (6, 1) else 64)
-    if sms and clock_khz:
-        flops32 = 2.0 * sms * lanes * clock_khz * 1e3
-    else:
-        flops32 = 10e12
-    flops64 = flops32 / 2 if cc in _FP64_FULL else flops32 / 64
-    return Peak(name, bandwidth, flops32, flops64,
-                f"estimated from device attributes (memory clock x bus width x 0.8, SMs x {lanes} fp32 lanes x "
-                f"clock); an estimate")
-
-
 def device_peak(device_id: int = 0) -> Peak:
     """Roofline peaks for CUDA device ``device_id`` (table by name, else from its attributes)."""
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    name = props.get("name", b"")
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    peak = _table_peak(name)
-    if peak is not None:
-        return peak
-    device = cupy.cuda.Device(device_id)
-    try:
-        attrs = dict(device.attributes)
-    except Exception:  # pragma: no cover - attribute query unavailable
-        attrs = {}
-    try:
-        cc = tuple(int(c) for c in (device.compute_capability[:-1], device.compute_capability[-1]))
-    except Exception:  # pragma: no cover
-        cc = (8, 0)
-    return _attribute_peak(name, attrs, cc)
-
-
-def _gpu_present() -> bool:
-    from .functional import _gpu_present as present
-
-    return present()
+    return _device.get(device_id).peak
 
 
 # ---------------------------------------------------------------------------- records
@@ -184,6 +90,7 @@ class PassRecord:
     bound: str
     kernels: List[KernelRecord]
     note: str = ""
+    variant: str = ""              # the tuning variant that runs (family and options), "" when nothing runs
 
 
 def _prod(values) -> int:
@@ -256,6 +163,8 @@ class Explanation:
     passes: List[PassRecord]
     notes: List[str]
     show_source: bool = False
+    layout: str = "nchw"           # "nchw" or "nhwc" (channels_last) activations
+    precision: str = "strict"      # float32 multiplies: "strict" or "tf32"
 
     @property
     def kernels(self) -> List[KernelRecord]:
@@ -281,7 +190,7 @@ class Explanation:
                     peak=asdict(self.peak), sm_count=self.sm_count, backend=self.backend,
                     passes=[dict(asdict(p), kernels=[dict(asdict(k), threads=k.threads) for k in p.kernels])
                             for p in self.passes],
-                    notes=list(self.notes), floor_s=self.floor_s)
+                    notes=list(self.notes), floor_s=self.floor_s, layout=self.layout, precision=self.precision)
 
     # -- headings shared by the renderings
     def _title(self) -> str:
@@ -298,8 +207,14 @@ class Explanation:
 
     def _pass_line(self, p: PassRecord) -> str:
         other = p.compute_s if p.bound == "memory" else p.memory_s
-        return (f"{p.name}: {_si(p.flops, 'FLOP')}, {_bytes(p.bytes)} min traffic -> floor {_time(p.floor_s)} "
+        runs = f" [variant {p.variant}]" if p.variant else ""
+        return (f"{p.name}{runs}: {_si(p.flops, 'FLOP')}, {_bytes(p.bytes)} min traffic -> floor {_time(p.floor_s)} "
                 f"({p.bound}-bound; {'compute' if p.bound == 'memory' else 'memory'} term {_time(other)})")
+
+    def _memory_line(self) -> str:
+        layout = "channels_last (NHWC)" if self.layout == "nhwc" else "contiguous (NCHW)"
+        precision = f", float32 precision {self.precision}" if self.dtype == "float32" else ""
+        return f"activations {layout}{precision}"
 
     # -- plain text
     def text(self, show_source: Optional[bool] = None) -> str:
@@ -313,6 +228,7 @@ class Explanation:
                f"input {_tuple(self.input_shape)} x weight {_tuple(self.weight_shape)} -> output "
                f"{_tuple(self.output_shape)}",
                f"device: {self.device}; NumPy inputs run on backend {self.backend!r}",
+               self._memory_line(),
                self._peak_line()]
         out += [f"note: {n}" for n in self.notes]
         for p in self.passes:
@@ -348,13 +264,15 @@ class Explanation:
               f"input `{_tuple(self.input_shape)}` x weight `{_tuple(self.weight_shape)}` -> output "
               f"`{_tuple(self.output_shape)}`  ",
               f"device: {self.device}; NumPy inputs run on backend `{self.backend}`  ",
+              f"{self._memory_line()}  ",
               self._peak_line()]
         md += [f"- note: {n}" for n in self.notes]
-        md += ["", "| pass | FLOPs | min bytes | compute | memory | floor | bound | kernels |",
-               "|---|---|---|---|---|---|---|---|"]
+        md += ["", "| pass | variant | FLOPs | min bytes | compute | memory | floor | bound | kernels |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for p in self.passes:
-            md.append(f"| {p.name} | {_si(p.flops, 'FLOP')} | {_bytes(p.bytes)} | {_time(p.compute_s)} | "
-                      f"{_time(p.memory_s)} | **{_time(p.floor_s)}** | {p.bound} | {len(p.kernels)} |")
+            md.append(f"| {p.name} | {p.variant or '-'} | {_si(p.flops, 'FLOP')} | {_bytes(p.bytes)} | "
+                      f"{_time(p.compute_s)} | {_time(p.memory_s)} | **{_time(p.floor_s)}** | {p.bound} | "
+                      f"{len(p.kernels)} |")
         md += ["", f"Total floor, forward + gradients: **{_time(self.floor_s)}**", ""]
         md += ["| pass | stage | variant | grid | block | scalars | scratch | regs | shared | local |",
                "|---|---|---|---|---|---|---|---|---|---|"]
@@ -382,13 +300,14 @@ class Explanation:
              f"<p>input <code>{_tuple(self.input_shape)}</code> &times; weight <code>{_tuple(self.weight_shape)}"
              f"</code> &rarr; output <code>{_tuple(self.output_shape)}</code><br>"
              f"device: {e(self.device)}; NumPy inputs run on backend <code>{e(self.backend)}</code><br>"
-             f"{e(self._peak_line())}</p>"]
+             f"{e(self._memory_line())}<br>{e(self._peak_line())}</p>"]
         if self.notes:
             h.append("<ul>" + "".join(f"<li>{e(n)}</li>" for n in self.notes) + "</ul>")
-        h.append("<table><tr><th>pass</th><th>FLOPs</th><th>min bytes</th><th>compute</th><th>memory</th>"
-                 "<th>floor</th><th>bound</th></tr>")
+        h.append("<table><tr><th>pass</th><th>variant</th><th>FLOPs</th><th>min bytes</th><th>compute</th>"
+                 "<th>memory</th><th>floor</th><th>bound</th></tr>")
         for p in self.passes:
-            h.append(f"<tr><td>{e(p.name)}</td><td>{_si(p.flops, 'FLOP')}</td><td>{_bytes(p.bytes)}</td>"
+            h.append(f"<tr><td>{e(p.name)}</td><td>{e(p.variant or '-')}</td><td>{_si(p.flops, 'FLOP')}</td>"
+                     f"<td>{_bytes(p.bytes)}</td>"
                      f"<td>{_time(p.compute_s)}</td><td>{_time(p.memory_s)}</td><td><b>{_time(p.floor_s)}</b></td>"
                      f"<td>{p.bound}</td></tr>")
         h.append(f"</table><p>Total floor, forward + gradients: <b>{_time(self.floor_s)}</b></p>")
@@ -426,24 +345,24 @@ def _scalar_names(source: str, function: str, count: int) -> List[str]:
 
 
 def _dtype_name(dtype) -> str:
-    """A dtype name from a string, a NumPy dtype or scalar type, or a torch dtype."""
-    if dtype is None:
-        return "float32"
-    if isinstance(dtype, str):
-        name = dtype
-    elif str(dtype).startswith("torch."):
-        name = str(dtype)[len("torch."):]
-    else:
-        try:
-            import numpy
+    """A dtype name from a string, a NumPy dtype or scalar type, or a torch dtype; float32 for None."""
+    return "float32" if dtype is None else dtypes.dtype_name(dtype)
 
-            name = numpy.dtype(dtype).name
-        except TypeError:
-            name = str(getattr(dtype, "name", dtype))
-    name = {"float": "float32", "double": "float64", "half": "float16"}.get(name, name)
-    if name not in launch.DTYPES:
-        raise TypeError(f"dtype must be one of {sorted(launch.DTYPES)}, got {dtype!r}")
-    return name
+
+_LAYOUTS = {"nchw": "nchw", "contiguous": "nchw", "nhwc": "nhwc", "channels_last": "nhwc"}
+
+
+def _layout_name(layout, example) -> str:
+    """The layout asked for, else the example tensor's memory format (channels_last or contiguous)."""
+    if layout is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(example, torch.Tensor) and example.dim() == 4 \
+                and not example.is_contiguous() and example.is_contiguous(memory_format=torch.channels_last):
+            return "nhwc"
+        return "nchw"
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+    return _LAYOUTS[layout]
 
 
 def _shape(value, name: str) -> Tuple[int, ...]:
@@ -483,8 +402,9 @@ def _from_module(module, inp, dtype):
 
 def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, output_padding=0, groups=1,
             dilation=1, dtype=None, *, output_size=None, output_mask: Optional[Sequence[bool]] = None,
-            device: Optional[int] = None, peak: Optional[Peak] = None, sm_count: Optional[int] = None,
-            compile: bool = True, show_source: bool = False) -> Explanation:
+            layout: Optional[str] = None, precision: Optional[str] = None, device: Optional[int] = None,
+            peak: Optional[Peak] = None, sm_count: Optional[int] = None, compile: bool = True,
+            show_source: bool = False) -> Explanation:
     """Explain the kernels cupyconv launches for a layer applied to an input shape.
 
     Two forms:
@@ -496,6 +416,12 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
     - ``explain(module, input)`` with an ``nn.ConvTranspose2d`` (``cupyconv.torch.ConvTranspose2d``
       too) and an input tensor or shape; the dtype is the module weight's.
 
+    ``layout`` is "nchw" (contiguous) or "channels_last"; by default the input tensor's memory
+    format, else contiguous. ``precision`` ("strict" or "tf32") matters for float32: by default
+    what the call would run with, i.e. torch's ``torch.backends.cudnn.allow_tf32`` for a module and
+    strict (as the NumPy/CuPy API runs) otherwise. The kernels listed are the ones a call with
+    these settings launches: the pass table's families and, on a GPU, the tuner's remembered or
+    stored choice.
     ``output_size`` picks the output_padding as ``ConvTranspose2d.forward(x, output_size)`` does.
     ``output_mask`` (grad_input, grad_weight, grad_bias) chooses the gradients reported; by
     default all, grad_bias only when the layer has a bias. On a GPU (``device``, default 0) each
@@ -513,6 +439,9 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
             raise TypeError(f"explain(module, input) reads the layer from the module; do not pass {changed}")
         in_shape, w_shape, has_bias, layer, dtype = _from_module(input_shape, weight_shape, dtype)
         source_kind = f"module {type(input_shape).__name__}"
+        layout = _layout_name(layout, weight_shape)
+        if precision is None and dtype == "float32":
+            precision = "tf32" if sys.modules["torch"].backends.cudnn.allow_tf32 else "strict"
     else:
         if weight_shape is None:
             raise TypeError("explain(input_shape, weight_shape, ...) needs weight_shape (or pass a module and input)")
@@ -524,6 +453,9 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
                      dilation=dilation)
         has_bias = bias
         source_kind = "arguments"
+        layout = _layout_name(layout, input_shape)
+    precision = "strict" if precision is None else precision
+    dtypes.check_precision(precision)
 
     if isinstance(has_bias, bool):
         bias_shape = None
@@ -542,13 +474,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         params = ConvParams.from_args(params.stride, params.padding, op, params.groups, params.dilation)
     g = geometry(in_shape, w_shape, bias_shape, params)
 
-    if output_mask is None:
-        mask = (True, True, bool(has_bias))
-    else:
-        if not isinstance(output_mask, (tuple, list)) or len(output_mask) != 3 \
-                or not all(isinstance(v, bool) for v in output_mask):
-            raise TypeError(f"output_mask must be a sequence of three bools, got {output_mask!r}")
-        mask = tuple(output_mask)
+    mask = (True, True, bool(has_bias)) if output_mask is None else _output_mask(output_mask)
 
     if peak is not None and not isinstance(peak, Peak):
         raise TypeError(f"peak must be a cupyconv.explain.Peak, got {type(peak).__name__}")
@@ -556,26 +482,21 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         raise ValueError(f"sm_count must be a positive int, got {sm_count!r}")
 
     notes: List[str] = []
-    gpu = _gpu_present()
+    gpu = _device.gpu_present()
     device_id = 0 if device is None else int(device)
     if gpu:
-        import cupy
-
-        name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
-        device_name = f"GPU {device_id}: {name.decode() if isinstance(name, bytes) else name}"
-        if peak is None:
-            peak = device_peak(device_id)
-        if sm_count is None:
-            from .engine import sm_count as engine_sm_count
-
-            sm_count = engine_sm_count(device_id)
+        dev = _device.get(device_id)
+        device_name = f"GPU {device_id}: {dev.name}"
     else:
+        dev = _device.ASSUMED
         device_name = "no GPU"
-        if peak is None:
-            peak = DEFAULT_PEAK
         if sm_count is None:
-            sm_count = 132
-            notes.append("no GPU: split-K grids sized for 132 SMs (an H100); a real device may differ")
+            notes.append(f"no GPU: planned for an assumed {dev.name} with {dev.sm_count} SMs and sm_{dev.arch} "
+                         "tensor cores; a real device may differ")
+    if sm_count is not None and sm_count != dev.sm_count:
+        dev = replace(dev, sm_count=sm_count)
+    if peak is None:
+        peak = dev.peak
     from .functional import backend
 
     try:
@@ -585,7 +506,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
     if backend_name == "numpy":
         notes.append("NumPy inputs run on the float64 NumPy reference here, not on these kernels; "
                      "CuPy arrays and CUDA torch tensors on a GPU run the kernels below")
-    if dtype in ("float16", "bfloat16"):
+    if dtypes.get(dtype).itemsize == 2:
         notes.append(f"{dtype} is stored in 2 bytes and accumulated in fp32; the compute term uses the fp32 "
                      "CUDA-core peak")
     notes.append("FLOPs count 2 per multiply-add over every tap, cropped ones included (bias adds are not "
@@ -598,9 +519,9 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
                    groups=params.groups, dilation=params.dilation, bias=bool(has_bias), source=source_kind),
         input_shape=g.user_shape(g.input_shape), weight_shape=g.weight_shape,
         output_shape=g.user_shape(g.output_shape), dtype=dtype, geometry=g, device=device_name, gpu=gpu,
-        peak=peak, sm_count=sm_count, backend=backend_name,
-        passes=_passes(g, dtype, bool(has_bias), mask, sm_count, peak, _variants(g, dtype, gpu, device_id)),
-        notes=notes, show_source=show_source)
+        peak=peak, sm_count=dev.sm_count, backend=backend_name,
+        passes=_passes(g, dtype, bool(has_bias), mask, layout, precision, dev, peak),
+        notes=notes, show_source=show_source, layout=layout, precision=precision)
 
     if gpu and compile:
         _read_resources(explanation, device_id)
@@ -618,16 +539,16 @@ def _roofline(flops: int, nbytes: int, peak: Peak, dtype: str) -> Tuple[float, f
     return compute, memory, max(compute, memory), "compute" if compute > memory else "memory"
 
 
-_DIRECT_TILING = ("OC_BLOCK", "IC_BLOCK", "OC_TILE", "IC_TILE", "RUNS", "KH_BLOCK", "CELLS", "IC_CHUNK", "OC_CHUNK",
-                  "BLOCK")
+_TILING = ("OC_BLOCK", "IC_BLOCK", "OC_TILE", "IC_TILE", "RUNS", "KH_BLOCK", "CELLS", "IC_CHUNK", "OC_CHUNK", "BLOCK",
+           "BM", "BN", "STAGES")
 
 
-def _record(pass_name: str, stage: str, plan: launch.Plan, flops: int, nbytes: int, peak: Peak,
+def _record(pass_name: str, stage: str, plan: Plan, flops: int, nbytes: int, peak: Peak,
             dtype: str) -> KernelRecord:
     spec = plan.spec
     constants = dict(spec.constants)
     source = spec.source()
-    tiles = {k: constants[k] for k in _DIRECT_TILING if k in constants}
+    tiles = {k: constants[k] for k in _TILING if k in constants}
     variant = f"{spec.template}:{spec.function}" + (f" [{_kv(tiles)}, index_t {plan.index_t}]")
     names = _scalar_names(source, spec.function, len(plan.scalars))
     _, _, floor, bound = _roofline(flops, nbytes, peak, dtype)
@@ -638,120 +559,77 @@ def _record(pass_name: str, stage: str, plan: launch.Plan, flops: int, nbytes: i
                         bound=bound, source=source)
 
 
-def _to_channels_last_record(pass_name: str, plans: launch.GemmPlans, src_bytes: int, peak: Peak,
-                             dtype: str) -> List[KernelRecord]:
-    if plans.to_channels_last is None:
-        return []
-    return [_record(pass_name, "to_channels_last", plans.to_channels_last, 0, 2 * src_bytes, peak, dtype)]
-
-
 def _pass(name: str, flops: int, nbytes: int, kernels: List[KernelRecord], peak: Peak, dtype: str,
-          note: str = "") -> PassRecord:
+          note: str = "", variant: str = "") -> PassRecord:
     compute, memory, floor, bound = _roofline(flops, nbytes, peak, dtype)
-    return PassRecord(name, int(flops), int(nbytes), compute, memory, floor, bound, kernels, note)
+    return PassRecord(name, int(flops), int(nbytes), compute, memory, floor, bound, kernels, note, variant)
 
 
-def _variants(g: Geometry, dtype: str, gpu: bool, device_id: int) -> dict:
-    """The variant the engine runs for each pass: its tuned or stored choice, else the heuristic
-    (for an sm_80+ device without a GPU)."""
-    from . import tuning
-
-    return {p: tuning.current(p, g, dtype, device_id=device_id if gpu else None) for p in tuning.PASSES}
+# Made-up, 16-byte aligned addresses for the recorded call: distinct, so that a shared
+# channels_last copy of grad_output is shared exactly as in a real call.
+_X, _W, _B, _Y, _GX, _GW, _GB = ((i + 1) << 32 for i in range(7))
 
 
-def _passes(g: Geometry, dtype: str, has_bias: bool, mask, sm_count: int, peak: Peak,
-            gemm=False) -> List[PassRecord]:
-    """What each pass launches; tensor-core plans are shown for NCHW memory and strict precision.
+def _record_call(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precision: str,
+                 dev: _device.Device) -> List[RecordedPass]:
+    """The forward and the gradients in ``mask`` as a call runs them, written down instead of launched."""
+    recorder = Recorder(dev)
+    engine.forward(g, dtype, _X, _W, _B if has_bias else None, _Y, recorder, layout, precision)
+    engine.backward(g, dtype, _Y, _X, _W, _GX if mask[0] else None, _GW if mask[1] else None,
+                    _GB if mask[2] else None, recorder, layout, precision)
+    return recorder.passes
 
-    ``gemm``: whether the tensor-core kernels run, or a dict of each pass's tuning variant.
-    """
-    def variant(name):
-        v = gemm.get(name) if isinstance(gemm, dict) else None
-        return (v.gemm, v.kwargs) if v is not None else (bool(gemm) and not isinstance(gemm, dict), {})
 
-    size = launch.DTYPES[dtype][2]
-    acc = launch.accumulator_bytes(dtype)
+def _passes(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precision: str, dev: _device.Device,
+            peak: Peak) -> List[PassRecord]:
+    """What each pass launches, with its useful work, minimum traffic and roofline floor."""
+    size = dtypes.get(dtype).itemsize
+    acc = dtypes.get(dtype).accumulator_bytes
     x = _prod(g.input_shape) * size
     y = _prod(g.output_shape) * size
     w = _prod(g.weight_shape) * size
     b = g.out_channels * size
     mac_flops = g.flops()
-    bias_flops = _prod(g.output_shape)     # one addition per output element
-    empty = g.batch == 0
+    # per pass: (useful FLOPs, minimum bytes, bytes its partial pass reads, bytes its reduce writes)
+    work = {
+        "forward": (mac_flops, x + w + (b if has_bias else 0) + y, 0, 0),
+        "grad_input": (mac_flops, y + w + x, 0, 0),
+        "grad_weight": (mac_flops, x + y + w, x + y, w),
+        "grad_bias": (_prod(g.output_shape), y + b, y, b),   # one addition per output element
+    }
     passes = []
-
-    def none(name, nbytes, what):
-        return _pass(name, 0, nbytes, [], peak, dtype, note=f"batch is 0: {what}")
-
-    # forward
-    fwd_bytes = x + w + (b if has_bias else 0) + y
-    if empty:
-        passes.append(none("forward", 0, "nothing is launched"))
-    else:
-        use_gemm, options = variant("forward")
-        if use_gemm:
-            plans = launch.plan_forward_gemm(g, dtype, has_bias, **options)
-            kernels = [_record("forward", "pack", plans.pack, 0, 2 * w, peak, dtype)]
-            kernels += _to_channels_last_record("forward", plans, x, peak, dtype)
-            kernels.append(_record("forward", "main", plans.gemm, mac_flops, fwd_bytes, peak, dtype))
-        else:
-            kernels = [_record("forward", "main", launch.plan_forward(g, dtype, has_bias), mac_flops, fwd_bytes,
-                               peak, dtype)]
-        passes.append(_pass("forward", mac_flops, fwd_bytes, kernels, peak, dtype))
-    # grad_input = conv2d(grad_output, weight)
-    if mask[0]:
-        gi_bytes = y + w + x
-        if empty:
-            passes.append(none("grad_input", 0, "nothing is launched"))
-        else:
-            use_gemm, options = variant("grad_input")
-            if use_gemm:
-                plans = launch.plan_grad_input_gemm(g, dtype, **options)
-                kernels = [_record("grad_input", "pack", plans.pack, 0, 2 * w, peak, dtype)]
-                kernels += _to_channels_last_record("grad_input", plans, y, peak, dtype)
-                kernels.append(_record("grad_input", "main", plans.gemm, mac_flops, gi_bytes, peak, dtype))
+    for recorded in _record_call(g, dtype, has_bias, mask, layout, precision, dev):
+        name = recorded.name
+        flops, nbytes, partial_reads, written = work[name]
+        if not recorded.launches:
+            zeroed = recorded.zeroed_bytes
+            what = f"{name} is zero-filled with a memset" if zeroed else "nothing is launched"
+            passes.append(_pass(name, 0, zeroed, [], peak, dtype, note=f"batch is 0: {what}"))
+            continue
+        kernels, note, partial = [], "", None
+        for stage, plan in recorded.launches:
+            if stage in ("pack", "to_channels_last"):
+                # a copy: each byte read once and written once
+                moved = 2 * (w if stage == "pack" else plan.scratch_bytes)
+                kernels.append(_record(name, stage, plan, 0, moved, peak, dtype))
+            elif stage == "partial":
+                partial = plan
+                kernels.append(_record(name, stage, plan, flops, partial_reads + plan.scratch_bytes, peak, dtype))
+            elif stage == "reduce":
+                elements, chunks = plan.scalars
+                kernels.append(_record(name, stage, plan, (chunks - 1) * elements,
+                                       (partial.scratch_bytes if partial else 0) + written, peak, dtype))
+                unit = "K tiles" if recorded.variant.family == "gemm" else "rows"
+                note = (f"split-K over {chunks} chunks of {partial.scalars[-1] if partial else '?'} {unit}; "
+                        f"{_bytes(partial.scratch_bytes if partial else 0)} of {acc}-byte partials")
             else:
-                kernels = [_record("grad_input", "main", launch.plan_grad_input(g, dtype), mac_flops, gi_bytes,
-                                   peak, dtype)]
-            passes.append(_pass("grad_input", mac_flops, gi_bytes, kernels, peak, dtype))
-    # grad_weight: split-K partials, then a fixed-order reduction
-    if mask[1]:
-        gw_bytes = x + y + w
-        if empty:
-            passes.append(none("grad_weight", w, "grad_weight is zero-filled with a memset"))
-        else:
-            use_gemm, options = variant("grad_weight")
-            if use_gemm:
-                partial, reduce = launch.plan_grad_weight_gemm(g, dtype, sm_count, **options)
-            else:
-                partial, reduce = launch.plan_grad_weight(g, dtype, sm_count)
-            chunks = partial.grid[0]
-            kernels = [_record("grad_weight", "partial", partial, mac_flops, x + y + partial.scratch_bytes, peak,
-                               dtype),
-                       _record("grad_weight", "reduce", reduce, (chunks - 1) * _prod(g.weight_shape),
-                               partial.scratch_bytes + w, peak, dtype)]
-            passes.append(_pass("grad_weight", mac_flops, gw_bytes, kernels, peak, dtype,
-                                note=f"split-K over {chunks} chunks of {partial.scalars[-1]} "
-                                     f"{'K tiles' if use_gemm else 'rows'}; "
-                                     f"{_bytes(partial.scratch_bytes)} of {acc}-byte partials"))
-    # grad_bias = grad_output.sum((0, 2, 3)), split-K likewise
-    if mask[2]:
-        gb_bytes = y + b
-        if empty:
-            passes.append(none("grad_bias", b, "grad_bias is zero-filled with a memset"))
-        else:
-            partial, reduce = launch.plan_grad_bias(g, dtype, sm_count)
-            chunks = partial.grid[0]
-            kernels = [_record("grad_bias", "partial", partial, bias_flops, y + partial.scratch_bytes, peak, dtype),
-                       _record("grad_bias", "reduce", reduce, (chunks - 1) * g.out_channels,
-                               partial.scratch_bytes + b, peak, dtype)]
-            passes.append(_pass("grad_bias", bias_flops, gb_bytes, kernels, peak, dtype,
-                                note=f"split-K over {chunks} chunks of {partial.scalars[-1]} rows"))
+                kernels.append(_record(name, stage, plan, flops, nbytes, peak, dtype))
+        passes.append(_pass(name, flops, nbytes, kernels, peak, dtype, note=note, variant=recorded.variant.name))
     return passes
 
 
 def _read_resources(explanation: Explanation, device_id: int) -> None:
-    from .compiler import get_function
+    from .jit.compiler import get_function
 
     for k in explanation.kernels:
         spec = _spec_of(k)
@@ -767,6 +645,6 @@ def _read_resources(explanation: Explanation, device_id: int) -> None:
 
 
 def _spec_of(k: KernelRecord):
-    from .compiler import KernelSpec
+    from .jit.compiler import KernelSpec
 
     return KernelSpec.make(k.template, k.function, k.constants)

@@ -7,27 +7,17 @@ compile or launch.
 """
 from __future__ import annotations
 
-import functools
 import os
-from typing import Sequence, Tuple
+from typing import Sequence
 
-import numpy as np
-
-from . import engine, reference
-from .arrays import common_placement
-from .geometry import ConvParams, Geometry, geometry
+from . import engine
+from . import reference
+from .core.arrays import common_placement
+from .core.device import gpu_present
+from .core.geometry import ConvParams, Geometry, geometry, output_mask as _output_mask
+from .plans.launch import Launcher, cupy_allocator
 
 BACKEND_ENV = "CUPYCONV_BACKEND"
-
-
-@functools.lru_cache(maxsize=None)
-def _gpu_present() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, or no device: all mean "use the reference"
-        return False
 
 
 def backend() -> str:
@@ -40,25 +30,16 @@ def backend() -> str:
         raise ValueError(f"{BACKEND_ENV} must be 'numpy' or 'cupy', got {forced!r}")
     if forced == "numpy":
         return "numpy"
-    if forced == "cupy" and not _gpu_present():
+    if forced == "cupy" and not gpu_present():
         raise RuntimeError(f"{BACKEND_ENV}=cupy but no CUDA GPU is usable through CuPy")
-    return "cupy" if _gpu_present() else "numpy"
-
-
-def _output_mask(output_mask) -> Tuple[bool, bool, bool]:
-    if not isinstance(output_mask, (tuple, list)) or len(output_mask) != 3:
-        raise TypeError(f"output_mask must be a sequence of three bools, got {output_mask!r}")
-    for value in output_mask:
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"output_mask must be a sequence of three bools, got {output_mask!r}")
-    return tuple(bool(v) for v in output_mask)
+    return "cupy" if gpu_present() else "numpy"
 
 
 # ---------------------------------------------------------------------------- GPU path
 
 def _storage(array):
     """CuPy has no bfloat16: carry such arrays as their uint16 bits."""
-    return array.view(np.uint16) if str(array.dtype) == "bfloat16" else array
+    return array.view("uint16") if str(array.dtype) == "bfloat16" else array
 
 
 def _upload(array, cupy):
@@ -67,21 +48,15 @@ def _upload(array, cupy):
     return cupy.ascontiguousarray(cupy.asarray(_storage(array)))
 
 
-def _alloc(cupy):
-    def alloc(nbytes: int):
-        buf = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
-        return buf, buf.data.ptr
-    return alloc
-
-
 def _gpu_forward(g: Geometry, dtype: str, device: int, x, weight, bias):
     import cupy
 
     with cupy.cuda.Device(device):
         x, weight, bias = (_upload(a, cupy) for a in (x, weight, bias))
         out = cupy.empty(g.output_shape, dtype=x.dtype)
+        launcher = Launcher(device, cupy.cuda.get_current_stream().ptr, cupy_allocator())
         engine.forward(g, dtype, x.data.ptr, weight.data.ptr, None if bias is None else bias.data.ptr,
-                       out.data.ptr, device, cupy.cuda.get_current_stream().ptr, _alloc(cupy))
+                       out.data.ptr, launcher)
     return out
 
 
@@ -90,18 +65,12 @@ def _gpu_backward(g: Geometry, dtype: str, device: int, grad_out, x, weight, mas
 
     with cupy.cuda.Device(device):
         grad_out, x, weight = (_upload(a, cupy) for a in (grad_out, x, weight))
-        stream = cupy.cuda.get_current_stream().ptr
-        alloc = _alloc(cupy)
-        gi = gw = gb = None
-        if mask[0]:
-            gi = cupy.empty(g.input_shape, dtype=x.dtype)
-            engine.grad_input(g, dtype, grad_out.data.ptr, weight.data.ptr, gi.data.ptr, device, stream, alloc)
-        if mask[1]:
-            gw = cupy.empty(g.weight_shape, dtype=x.dtype)
-            engine.grad_weight(g, dtype, x.data.ptr, grad_out.data.ptr, gw.data.ptr, device, stream, alloc)
-        if mask[2]:
-            gb = cupy.empty((g.out_channels,), dtype=x.dtype)
-            engine.grad_bias(g, dtype, grad_out.data.ptr, gb.data.ptr, device, stream, alloc)
+        gi = cupy.empty(g.input_shape, dtype=x.dtype) if mask[0] else None
+        gw = cupy.empty(g.weight_shape, dtype=x.dtype) if mask[1] else None
+        gb = cupy.empty((g.out_channels,), dtype=x.dtype) if mask[2] else None
+        launcher = Launcher(device, cupy.cuda.get_current_stream().ptr, cupy_allocator())
+        engine.backward(g, dtype, grad_out.data.ptr, x.data.ptr, weight.data.ptr,
+                        *(None if a is None else a.data.ptr for a in (gi, gw, gb)), launcher)
     return gi, gw, gb
 
 

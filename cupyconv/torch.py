@@ -51,21 +51,17 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import engine as _engine
-from . import launch as _launch
+from .core import dtypes as _dtypes
 from . import reference as _reference
-from .geometry import ConvParams, geometry as _geometry
+from .core.geometry import ConvParams, geometry as _geometry, output_mask as _output_mask
+from .plans.launch import Launcher as _Launcher
 
 __all__ = ["conv_transpose2d", "conv_transpose2d_backward", "ConvTranspose2d", "convert", "tf32_allowed"]
 
 Tensor = torch.Tensor
 
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
-_SUPPORTED = "float16, bfloat16, float32 or float64"
+_DTYPE_NAMES = {getattr(torch, name): name for name in _dtypes.NAMES}
+_SUPPORTED = _dtypes.SUPPORTED
 
 
 def tf32_allowed() -> bool:
@@ -111,20 +107,9 @@ def _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation
     return _geometry(x.shape, w.shape, None if b is None else b.shape, params)
 
 
-def _check_output_mask(output_mask) -> None:
-    """Three bools (Python or NumPy), in a list or tuple."""
-    if not isinstance(output_mask, (list, tuple)):
-        raise TypeError(f"output_mask must be a sequence of three bools, got {type(output_mask).__name__}")
-    if len(output_mask) != 3:
-        raise ValueError(f"output_mask must have three entries, got {list(output_mask)}")
-    if not all(isinstance(m, bool) or (type(m).__module__ == "numpy" and type(m).__name__ in ("bool", "bool_"))
-               for m in output_mask):
-        raise TypeError(f"output_mask must be a sequence of three bools, got {list(output_mask)}")
-
-
 def _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
     _check_tensors((("grad_output", go), ("input", x), ("weight", w)))
-    _check_output_mask(output_mask)
+    _output_mask(output_mask)
     params = ConvParams.from_args(stride, padding, output_padding, groups, dilation)
     g = _geometry(x.shape, w.shape, None, params)
     expected = g.user_shape(g.output_shape)
@@ -225,7 +210,7 @@ def _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation,
                 _backward_cache.clear()
             _backward_cache[key] = entry
     elif len(output_mask) != 3:
-        raise ValueError(f"output_mask must have three entries, got {list(output_mask)}")
+        _output_mask(output_mask)  # a cached configuration still gets the one error a bad mask gets
     return entry
 
 
@@ -295,7 +280,7 @@ def _cuda_forward(x, w, b, entry):
     prev = _enter_device(index)
     try:
         _engine.forward(g, dt, x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                        index, _raw_stream(index), _scratch_allocator(device), layout, _precision(dt))
+                        _Launcher(index, _raw_stream(index), _scratch_allocator(device)), layout, _precision(dt))
     finally:
         if prev != index:
             _set_device(prev)
@@ -308,26 +293,19 @@ def _cuda_backward(go, x, w, mask, entry):
     precision = _precision(dt)
     go = _in_layout(go, layout)
     gi = gw = gb = None
+    if mask[0]:
+        w = w.contiguous()
+        gi = _empty(x.shape, x, device, layout)
+    if mask[1]:
+        x = _in_layout(x, layout)
+        gw = torch.empty(w.shape, dtype=w.dtype, device=device)
+    if mask[2]:
+        gb = torch.empty((g.out_channels,), dtype=go.dtype, device=device)
     prev = _enter_device(index)
     try:
-        stream = _raw_stream(index)
-        alloc = _scratch_allocator(device)
-        # grad_input and grad_weight share one channels_last copy of an NCHW grad_output.
-        copies = _launch.SourceCopies() if mask[0] and mask[1] and layout == "nchw" else None
-        if mask[0]:
-            w = w.contiguous()
-            gi = _empty(x.shape, x, device, layout)
-            _engine.grad_input(g, dt, go.data_ptr(), w.data_ptr(), gi.data_ptr(), index, stream, alloc, layout,
-                               precision, copies)
-        if mask[1] or mask[2]:
-            if mask[1]:
-                x = _in_layout(x, layout)
-                gw = torch.empty(w.shape, dtype=w.dtype, device=device)
-                _engine.grad_weight(g, dt, x.data_ptr(), go.data_ptr(), gw.data_ptr(), index, stream, alloc, layout,
-                                    precision, copies)
-            if mask[2]:
-                gb = torch.empty((g.out_channels,), dtype=go.dtype, device=device)
-                _engine.grad_bias(g, dt, go.data_ptr(), gb.data_ptr(), index, stream, alloc, layout)
+        _engine.backward(g, dt, go.data_ptr(), x.data_ptr(), w.data_ptr(), None if gi is None else gi.data_ptr(),
+                         None if gw is None else gw.data_ptr(), None if gb is None else gb.data_ptr(),
+                         _Launcher(index, _raw_stream(index), _scratch_allocator(device)), layout, precision)
     finally:
         if prev != index:
             _set_device(prev)
@@ -674,7 +652,7 @@ def conv_transpose2d_backward(grad_output: Tensor, input: Tensor, weight: Tensor
     for name, t in (("grad_output", grad_output), ("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _check_output_mask(output_mask)
+    _output_mask(output_mask)
     params = (_pair(stride), _pair(padding), _pair(output_padding), groups, _pair(dilation))
     return _backward(grad_output, input, weight, params, tuple(output_mask))
 

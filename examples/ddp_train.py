@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import cupyconv.compiler  # noqa: E402
+import cupyconv.jit.compiler  # noqa: E402
 import cupyconv.torch as ct  # noqa: E402
 
 
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
 
-    compiled = sorted(cupyconv.compiler.compiled_devices())
+    compiled = sorted(cupyconv.jit.compiler.compiled_devices())
     diag = {
         "rank": rank,
         "world_size": world,

@@ -27,7 +27,6 @@ ones need tensors of 2**31 elements (tests/test_huge_gpu.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -130,15 +129,15 @@ VARIANT_BASES = ("gemm-wide-float16-nhwc", "gemm-wide-bfloat16-nchw", "gemm-wide
 
 def variant_cases(cases: Sequence[Case]) -> List[Case]:
     """For a few layers, one case per tuner candidate of each pass beyond the default."""
-    from cupyconv import tuning
+    from cupyconv.plans import table
 
     out = []
     by_name = {c.name: c for c in cases}
     for base in VARIANT_BASES:
         case = by_name[base]
         g = _geometry(case)
-        per_pass = {p: [v.name for v in tuning.candidates(p, g, case.dtype, case.layout, case.precision,
-                                                          gemm=True)[1:]] for p in PASSES}
+        per_pass = {p: [v.name for v in table.candidates(p, g, case.dtype, case.layout, case.precision)[1:]]
+                    for p in PASSES}
         for i in range(max((len(v) for v in per_pass.values()), default=0)):
             forced = tuple((p, names[i]) for p, names in per_pass.items() if i < len(names))
             out.append(replace(case, name=f"{base}-variant{i + 1}", variants=forced))
@@ -162,77 +161,47 @@ def select(cases: Sequence[Case], patterns: Optional[str]) -> List[Case]:
 
 
 def _geometry(case: Case):
-    from cupyconv.geometry import ConvParams, geometry
+    from cupyconv.core.geometry import ConvParams, geometry
 
     return geometry(case.x_shape, case.w_shape, None, ConvParams.from_args(**case.kw))
 
 
 # -------------------------------------------------------------------- the plan, no GPU
 
-@contextlib.contextmanager
 def _forced_variants(case: Case):
-    """Make the engine run the case's tuner variants, and the tuner's default for the other passes.
+    """Run the case's tuner variants, and the tuner's default for the other passes.
 
     Nothing is timed and nothing is remembered, so planning on the host and running on the
     GPU pick the same kernels.
     """
-    from cupyconv import tuning
+    from cupyconv.tuning import Variant, pinned
 
-    forced = {p: tuning.Variant.parse(name) for p, name in case.variants}
-    original = tuning.chosen
-
-    def chosen(pass_, g, dtype, layout, precision, device_id):
-        v = forced.get(pass_)
-        return v if v is not None else tuning.candidates(pass_, g, dtype, layout, precision, gemm=True)[0]
-
-    tuning.chosen = chosen
-    try:
-        yield
-    finally:
-        tuning.chosen = original
-
-
-@contextlib.contextmanager
-def _planning_only(sm_count: int = 132):
-    """The engine as on an sm_80+ GPU (an H100 by default), every launch replaced by a note of its kernel."""
-    from cupyconv import engine, launch
-
-    seen = []
-    saved = (engine._tensor_cores, engine.sm_count, launch.Plan.run)
-    engine._tensor_cores = lambda device_id: True
-    engine.sm_count = lambda device_id: sm_count
-    launch.Plan.run = lambda plan, *args, **kwargs: seen.append(plan.spec)
-    try:
-        yield seen
-    finally:
-        engine._tensor_cores, engine.sm_count, launch.Plan.run = saved
+    return pinned({p: Variant.parse(name) for p, name in case.variants})
 
 
 def planned_specs(case: Case, sm_count: int = 132) -> list:
-    """The kernels (KernelSpecs) the case launches, worked out on the host."""
+    """The kernels (KernelSpecs) the case launches, worked out on the host for an sm_90 GPU of ``sm_count`` SMs."""
     from cupyconv import engine
+    from cupyconv.core import device
+    from cupyconv.plans.launch import Recorder
 
     g = _geometry(case)
-    dtype = case.dtype
-    with _planning_only(sm_count) as seen, _forced_variants(case):
-        layout = case.layout
-        act = 2 if case.unaligned else 1 << 20
-        w, out, scratch = 2 << 20, 3 << 20, 4 << 20
-
-        def alloc(nbytes):
-            return None, scratch
-
-        engine.forward(g, dtype, act, w, out if case.bias else None, out, 0, 0, alloc, layout, case.precision)
-        engine.grad_input(g, dtype, act, w, out, 0, 0, alloc, layout, case.precision)
-        engine.grad_weight(g, dtype, act, act, out, 0, 0, alloc, layout, case.precision)
+    dtype, layout = case.dtype, case.layout
+    recorder = Recorder(device.fake(0, sm_count=sm_count))
+    act = 2 if case.unaligned else 1 << 20
+    w, out = 2 << 20, 3 << 20
+    with _forced_variants(case):
+        engine.forward(g, dtype, act, w, out if case.bias else None, out, recorder, layout, case.precision)
+        engine.grad_input(g, dtype, act, w, out, recorder, layout, case.precision)
+        engine.grad_weight(g, dtype, act, act, out, recorder, layout, case.precision)
         if case.bias or case.api == "cupy":
-            engine.grad_bias(g, dtype, act, out, 0, 0, alloc, layout)
-    return seen
+            engine.grad_bias(g, dtype, act, out, recorder, layout)
+    return [plan.spec for _, plan in recorder.launches]
 
 
 def template_functions() -> Dict[str, str]:
     """Every kernel function of every template: {function: template}."""
-    from cupyconv import templates
+    from cupyconv.jit import templates
 
     pattern = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(')
     found = {}
@@ -334,16 +303,16 @@ def run_case(case: Case, check: bool) -> dict:
 def worker_main(names: Sequence[str], report: str, check: bool) -> int:
     import cupy
 
-    from cupyconv import compiler
+    from cupyconv.jit import compiler
 
     cupy.cuda.set_allocator(None)  # every CuPy buffer its own cudaMalloc, as torch's with caching off
     by_name = {c.name: c for c in all_cases()}
     if check:
         # the plain run fills the disk cache for the sanitized ones; side by side is much faster
-        from cupyconv import engine
-        from cupyconv.compiler import compile_many
+        from cupyconv.core import device
+        from cupyconv.jit.compiler import compile_many
 
-        sm = engine.sm_count(0)
+        sm = device.get(0).sm_count
         specs = [spec for name in names for spec in planned_specs(by_name[name], sm)]
         compile_many(specs, 0, workers=os.cpu_count() or 8)
     statuses = []
@@ -352,8 +321,7 @@ def worker_main(names: Sequence[str], report: str, check: bool) -> int:
             statuses.append(run_case(by_name[name], check))
         except Exception as exc:  # reported per case; the sanitizer's own report follows regardless
             statuses.append({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
-    kernels = sorted({kernel_label(key[1], dict(key[2])) for key, entry in compiler._entries.items()
-                      if entry.function is not None})
+    kernels = sorted({kernel_label(spec.function, dict(spec.constants)) for spec, _ in compiler.compiled_specs()})
     with open(report, "w") as f:
         json.dump({"cases": statuses, "kernels": kernels}, f, indent=1)
     return 0 if all(s["ok"] for s in statuses) else EXIT_WORKLOAD

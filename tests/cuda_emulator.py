@@ -23,7 +23,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from cupyconv import templates
+from cupyconv.jit import templates
 
 COMPILER = shutil.which("g++")
 

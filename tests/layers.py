@@ -5,7 +5,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from cupyconv.geometry import output_size
+from cupyconv.core.geometry import output_size
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,11 @@ def random_layer(rng: random.Random, dtype: str, max_kernel=7, max_stride=4, max
                       dtype)
         if min(layer.out_size()) >= 1:
             return layer
+
+
+def uses_gemm(g, dtype: str, device_id: int = 0) -> bool:
+    """Whether the pass table lets the tensor-core GEMMs run this layer on CUDA device ``device_id``."""
+    from cupyconv.core import device
+    from cupyconv.plans import table
+
+    return any(f.name == "gemm" for f in table.eligible("forward", g, dtype, "nchw", device.get(device_id)))

@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 import cupyconv
-from cupyconv import compiler, launch
-from cupyconv.compiler import KernelSpec, compile_count, compile_ptx
-from cupyconv.geometry import ConvParams, geometry
+from cupyconv.jit import compiler
+from cupyconv.plans import direct
+from cupyconv.jit.compiler import KernelSpec, compile_count, compile_ptx
+from cupyconv.core.geometry import ConvParams, geometry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,7 +122,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 def test_nvrtc_from_sixteen_threads_at_once():
     """What compile_many relies on: NVRTC compiling side by side gives what it gives alone."""
     g = geometry((2, 6, 5, 7), (6, 2, 3, 2), None, ConvParams.from_args(stride=(2, 1), groups=3, dilation=(1, 2)))
-    specs = [launch.plan_forward(g, dt, bias).spec for dt in ("float32", "float16") for bias in (False, True)]
+    specs = [direct.plan_forward(g, dt, bias).spec for dt in ("float32", "float16") for bias in (False, True)]
     serial = {s: compile_ptx(s.source(), s.function, "compute_80") for s in specs}
     barrier = threading.Barrier(16)
     results = [None] * 16
@@ -158,7 +159,7 @@ try:
     import torch
     import torch.nn.functional as F
     import cupyconv, cupyconv.torch as ct
-    from cupyconv import compiler
+    from cupyconv.jit import compiler
     go_flag = os.environ.get("WORKER_GO_FILE")
     if go_flag:  # everything imported: say so, then start together with the other processes
         import time

@@ -6,14 +6,16 @@ import itertools
 
 import pytest
 
-from cupyconv import compiler, launch
-from cupyconv.compiler import KernelCompileError, KernelSpec, compile_ptx
-from cupyconv.geometry import ConvParams, geometry
+from cupyconv.core import dtypes
+from cupyconv.jit import compiler
+from cupyconv.plans import direct, gemm, launch, reduction, table
+from cupyconv.jit.compiler import KernelCompileError, KernelSpec, compile_ptx
+from cupyconv.core.geometry import ConvParams, geometry
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 ARCHS = ("compute_80", "compute_90")
-DTYPES = tuple(launch.DTYPES)
+DTYPES = dtypes.NAMES
 
 # Layers chosen to reach every tiling branch of the planners: one or many stride phases,
 # one or several kernel-row blocks for grad_weight, channel blocks that do and do not
@@ -41,7 +43,7 @@ def _plans():
         for dtype in DTYPES:
             for bias in (False, True):
                 for layout in launch.LAYOUTS:
-                    for plan in launch.all_plans(g, dtype, bias, layout=layout):
+                    for plan in table.all_plans(g, dtype, bias, layout, families_named=("direct", "reduction")):
                         seen.setdefault(plan.spec, f"{layer}-{dtype}-{layout}-{plan.spec.function}-{plan.index_t}")
     return seen
 
@@ -64,22 +66,22 @@ def _gemm_plans():
     for layer, (x_shape, w_shape, kwargs) in GEMM_LAYERS.items():
         g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
         for (dtype, precision), layout in itertools.product(GEMM_CASES, launch.LAYOUTS):
-            plans = launch.all_gemm_plans(g, dtype, True, layout, precision)
-            plans += launch.plan_grad_bias(g, dtype, 132, layout)
+            plans = table.all_plans(g, dtype, True, layout, precision, families_named=("gemm",))
+            plans += reduction.plan_grad_bias(g, dtype, 132, layout)
             for plan in plans:
                 seen.setdefault(plan.spec, f"{layer}-{dtype}-{precision}-{layout}-{plan.spec.function}-{plan.index_t}")
     g = geometry(*GEMM_LAYERS["gemm_dense_3x5"][:2], None, ConvParams.from_args())
-    for tile in launch.TILES.values():
-        for plan in (launch.plan_forward_gemm(g, "float16", False, "nhwc", tile=tile).gemm,
-                     launch.plan_grad_input_gemm(g, "bfloat16", "nchw", tile=tile).gemm,
-                     launch.plan_grad_weight_gemm(g, "float32", 132, "nchw", "tf32", tile=tile)[0]):
+    for tile in gemm.TILES.values():
+        for plan in (gemm.plan_forward_gemm(g, "float16", False, "nhwc", tile=tile).gemm,
+                     gemm.plan_grad_input_gemm(g, "bfloat16", "nchw", tile=tile).gemm,
+                     gemm.plan_grad_weight_gemm(g, "float32", 132, "nchw", "tf32", tile=tile)[0]):
             seen.setdefault(plan.spec, f"tile-{tile.name}-{plan.spec.function}")
-        vec = launch.plan_grad_weight_gemm(g, "float16", 132, "nhwc", tile=tile)[0]
+        vec = gemm.plan_grad_weight_gemm(g, "float16", 132, "nhwc", tile=tile)[0]
         seen.setdefault(vec.spec, f"tile-{tile.name}-vector-{vec.spec.function}")
-    for stages in launch.STAGE_CHOICES:
-        for plan in (launch.plan_forward_gemm(g, "float16", True, "nchw", stages=stages).gemm,
-                     launch.plan_grad_input_gemm(g, "float32", "nhwc", "tf32", stages=stages).gemm,
-                     launch.plan_grad_weight_gemm(g, "bfloat16", 132, "nchw", stages=stages)[0]):
+    for stages in gemm.STAGE_CHOICES:
+        for plan in (gemm.plan_forward_gemm(g, "float16", True, "nchw", stages=stages).gemm,
+                     gemm.plan_grad_input_gemm(g, "float32", "nhwc", "tf32", stages=stages).gemm,
+                     gemm.plan_grad_weight_gemm(g, "bfloat16", 132, "nchw", stages=stages)[0]):
             seen.setdefault(plan.spec, f"stages-{stages}-{plan.spec.function}")
     return seen
 
@@ -89,7 +91,7 @@ PLANS = {**_plans(), **_gemm_plans()}
 
 def test_variants_reach_every_template_and_both_index_widths():
     templates_used = {spec.template for spec in PLANS}
-    from cupyconv import templates
+    from cupyconv.jit import templates
 
     assert templates_used == set(templates.template_names())
     widths = {dict(spec.constants)["INDEX_T"] for spec in PLANS}
@@ -97,11 +99,11 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {dict(s.constants).get("SCALAR_T") for s in PLANS} == {"float", "double", "half_t", "bf16_t", None}
     for data_movement in ("pack_weight.cu", "to_channels_last.cu"):
         assert {dict(s.constants)["ELEMENT_BYTES"] for s in PLANS if s.template == data_movement} == {2, 4}
-    gemm = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_igemm.cu"]
-    assert {c["STAGES"] for c in gemm if c["A_VEC"]} == set(launch.STAGE_CHOICES)
-    assert {(c["SRC_CL"], c["DST_CL"]) for c in gemm} == {(True, True), (True, False), (False, False)}
+    gemms = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_igemm.cu"]
+    assert {c["STAGES"] for c in gemms if c["A_VEC"]} == set(gemm.STAGE_CHOICES)
+    assert {(c["SRC_CL"], c["DST_CL"]) for c in gemms} == {(True, True), (True, False), (False, False)}
     grad_weight = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_grad_weight_igemm.cu"]
-    assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(launch.STAGE_CHOICES)
+    assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(gemm.STAGE_CHOICES)
     assert {c["VEC"] for c in grad_weight} == {True, False}
 
 
@@ -117,14 +119,14 @@ def test_index_width_follows_tensor_size():
     assert launch.index_type(10, 2 ** 31 - 1) == "int"
     assert launch.index_type(10, 2 ** 31) == "long long"
     g = geometry((1, 1, 50000, 50000), (1, 2, 2, 2), None, ConvParams.from_args(stride=2))
-    assert launch.plan_forward(g, "float16", False).index_t == "long long"
+    assert direct.plan_forward(g, "float16", False).index_t == "long long"
     small = geometry((1, 1, 50, 50), (1, 2, 2, 2), None, ConvParams.from_args(stride=2))
-    assert launch.plan_forward(small, "float16", False).index_t == "int"
+    assert direct.plan_forward(small, "float16", False).index_t == "int"
 
 
 def test_spatial_size_is_a_runtime_argument():
     params = ConvParams.from_args(stride=2, padding=1)
-    specs = {launch.plan_forward(geometry((n, 4) + hw, (4, 3, 3, 3), None, params), "float32", True).spec
+    specs = {direct.plan_forward(geometry((n, 4) + hw, (4, 3, 3, 3), None, params), "float32", True).spec
              for n, hw in ((1, (5, 5)), (7, (31, 9)), (2, (128, 64)))}
     assert len(specs) == 1
 
@@ -161,7 +163,7 @@ def test_importing_compiles_nothing():
     import subprocess
     import sys
 
-    code = ("import cupyconv, sys; from cupyconv import compiler; "
+    code = ("import cupyconv, sys; from cupyconv.jit import compiler; "
             "assert compiler.compile_count() == 0; "
             "assert 'cupy' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)

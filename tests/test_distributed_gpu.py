@@ -24,7 +24,7 @@ pytestmark = [
 
 import cupyconv  # noqa: E402
 import cupyconv.torch as ct  # noqa: E402
-from cupyconv.compiler import compiled_devices  # noqa: E402
+from cupyconv.jit.compiler import compiled_devices  # noqa: E402
 from test_distributed import check_training, param_difference, run_training  # noqa: E402
 
 GPU_RUN = ("--backend", "nccl", "--device", "cuda", "--steps", "50")

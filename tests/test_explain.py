@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from cupyconv import launch
-from cupyconv.explain import (DEFAULT_PEAK, NA_NO_GPU, Explanation, Peak, _attribute_peak, _table_peak,
-                              explain)
-from cupyconv.functional import _gpu_present
-from cupyconv.geometry import ConvParams, geometry
-from cupyconv.templates import format_constant
+from cupyconv.core import dtypes
+from cupyconv.core.device import attribute_peak as _attribute_peak, gpu_present, table_peak as _table_peak
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.explain import DEFAULT_PEAK, NA_NO_GPU, Explanation, Peak, explain
+from cupyconv.jit.templates import format_constant
+from cupyconv.plans import direct, reduction
 
-GPU = _gpu_present()
+GPU = gpu_present()
 
 # (input shape, weight shape, layer kwargs, dtype)
 LAYERS = {
@@ -54,8 +54,8 @@ def test_reports_every_pass_with_the_plans(name):
     assert e.geometry == g and e.input_shape == tuple(x_shape) and e.dtype == dtype
     assert e.output_shape == g.user_shape(g.output_shape) and len(e.output_shape) == len(x_shape)
     sm = e.sm_count
-    plans = [launch.plan_forward(g, dtype, has_bias), launch.plan_grad_input(g, dtype),
-             *launch.plan_grad_weight(g, dtype, sm), *launch.plan_grad_bias(g, dtype, sm)]
+    plans = [direct.plan_forward(g, dtype, has_bias), direct.plan_grad_input(g, dtype),
+             *direct.plan_grad_weight(g, dtype, sm), *reduction.plan_grad_bias(g, dtype, sm)]
     for k, plan in zip(e.kernels, plans):
         assert k.template == plan.spec.template and k.function == plan.spec.function
         assert k.function in k.variant and k.template in k.variant
@@ -88,7 +88,7 @@ def test_flops_bytes_and_roofline(name):
     n, c_in, h, w = g.input_shape
     c_out, groups = g.out_channels, g.groups
     kh, kw = g.kernel
-    size = launch.DTYPES[dtype][2]
+    size = dtypes.get(dtype).itemsize
     fwd = e.pass_("forward")
     assert fwd.flops == 2 * n * c_in * (c_out // groups) * h * w * kh * kw
     x_b, w_b, y_b = (math.prod(s) * size for s in (g.input_shape, g.weight_shape, g.output_shape))
@@ -211,7 +211,7 @@ def test_custom_peak_and_sm_count():
     e = _explain("dense_3x5", peak=slow_memory, sm_count=4)
     assert all(p.bound == "memory" for p in e.passes) and e.peak is slow_memory and e.sm_count == 4
     g = _geometry("dense_3x5")
-    assert e.pass_("grad_weight").kernels[0].grid == launch.plan_grad_weight(g, "float32", 4)[0].grid
+    assert e.pass_("grad_weight").kernels[0].grid == direct.plan_grad_weight(g, "float32", 4)[0].grid
     slow_math = Peak("toy", bandwidth=1e15, flops_fp32=1e6, flops_fp64=1e6, source="made up")
     assert explain((2, 8, 9, 11), (8, 16, 3, 5), peak=slow_math).pass_("forward").bound == "compute"
 
@@ -313,3 +313,53 @@ def test_cupyconv_torch_module():
     m = cct.ConvTranspose2d(4, 8, 4, stride=2, padding=1)
     e = explain(m, (3, 4, 6, 6))
     assert e.output_shape == (3, 8, 12, 12) and e.layer["source"] == "module ConvTranspose2d"
+
+
+@pytest.mark.skipif(GPU, reason="checks the host-only plan for the assumed H100")
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_explain_reports_the_layouts_kernels(layout):
+    """channels_last layers run the NHWC direct kernels and read the GEMM sources in place."""
+    thin = explain((2, 8, 7, 6), (8, 3, 3, 2), groups=4, stride=2, layout=layout)
+    functions = {k.function for k in thin.kernels}
+    nhwc = layout == "channels_last"
+    assert thin.layout == ("nhwc" if nhwc else "nchw")
+    assert ("conv_transpose2d_forward_nhwc" in functions) == nhwc
+    assert ("conv_transpose2d_forward" in functions) != nhwc
+    assert thin.pass_("forward").variant == "direct" and thin.pass_("grad_bias").variant == "reduction"
+    dense = explain((2, 32, 9, 11), (32, 48, 3, 5), stride=2, padding=1, dtype="float16", layout=layout)
+    stages = [k.stage for k in dense.kernels]
+    # NCHW sources go through channels_last copies; grad_output's is made once for both grads
+    assert stages.count("to_channels_last") == (0 if nhwc else 3)
+    assert dense.pass_("forward").variant == "gemm"
+    assert all(dict(k.constants).get("DST_CL", nhwc) == nhwc for k in dense.kernels if k.stage == "main")
+    assert "channels_last" in dense.text() if nhwc else "contiguous" in dense.text()
+
+
+@pytest.mark.skipif(GPU, reason="checks the host-only plan for the assumed H100")
+def test_explain_reports_the_precision_that_runs():
+    args = ((2, 32, 9, 11), (32, 32, 4, 4))
+    strict = explain(*args, stride=2, padding=1, dtype="float32")
+    tf32 = explain(*args, stride=2, padding=1, dtype="float32", precision="tf32")
+    kinds = [{dict(k.constants).get("MMA_KIND") for k in e.kernels} - {None} for e in (strict, tf32)]
+    assert kinds == [{3}, {2}]   # mma.cuh: 3xTF32 for strict float32, TF32 when allowed
+    assert strict.precision == "strict" and tf32.precision == "tf32"
+    with pytest.raises(ValueError, match="precision"):
+        explain(*args, precision="fp8")
+    with pytest.raises(ValueError, match="layout"):
+        explain(*args, layout="nhcw")
+
+
+@pytest.mark.skipif(GPU, reason="checks the host-only plan for the assumed H100")
+def test_explain_matches_the_engine_on_a_recorder():
+    """explain's kernels are the launches the engine makes for the same call, in order."""
+    from cupyconv import engine
+    from cupyconv.core import device
+    from cupyconv.plans.launch import Recorder
+
+    g = geometry((2, 32, 9, 11), (32, 48, 3, 5), None, ConvParams.from_args(stride=2, padding=1))
+    rec = Recorder(device.ASSUMED)
+    engine.forward(g, "bfloat16", 1 << 32, 2 << 32, 3 << 32, 4 << 32, rec, "nchw", "strict")
+    engine.backward(g, "bfloat16", 4 << 32, 1 << 32, 2 << 32, 5 << 32, 6 << 32, 7 << 32, rec, "nchw", "strict")
+    e = explain((2, 32, 9, 11), (32, 48, 3, 5), stride=2, padding=1, dtype="bfloat16")
+    assert [(k.stage, k.function, k.grid) for k in e.kernels] == \
+        [(stage, plan.spec.function, plan.grid) for stage, plan in rec.launches]

@@ -47,9 +47,13 @@ from hypothesis import strategies as st  # noqa: E402
 F = torch.nn.functional
 
 import cupyconv.torch as ct  # noqa: E402
-from cupyconv import engine, launch, tuning  # noqa: E402
-from cupyconv.compiler import compile_many  # noqa: E402
-from cupyconv.geometry import ConvParams, geometry, output_size  # noqa: E402
+from cupyconv import engine, tuning  # noqa: E402
+from cupyconv.core import device  # noqa: E402
+from cupyconv.plans import table  # noqa: E402
+from cupyconv.plans.launch import Recorder  # noqa: E402
+from cupyconv.jit.compiler import compile_many  # noqa: E402
+from cupyconv.core.geometry import ConvParams, geometry, output_size  # noqa: E402
+from layers import uses_gemm  # noqa: E402
 
 EXAMPLES = int(os.environ.get("CUPYCONV_FUZZ_EXAMPLES", "200"))
 BATCH = max(1, int(os.environ.get("CUPYCONV_FUZZ_BATCH", "20")))
@@ -274,17 +278,6 @@ def _poison(shapes, dtype):
     del blocks
 
 
-# ----------------------------------------------------------- forcing the tuner's choices
-
-_forced: dict = {}
-_original_chosen = tuning.chosen
-
-
-def _chosen(pass_, g, dtype, layout, precision, device_id):
-    v = _forced.get(pass_)
-    return v if v is not None else _original_chosen(pass_, g, dtype, layout, precision, device_id)
-
-
 def _geometry(case: FuzzCase):
     return geometry(case.input_shape, case.weight_shape, None, ConvParams.from_args(**case.kwargs()))
 
@@ -299,17 +292,17 @@ def _dtype_name(case: FuzzCase) -> str:
 
 def _layout(case: FuzzCase, g, x) -> str:
     """The memory layout the engine runs ``x`` in, decided as cupyconv.torch decides it."""
-    return "nhwc" if ct._channels_last(x) and engine.uses_gemm(g, _dtype_name(case), 0) else "nchw"
+    return ct._layout_for(x)
 
 
 def _variants(case: FuzzCase, g, layout: str) -> dict:
     """The tuner candidate this case runs for each pass (the direct kernels where nothing else can)."""
     dt = _dtype_name(case)
-    if not engine.uses_gemm(g, dt, 0):
+    if not uses_gemm(g, dt, 0):
         return {}
     picked = {}
     for pass_, index in zip(PASSES, case.variants):
-        cands = tuning.candidates(pass_, g, dt, layout, _precision(case), gemm=True)
+        cands = table.candidates(pass_, g, dt, layout, _precision(case), device.get(0))
         picked[pass_] = cands[index % len(cands)]
     return picked
 
@@ -317,8 +310,8 @@ def _variants(case: FuzzCase, g, layout: str) -> dict:
 def _specs(case: FuzzCase) -> list:
     """Kernels this case will launch, to compile ahead on a thread pool (a miss only costs time).
 
-    The engine itself decides, on pointers as aligned as the real ones will be, with every
-    launch replaced by a note of its kernel.
+    The engine itself decides, on pointers as aligned as the real ones will be, on a
+    recorder that notes each launch instead of making it.
     """
     g = _geometry(case)
     dt, precision, dtype = _dtype_name(case), _precision(case), TORCH_DTYPES[case.mode]
@@ -329,32 +322,18 @@ def _specs(case: FuzzCase) -> list:
     x, go = probe(case.input_shape, case.x_view), probe(case.output_shape, case.go_view)
     layout = _layout(case, g, x)
     xp, gop = (ct._in_layout(t, layout).data_ptr() for t in (x, go))
-    w, out, scratch = 1 << 20, 2 << 20, 3 << 20
-    seen = []
-
-    def note_spec(plan, *args, **kwargs):
-        seen.append(plan.spec)
-
-    def alloc(nbytes):
-        return None, scratch
-
-    _forced.clear()
-    _forced.update(_variants(case, g, layout))
-    saved_run, saved_chosen, saved_zero = launch.Plan.run, tuning.chosen, engine._zero
-    # Only planning: nothing may reach the device through the placeholder pointers.
-    launch.Plan.run, tuning.chosen, engine._zero = note_spec, _chosen, lambda *args: None
+    w, out = 1 << 20, 2 << 20
+    recorder = Recorder(device.get(0))
     try:
-        engine.forward(g, dt, xp, w, out if case.bias else None, out, 0, 0, alloc, layout, precision)
-        engine.grad_input(g, dt, gop, w, out, 0, 0, alloc, layout, precision)
-        engine.grad_weight(g, dt, xp, gop, out, 0, 0, alloc, layout, precision)
-        if case.bias:
-            engine.grad_bias(g, dt, gop, out, 0, 0, alloc, layout)
+        with tuning.pinned(_variants(case, g, layout)):
+            engine.forward(g, dt, xp, w, out if case.bias else None, out, recorder, layout, precision)
+            engine.grad_input(g, dt, gop, w, out, recorder, layout, precision)
+            engine.grad_weight(g, dt, xp, gop, out, recorder, layout, precision)
+            if case.bias:
+                engine.grad_bias(g, dt, gop, out, recorder, layout)
     except Exception:  # planning here is only a head start: anything missed compiles on first use
         pass
-    finally:
-        launch.Plan.run, tuning.chosen, engine._zero = saved_run, saved_chosen, saved_zero
-        _forced.clear()
-    return seen
+    return [plan.spec for _, plan in recorder.launches]
 
 
 @contextlib.contextmanager
@@ -371,16 +350,10 @@ def _tf32(allowed: bool):
 
 def _run_ours(case: FuzzCase, x, w, b, go, variants: dict, dtype):
     _poison([case.output_shape, case.input_shape, case.weight_shape, (case.out_channels,)], dtype)
-    _forced.clear()
-    _forced.update(variants)
-    tuning.chosen = _chosen
-    try:
+    with tuning.pinned(variants):
         ours = _run(ct.conv_transpose2d, x, w, b, go, case)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-    finally:
-        tuning.chosen = _original_chosen
-        _forced.clear()
     return ours
 
 
@@ -415,7 +388,7 @@ def check_case(case: FuzzCase) -> dict:
         x, w, b, go = data()
         layout = _layout(case, g, x)
         variants = _variants(case, g, layout)
-        result = {"gemm": engine.uses_gemm(g, _dtype_name(case), 0), "layout": layout,
+        result = {"gemm": uses_gemm(g, _dtype_name(case), 0), "layout": layout,
                   "variants": {p: v.name for p, v in variants.items()}, "ratio": {}, "fallback": False}
         try:
             ours = _run_ours(case, x, w, b, go, variants, dtype)

@@ -23,10 +23,12 @@ pytestmark = [
 ]
 
 import cupyconv.torch as ct  # noqa: E402
-from cupyconv import engine, launch, reference  # noqa: E402
-from cupyconv.geometry import ConvParams, geometry  # noqa: E402
+from cupyconv import reference  # noqa: E402
+from cupyconv.plans import gemm, launch, table  # noqa: E402
+from cupyconv.tuning import Variant  # noqa: E402
+from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
 
-from layers import Layer  # noqa: E402
+from layers import Layer, uses_gemm  # noqa: E402
 
 CASES = [  # (dtype, allow_tf32)
     (torch.float32, False), (torch.float32, True), (torch.float16, False), (torch.bfloat16, False)]
@@ -116,7 +118,7 @@ def test_gemm_matches_float64(index, case, channels_last, tf32_flag):
     dtype, allow_tf32 = case
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     g = _geometry(layer)
-    assert engine.uses_gemm(g, ct._DTYPE_NAMES[dtype], 0)
+    assert uses_gemm(g, ct._DTYPE_NAMES[dtype], 0)
     x, w, b, go = _data(layer, seed=index)
     ref = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)
     ours = _run(ct.conv_transpose2d, x, w, b, go, layer, dtype, channels_last)
@@ -178,14 +180,14 @@ def test_tensor_cores_can_be_switched_off(monkeypatch, tf32_flag):
     torch.backends.cudnn.allow_tf32 = False  # strict on both paths, so they must agree to fp32 rounding
     layer = LAYERS[0]
     g = _geometry(layer)
-    assert engine.uses_gemm(g, "float16", 0)
-    monkeypatch.setenv(engine.TENSOR_CORES_ENV, "0")
-    assert not engine.uses_gemm(g, "float16", 0)
+    assert uses_gemm(g, "float16", 0)
+    monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
+    assert not uses_gemm(g, "float16", 0)
     x, w, b, go = _data(layer)
-    direct = _run(ct.conv_transpose2d, x, w, b, go, layer, torch.float32, False)
-    monkeypatch.delenv(engine.TENSOR_CORES_ENV)
-    gemm = _run(ct.conv_transpose2d, x, w, b, go, layer, torch.float32, False)
-    for a, c in zip(direct, gemm):
+    on_direct = _run(ct.conv_transpose2d, x, w, b, go, layer, torch.float32, False)
+    monkeypatch.delenv(gemm.TENSOR_CORES_ENV)
+    on_gemm = _run(ct.conv_transpose2d, x, w, b, go, layer, torch.float32, False)
+    for a, c in zip(on_direct, on_gemm):
         if a is not None:
             assert _rel_err(c, a.double()) <= 2e-6
 
@@ -195,8 +197,8 @@ def _scratch(nbytes):
     return buf, buf.data_ptr()
 
 
-TILE_STAGES = [(tile, launch.DEFAULT_STAGES) for tile in sorted(launch.TILES)]
-TILE_STAGES += [("64x64", s) for s in launch.STAGE_CHOICES if s != launch.DEFAULT_STAGES]
+TILE_STAGES = [(tile, gemm.DEFAULT_STAGES) for tile in sorted(gemm.TILES)]
+TILE_STAGES += [("64x64", s) for s in gemm.STAGE_CHOICES if s != gemm.DEFAULT_STAGES]
 
 
 @pytest.mark.parametrize("tile,stages", TILE_STAGES)
@@ -206,18 +208,18 @@ def test_every_block_tile_is_correct(tile, stages):
     g = _geometry(layer)
     x, w, b, go = _data(layer)
     xs, ws, bs, gos = (t.half().contiguous() for t in (x, w, b, go))
-    stream = torch.cuda.current_stream().cuda_stream
-    t = launch.TILES[tile]
+    launcher = launch.Launcher(0, torch.cuda.current_stream().cuda_stream, _scratch)
+    variant = Variant.make("gemm", tile=tile, stages=stages)
+
+    def run(pass_, *pointers):
+        table.plan(pass_, variant, g, "float16", "nchw", "strict", pass_ == "forward").run(launcher, pointers)
+
     y = torch.empty(go.shape, dtype=torch.float16, device="cuda")
-    launch.plan_forward_gemm(g, "float16", True, "nchw", "strict", t, stages=stages).run(
-        0, stream, xs.data_ptr(), ws.data_ptr(), bs.data_ptr(), y.data_ptr(), _scratch)
+    run("forward", xs.data_ptr(), ws.data_ptr(), bs.data_ptr(), y.data_ptr())
     gi = torch.empty_like(xs)
-    launch.plan_grad_input_gemm(g, "float16", "nchw", "strict", t, stages=stages).run(
-        0, stream, gos.data_ptr(), ws.data_ptr(), 0, gi.data_ptr(), _scratch)
+    run("grad_input", gos.data_ptr(), ws.data_ptr(), gi.data_ptr())
     gw = torch.empty_like(ws)
-    partial, reduce = launch.plan_grad_weight_gemm(g, "float16", 132, "nchw", "strict", t, stages=stages)
-    launch.run_grad_weight_gemm(g, "float16", partial, reduce, 0, stream, xs.data_ptr(), gos.data_ptr(),
-                                gw.data_ptr(), _scratch, "nchw", True)
+    run("grad_weight", xs.data_ptr(), gos.data_ptr(), gw.data_ptr())
     ref = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)
     for got, want in zip((y, gi, gw), ref[:3]):
         assert _rel_err(got, want) <= 2e-3
@@ -237,7 +239,7 @@ def test_to_channels_last_copy(element_bytes, batch, channels, pixels, offset):
     src = flat[offset:].view(batch, channels, pixels)
     dst = torch.full((batch, pixels, channels), -1, dtype=dtype, device="cuda")
     name = {2: "float16", 4: "float32"}[element_bytes]
-    plan = launch.plan_to_channels_last(batch, channels, pixels, name)
+    plan = gemm.plan_to_channels_last(batch, channels, pixels, name)
     plan.run(0, torch.cuda.current_stream().cuda_stream, (src.data_ptr(), dst.data_ptr()))
     torch.cuda.synchronize()
     assert torch.equal(dst, src.transpose(1, 2))

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from cupyconv.geometry import ConvParams, Geometry, as_int, as_pair, geometry, output_padding_for, output_size
+from cupyconv.core.geometry import ConvParams, Geometry, as_int, as_pair, geometry, output_padding_for, output_size
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

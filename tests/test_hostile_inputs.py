@@ -230,9 +230,10 @@ BACKWARD_ROWS = [
     bwd("input_none", R(TE, "input"), input=None),
     bwd("weight_mismatch", R(VE, "weight"), weight=A((5, 3, 3, 2), seed=1)),
     bwd("zero_height", R(VE, "input"), input=A((2, 4, 0, 6))),
-    *[bwd(f"mask_{label}", R((TE, VE), "output_mask"), output_mask=value)
-      for label, value in [("two", (True, True)), ("four", [True] * 4), ("ints", (1, 1, 1)), ("none", None),
-                           ("str", "TTT"), ("nested", ((True,), True, True))]],
+    # one check on every path: the wrong type is a TypeError, the wrong length a ValueError
+    *[bwd(f"mask_{label}", R(exc, "output_mask"), output_mask=value)
+      for label, value, exc in [("two", (True, True), VE), ("four", [True] * 4, VE), ("ints", (1, 1, 1), TE),
+                                ("none", None, TE), ("str", "TTT", TE), ("nested", ((True,), True, True), TE)]],
     *[bwd(f"{name}_{label}", R(exc, name), **{name: value}) for name, label, value, exc in
       [("stride", "float", 2.0, TE), ("stride", "zero", 0, VE), ("groups", "bool", True, TE),
        ("dilation", "big", 2 ** 40, VE), ("output_padding", "too_large", 1, VE), ("padding", "negative", -1, VE)]],
@@ -782,8 +783,9 @@ NONFINITE_MODES = {  # name: (dtype, TF32 allowed)
 def test_nonfinite_values_propagate_as_in_torch_gpu(where, layer, mode, value, request, monkeypatch):
     """One NaN or Inf in the input (forward) or in grad_output (backward), on every kernel and dtype."""
     _cuda()
-    from cupyconv import engine, tuning
-    from cupyconv.geometry import ConvParams, geometry
+    from cupyconv import tuning
+    from cupyconv.core.geometry import ConvParams, geometry
+    from layers import uses_gemm
 
     # the tuner's default kernels, not whichever a timing run happens to pick
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
@@ -791,7 +793,7 @@ def test_nonfinite_values_propagate_as_in_torch_gpu(where, layer, mode, value, r
     dtype, tf32 = NONFINITE_MODES[mode]
     xs, ws, kw = NONFINITE_LAYERS[layer]
     g = geometry(xs, ws, None, ConvParams.from_args(**kw))
-    gemm = engine.uses_gemm(g, str(dtype).replace("torch.", ""), 0)
+    gemm = uses_gemm(g, str(dtype).replace("torch.", ""), 0)
     if dtype == torch.float64 and layer == "tensor_cores":
         pytest.skip("float64 always runs on the direct kernels")
     assert gemm == (layer == "tensor_cores")

@@ -25,8 +25,9 @@ F = torch.nn.functional
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")]
 
 import cupyconv.torch as ct  # noqa: E402
-from cupyconv import engine, tuning  # noqa: E402
-from cupyconv.geometry import ConvParams, geometry  # noqa: E402
+from cupyconv import tuning  # noqa: E402
+from layers import uses_gemm  # noqa: E402
+from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
 
 INT32_LIMIT = 2 ** 31
 MEMORY_LIMIT = 40e9
@@ -195,7 +196,7 @@ def test_huge_tensor_forward_and_backward(case: Huge, heuristic_variants):
     params = ConvParams.from_args(**case.kwargs())
     g = geometry(case.input_shape, case.weight_shape, None, params)
     dt = ct._DTYPE_NAMES[case.dtype]
-    assert engine.uses_gemm(g, dt, 0) == case.gemm
+    assert uses_gemm(g, dt, 0) == case.gemm
     assert max(math.prod(g.input_shape), math.prod(g.output_shape)) >= INT32_LIMIT
 
     x = _random(case.input_shape, case.dtype, fmt, seed=1)

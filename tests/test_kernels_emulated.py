@@ -12,8 +12,10 @@ import random
 import numpy as np
 import pytest
 
-from cupyconv import launch, reference, templates
-from cupyconv.geometry import ConvParams, geometry
+from cupyconv import reference
+from cupyconv.jit import templates
+from cupyconv.plans import direct, launch, reduction
+from cupyconv.core.geometry import ConvParams, geometry
 
 import cuda_emulator
 from layers import random_layer
@@ -124,18 +126,18 @@ def test_direct_kernels_match_the_reference(name, dtype, layout):
     to_layout, from_layout = (_nhwc, _nchw) if layout == "nhwc" else (np.ascontiguousarray,) * 2
     xl, gol = to_layout(x), to_layout(go)
 
-    *_, y = cuda_emulator.run(launch.plan_forward(g, dtype, True, layout),
+    *_, y = cuda_emulator.run(direct.plan_forward(g, dtype, True, layout),
                               [xl, w, b, to_layout(_empty(g.output_shape, dtype))], [ctype] * 4)
     _close(from_layout(y), reference.conv_transpose2d(x64, w64, b64, **args), tol, f"{name} {layout} forward", dtype)
 
     want_gi, want_gw, want_gb = reference.conv_transpose2d_backward(go64, x64, w64, **args)
-    *_, gi = cuda_emulator.run(launch.plan_grad_input(g, dtype, layout),
+    *_, gi = cuda_emulator.run(direct.plan_grad_input(g, dtype, layout),
                                [gol, w, to_layout(_empty(g.input_shape, dtype))], [ctype] * 3)
     _close(from_layout(gi), want_gi, tol, f"{name} {layout} grad_input", dtype)
 
-    gw, _ = _split_k(*launch.plan_grad_weight(g, dtype, 4, layout), (xl, gol), g.weight_shape, dtype)
+    gw, _ = _split_k(*direct.plan_grad_weight(g, dtype, 4, layout), (xl, gol), g.weight_shape, dtype)
     _close(gw, want_gw, tol, f"{name} {layout} grad_weight", dtype)
-    gb, _ = _split_k(*launch.plan_grad_bias(g, dtype, 4, layout), (gol,), (g.out_channels,), dtype)
+    gb, _ = _split_k(*reduction.plan_grad_bias(g, dtype, 4, layout), (gol,), (g.out_channels,), dtype)
     _close(gb, want_gb, tol, f"{name} {layout} grad_bias", dtype)
 
 
@@ -144,14 +146,14 @@ def test_the_layers_reach_the_planners_branches():
         g, _ = _layer(name)
         return dict(plan(g).spec.constants)
 
-    assert constants("long_stride", lambda g: launch.plan_forward(g, "float64", True))["STAGE_STORES"] is False
-    assert constants("grouped_dilated", lambda g: launch.plan_forward(g, "float64", True))["STAGE_STORES"] is True
-    chunked = constants("chunked_weights", lambda g: launch.plan_forward(g, "float64", True))
+    assert constants("long_stride", lambda g: direct.plan_forward(g, "float64", True))["STAGE_STORES"] is False
+    assert constants("grouped_dilated", lambda g: direct.plan_forward(g, "float64", True))["STAGE_STORES"] is True
+    chunked = constants("chunked_weights", lambda g: direct.plan_forward(g, "float64", True))
     assert chunked["IC_CHUNK"] < 40 and chunked["OC_BLOCK"] == 6
-    assert constants("chunked_weights", lambda g: launch.plan_grad_weight(g, "float64", 4)[0])["CELLS"] == 1
+    assert constants("chunked_weights", lambda g: direct.plan_grad_weight(g, "float64", 4)[0])["CELLS"] == 1
     depthwise, _ = _layer("depthwise")
-    assert launch.plan_grad_weight(depthwise, "float64", 4)[0].grid[0] > 1  # several split-K chunks
-    kh_blocks = {launch.plan_grad_weight(_layer(n)[0], "float64", 4)[0].grid[2] for n in LAYERS}
+    assert direct.plan_grad_weight(depthwise, "float64", 4)[0].grid[0] > 1  # several split-K chunks
+    kh_blocks = {direct.plan_grad_weight(_layer(n)[0], "float64", 4)[0].grid[2] for n in LAYERS}
     assert max(kh_blocks) > 1
 
 
@@ -159,7 +161,7 @@ def test_a_wrong_kernel_is_caught(monkeypatch):
     """The emulation is a real check: a kernel that drops one tap no longer matches."""
     g, args = _layer("grouped_dilated")
     x, w, b, _ = _data(g, "float64", seed=1)
-    plan = launch.plan_forward(g, "float64", True)
+    plan = direct.plan_forward(g, "float64", True)
     broken = launch.Plan(launch.KernelSpec.make(plan.spec.template, plan.spec.function,
                                                 {**dict(plan.spec.constants), "KW": 4}),
                          plan.grid, plan.block, plan.scalars, plan.index_t)
@@ -177,13 +179,13 @@ def test_the_emulation_replaces_every_ptx_conversion_of_the_common_header():
 @pytest.mark.parametrize("name,dtype", [("depthwise", "float32"), ("grouped_dilated", "float16")])
 def test_nhwc_blocks_walking_several_images(name, dtype, monkeypatch):
     """Weights staged once per channel tile serve every image a block walks (blockIdx.z < batch)."""
-    monkeypatch.setattr(launch, "_BLOCKS_TO_FILL", 1)
+    monkeypatch.setattr(direct, "_BLOCKS_TO_FILL", 1)
     g, args = _layer(name)
     x, w, b, go = _data(g, dtype, seed=7)
     x64, w64, b64, go64 = (_values(a, dtype) for a in (x, w, b, go))
     ctype, tol = C_TYPE[dtype], TOLERANCE[dtype]
-    fwd = launch._plan_forward_nhwc(g, dtype, True)
-    gi_plan = launch._plan_grad_input_nhwc(g, dtype)
+    fwd = direct._plan_forward_nhwc(g, dtype, True)
+    gi_plan = direct._plan_grad_input_nhwc(g, dtype)
     assert fwd.grid[2] < g.batch and gi_plan.grid[2] < g.batch
     *_, y = cuda_emulator.run(fwd, [_nhwc(x), w, b, _nhwc(_empty(g.output_shape, dtype))], [ctype] * 4)
     _close(_nchw(y), reference.conv_transpose2d(x64, w64, b64, **args), tol, f"{name} forward", dtype)

@@ -1,17 +1,18 @@
 """Every kernel against float64 torch on the GPU, over a randomized sweep of layers."""
 from __future__ import annotations
 
-import math
 import os
 import random
 
 import pytest
 
-from cupyconv import engine, launch
-from cupyconv.compiler import compile_count, compile_many
-from cupyconv.geometry import ConvParams, geometry
+from cupyconv import engine
+from cupyconv.core import device
+from cupyconv.plans import direct, launch, reduction, table
+from cupyconv.jit.compiler import compile_count, compile_many
+from cupyconv.core.geometry import ConvParams, geometry
 
-from layers import Layer, random_layer
+from layers import Layer, random_layer, uses_gemm
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -74,11 +75,12 @@ def cupyconv_raw(layer_kwargs, x, w, b, go, dtype_name, layout="nchw"):
         t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=x.device)
         return t, t.data_ptr()
 
+    launcher = launch.Launcher(dev, stream, alloc)
     engine.forward(g, dtype_name, x4.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                   dev, stream, alloc, layout)
-    engine.grad_input(g, dtype_name, go4.data_ptr(), w.data_ptr(), gi.data_ptr(), dev, stream, alloc, layout)
-    engine.grad_weight(g, dtype_name, x4.data_ptr(), go4.data_ptr(), gw.data_ptr(), dev, stream, alloc, layout)
-    engine.grad_bias(g, dtype_name, go4.data_ptr(), gb.data_ptr(), dev, stream, alloc, layout)
+                   launcher, layout)
+    engine.grad_input(g, dtype_name, go4.data_ptr(), w.data_ptr(), gi.data_ptr(), launcher, layout)
+    engine.grad_weight(g, dtype_name, x4.data_ptr(), go4.data_ptr(), gw.data_ptr(), launcher, layout)
+    engine.grad_bias(g, dtype_name, go4.data_ptr(), gb.data_ptr(), launcher, layout)
     unbatch = (lambda t: t) if g.batched else (lambda t: t[0])
     return unbatch(y), unbatch(gi), gw, gb
 
@@ -112,7 +114,8 @@ def precompiled():
         g = geometry(layer.input_shape, layer.weight_shape, (layer.out_channels,) if layer.bias else None,
                      ConvParams.from_args(**layer.kwargs()))
         for layout in ("nchw", "nhwc"):
-            specs += [p.spec for p in launch.all_plans(g, layer.dtype, layer.bias, engine.sm_count(0), layout)]
+            specs += [p.spec for p in table.all_plans(g, layer.dtype, layer.bias, layout, device=device.get(0),
+                                                      families_named=("direct", "reduction"))]
     compile_many(specs, 0, workers=os.cpu_count() or 8)
 
 
@@ -199,7 +202,7 @@ DIRECT_EDGE_LAYERS = {
 def test_direct_kernel_edge_tilings(name, dtype_name, layout):
     x_shape, w_shape, kwargs, _ = DIRECT_EDGE_LAYERS[name]
     g = geometry(x_shape, w_shape, (w_shape[1] * kwargs.get("groups", 1),), ConvParams.from_args(**kwargs))
-    assert not engine.uses_gemm(g, dtype_name, 0)
+    assert not uses_gemm(g, dtype_name, 0)
     gen = torch.Generator(device="cuda").manual_seed(3)
     dt = torch_dtype(dtype_name)
     x, w, b, go = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
@@ -216,7 +219,7 @@ def test_channels_last_grad_bias_tiles(channels, dtype_name):
     """grad_bias on channels_last: pixel lanes for few channels, channel tiles past 256, many chunks."""
     x_shape, w_shape = (4, 2, 45, 61), (2, channels, 2, 2)
     g = geometry(x_shape, w_shape, (channels,), ConvParams.from_args(stride=2))
-    plan = launch.plan_grad_bias(g, dtype_name, engine.sm_count(0), "nhwc")[0]
+    plan = reduction.plan_grad_bias(g, dtype_name, device.get(0).sm_count, "nhwc")[0]
     tile = dict(plan.spec.constants)["CHANNEL_TILE"]
     assert tile == min(channels, 256) and plan.grid[0] > 1
     gen = torch.Generator(device="cuda").manual_seed(channels)
@@ -232,7 +235,7 @@ def test_channels_last_grad_bias_tiles(channels, dtype_name):
     results = []
     for _ in range(2):
         gb = torch.full((channels,), float("nan"), device="cuda", dtype=go_cl.dtype)
-        engine.grad_bias(g, dtype_name, go_cl.data_ptr(), gb.data_ptr(), 0, stream, alloc, "nhwc")
+        engine.grad_bias(g, dtype_name, go_cl.data_ptr(), gb.data_ptr(), launch.Launcher(0, stream, alloc), "nhwc")
         results.append(gb)
     assert_close(results[0], want, TOLERANCE[dtype_name], f"grad_bias {channels} channels {dtype_name}")
     assert torch.equal(results[0], results[1]), "grad_bias is not reproducible bit for bit"
@@ -244,14 +247,14 @@ def test_direct_edge_layers_reach_their_tilings():
         g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
         return g, dict(plan(g, dtype).spec.constants)
 
-    _, fwd = constants("long_stride", "float32", lambda g, dt: launch.plan_forward(g, dt, True))
+    _, fwd = constants("long_stride", "float32", lambda g, dt: direct.plan_forward(g, dt, True))
     assert fwd["STAGE_STORES"] is False
-    g, fwd = constants("chunked_weights", "float64", lambda g, dt: launch.plan_forward(g, dt, True))
+    g, fwd = constants("chunked_weights", "float64", lambda g, dt: direct.plan_forward(g, dt, True))
     assert fwd["IC_CHUNK"] < g.in_per_group and fwd["OC_BLOCK"] == 6
-    _, gw = constants("chunked_weights", "float32", lambda g, dt: launch.plan_grad_weight(g, dt, 132)[0])
+    _, gw = constants("chunked_weights", "float32", lambda g, dt: direct.plan_grad_weight(g, dt, 132)[0])
     assert gw["CELLS"] == 1
-    g, _ = constants("many_groups", "float32", lambda g, dt: launch.plan_forward(g, dt, True))
-    assert launch.plan_forward(g, "float32", True).grid[1] == 65535
+    g, _ = constants("many_groups", "float32", lambda g, dt: direct.plan_forward(g, dt, True))
+    assert direct.plan_forward(g, "float32", True).grid[1] == 65535
 
 
 # ------------------------------------------------------------------ the CuPy array API

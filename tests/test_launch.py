@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cupyconv import launch
-from cupyconv.geometry import ConvParams, geometry
+from cupyconv.core import device, dtypes
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import direct, gemm, launch, reduction
 
 
 class Recorder:
@@ -27,11 +28,13 @@ class Recorder:
 def recorder(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(launch.Plan, "run", lambda plan, d, s, p: rec.run(plan, d, s, p))
+    with device.substitute(device.fake(0)):
+        rec.launcher = launch.Launcher(0, 0, rec.alloc)
     return rec
 
 
 def test_carve_gives_aligned_disjoint_pieces(recorder):
-    keep, pieces = launch._carve(recorder.alloc, [1, 300, 0, 256])
+    keep, pieces = launch.carve(recorder.alloc, [1, 300, 0, 256])
     assert len(recorder.allocs) == 1 and recorder.allocs[0] == 256 + 512 + 0 + 256
     assert all((p - pieces[0]) % 256 == 0 for p in pieces)
     assert pieces == sorted(pieces) and pieces[1] - pieces[0] >= 1 and pieces[2] - pieces[1] >= 300
@@ -44,15 +47,16 @@ def _layer():
 
 def test_backward_passes_share_one_copy_of_grad_output(recorder):
     g = _layer()
-    gi = launch.plan_grad_input_gemm(g, "float16", "nchw")
-    partial, reduce = launch.plan_grad_weight_gemm(g, "float16", 132, "nchw")
-    assert gi.to_channels_last is not None and launch.grad_weight_vectors(g, "float16", "nchw")[1]
+    gi = gemm.plan_grad_input_gemm(g, "float16", "nchw")
+    gw = gemm.FAMILY.plan("grad_weight", gemm.FAMILY.variants("grad_weight", g, "float16", "nchw", "strict")[0], g,
+                          "float16", "nchw", "strict", False, True, 132)
+    assert gi.to_channels_last is not None and gw.sources is not None
     x, go, w, out_gi, out_gw = 0x1000, 0x2000, 0x3000, 0x4000, 0x5000
 
-    copies = launch.SourceCopies()
-    gi.run(0, 0, go, w, 0, out_gi, recorder.alloc, copies)
-    launch.run_grad_weight_gemm(g, "float16", partial, reduce, 0, 0, x, go, out_gw, recorder.alloc, "nchw", True,
-                                copies)
+    launcher = recorder.launcher
+    launcher.copies = launch.SourceCopies()
+    gi.run(launcher, (go, w, out_gi))
+    gw.run(launcher, (x, go, out_gw))
     copied = [ptrs[0] for name, ptrs in recorder.launches if name == "to_channels_last"]
     assert sorted(copied) == [x, go], "grad_output is copied once, x once"
     go_copy = next(ptrs[1] for name, ptrs in recorder.launches if name == "to_channels_last" and ptrs[0] == go)
@@ -63,25 +67,26 @@ def test_backward_passes_share_one_copy_of_grad_output(recorder):
     # without sharing, each pass makes its own copy, from one scratch allocation per pass
     recorder.launches.clear()
     recorder.allocs.clear()
-    gi.run(0, 0, go, w, 0, out_gi, recorder.alloc)
-    launch.run_grad_weight_gemm(g, "float16", partial, reduce, 0, 0, x, go, out_gw, recorder.alloc, "nchw", True)
+    launcher.copies = None
+    gi.run(launcher, (go, w, out_gi))
+    gw.run(launcher, (x, go, out_gw))
     copied = [ptrs[0] for name, ptrs in recorder.launches if name == "to_channels_last"]
     assert sorted(copied) == [x, go, go] and len(recorder.allocs) == 2
 
 
 def test_copies_are_keyed_by_source(recorder):
-    plan = launch.plan_to_channels_last(2, 16, 63, "float16")
+    plan = gemm.plan_to_channels_last(2, 16, 63, "float16")
     copies = launch.SourceCopies()
-    a = copies.get(plan, 0x1000, 0, 0, recorder.alloc)
-    assert copies.get(plan, 0x1000, 0, 0, recorder.alloc) == a
-    assert copies.get(plan, 0x2000, 0, 0, recorder.alloc) != a
+    a = copies.get(plan, 0x1000, recorder.launcher)
+    assert copies.get(plan, 0x1000, recorder.launcher) == a
+    assert copies.get(plan, 0x2000, recorder.launcher) != a
     assert len(recorder.launches) == 2 and recorder.allocs == [plan.scratch_bytes] * 2
 
 
 def test_plans_fetch_their_kernels_again_after_the_compiler_cache_is_cleared(monkeypatch):
     from types import SimpleNamespace
 
-    from cupyconv import compiler
+    from cupyconv.jit import compiler
 
     built = []
 
@@ -91,7 +96,7 @@ def test_plans_fetch_their_kernels_again_after_the_compiler_cache_is_cleared(mon
         return kernel
 
     monkeypatch.setattr(launch, "get_function", fake_get_function)
-    cached = launch.plan_reduce("float32", 1000, 4, "int")
+    cached = reduction.plan_reduce("float32", 1000, 4, "int")
     # a plan of its own: the cached one is shared and may hold real handles
     plan = launch.Plan(cached.spec, cached.grid, cached.block, cached.scalars, cached.index_t)
     first = plan.function(0)
@@ -110,20 +115,21 @@ def _direct_geometry(kernel, groups=4):
 @pytest.mark.parametrize("dtype,kernel", [("float32", (87, 87)), ("float16", (60, 128)), ("float64", (61, 62))])
 def test_direct_kernels_take_kernels_up_to_the_shared_memory_limit(dtype, kernel):
     g = _direct_geometry(kernel)
-    for plan in (launch.plan_forward(g, dtype, True), launch.plan_grad_input(g, dtype)):
+    for plan in (direct.plan_forward(g, dtype, True), direct.plan_grad_input(g, dtype)):
         constants = dict(plan.spec.constants)
         block = constants.get("OC_BLOCK", constants.get("IC_BLOCK"))
         chunk = constants.get("IC_CHUNK", constants.get("OC_CHUNK"))
-        row = -(-kernel[1] * block // (16 // launch.accumulator_bytes(dtype))) * (16 // launch.accumulator_bytes(dtype))
-        assert chunk * kernel[0] * row * launch.accumulator_bytes(dtype) <= 30 * 1024
+        acc = dtypes.get(dtype).accumulator_bytes
+        row = -(-kernel[1] * block // (16 // acc)) * (16 // acc)
+        assert chunk * kernel[0] * row * acc <= 30 * 1024
 
 
 @pytest.mark.parametrize("dtype,kernel", [("float32", (87, 87)), ("float16", (60, 128)), ("float64", (61, 62))])
 def test_channels_last_direct_kernels_fit_static_shared_memory(dtype, kernel):
     g = _direct_geometry(kernel)
-    acc = launch.accumulator_bytes(dtype)
-    for plan, tile, chunk in ((launch.plan_forward(g, dtype, True, "nhwc"), "OC_TILE", "IC_CHUNK"),
-                              (launch.plan_grad_input(g, dtype, "nhwc"), "IC_TILE", "OC_CHUNK")):
+    acc = dtypes.get(dtype).accumulator_bytes
+    for plan, tile, chunk in ((direct.plan_forward(g, dtype, True, "nhwc"), "OC_TILE", "IC_CHUNK"),
+                              (direct.plan_grad_input(g, dtype, "nhwc"), "IC_TILE", "OC_CHUNK")):
         c = dict(plan.spec.constants)
         assert c[chunk] * kernel[0] * kernel[1] * c[tile] * acc <= 48 * 1024
 
@@ -132,8 +138,8 @@ def test_channels_last_direct_kernels_fit_static_shared_memory(dtype, kernel):
 @pytest.mark.parametrize("dtype,kernel", [("float32", (88, 88)), ("bfloat16", (2, 4000)), ("float64", (62, 64))])
 def test_direct_kernels_reject_larger_kernels_by_name(dtype, kernel, layout):
     g = _direct_geometry(kernel)
-    for plan in (lambda: launch.plan_forward(g, dtype, False, layout),
-                 lambda: launch.plan_grad_input(g, dtype, layout)):
+    for plan in (lambda: direct.plan_forward(g, dtype, False, layout),
+                 lambda: direct.plan_grad_input(g, dtype, layout)):
         with pytest.raises(ValueError, match=r"kernel_size \(%d, %d\) is too large" % kernel):
             plan()
 
@@ -144,8 +150,8 @@ def test_channels_last_threads_own_channels_of_one_group(in_per_group, out_per_g
     """A thread's channels share their group's loads, so they never straddle a group or a tile."""
     g = geometry((2, in_per_group * groups, 9, 9), (in_per_group * groups, out_per_group, 3, 3), None,
                  ConvParams.from_args(stride=2, groups=groups))
-    fwd = dict(launch.plan_forward(g, "float32", True, "nhwc").spec.constants)
-    gi = dict(launch.plan_grad_input(g, "float32", "nhwc").spec.constants)
+    fwd = dict(direct.plan_forward(g, "float32", True, "nhwc").spec.constants)
+    gi = dict(direct.plan_grad_input(g, "float32", "nhwc").spec.constants)
     assert out_per_group % fwd["OCB"] == 0 and fwd["OC_TILE"] % fwd["OCB"] == 0
     assert in_per_group % gi["ICB"] == 0 and gi["IC_TILE"] % gi["ICB"] == 0
     # as many channels per thread as the group allows, up to four
@@ -156,23 +162,23 @@ def test_channels_last_blocks_walk_several_images_only_when_the_weights_stay_sta
     # the seed layer: a group's weights fit, so each block serves up to 8 of the 16 images
     g = geometry((16, 32, 128, 256), (32, 16, 3, 5), None,
                  ConvParams.from_args(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4))
-    plan = launch.plan_forward(g, "float16", False, "nhwc")
+    plan = direct.plan_forward(g, "float16", False, "nhwc")
     c = dict(plan.spec.constants)
     assert c["IC_CHUNK"] == g.in_per_group and plan.grid[2] == 2
-    assert plan.grid[0] * plan.grid[1] * plan.grid[2] >= launch._BLOCKS_TO_FILL
+    assert plan.grid[0] * plan.grid[1] * plan.grid[2] >= direct._BLOCKS_TO_FILL
     # float64 weights of 40 input channels are staged in chunks: one image per block
     g = geometry((16, 40, 64, 64), (40, 12, 5, 9), None, ConvParams.from_args(stride=(1, 2), padding=(2, 4)))
-    plan = launch.plan_forward(g, "float64", False, "nhwc")
+    plan = direct.plan_forward(g, "float64", False, "nhwc")
     assert dict(plan.spec.constants)["IC_CHUNK"] < g.in_per_group and plan.grid[2] == g.batch
     # a small layer keeps one image per block, so the GPU still gets its blocks
     g = geometry((4, 8, 5, 7), (8, 4, 3, 3), None, ConvParams.from_args(stride=2, groups=2))
-    assert launch.plan_forward(g, "float32", False, "nhwc").grid[2] == 4
+    assert direct.plan_forward(g, "float32", False, "nhwc").grid[2] == 4
 
 
 @pytest.mark.parametrize("channels", [3, 32, 256, 300])
 def test_channels_last_grad_bias_tiles_channels_and_fills_the_rest_with_pixel_lanes(channels):
     g = geometry((4, 2, 45, 61), (2, channels, 2, 2), (channels,), ConvParams.from_args(stride=2))
-    partial, reduce = launch.plan_grad_bias(g, "float16", 132, "nhwc")
+    partial, reduce = reduction.plan_grad_bias(g, "float16", 132, "nhwc")
     c = dict(partial.spec.constants)
     tile = min(channels, 256)
     assert c["CHANNEL_TILE"] == tile and partial.grid[1] == -(-channels // tile)

@@ -44,7 +44,7 @@ def test_installed_wheel_loads_templates_and_runs_the_demo(wheel, tmp_path):
         subprocess.run([str(py), "-m", "pip", "install", "--quiet", "numpy"], check=True, env=env)
     script = (
         "import cupyconv, pathlib\n"
-        "from cupyconv import templates\n"
+        "from cupyconv.jit import templates\n"
         f"assert not pathlib.Path(cupyconv.__file__).is_relative_to({str(ROOT)!r}), cupyconv.__file__\n"
         "kdir = templates.kernels_dir()\n"
         "assert kdir.parent == pathlib.Path(cupyconv.__file__).parent, kdir\n"

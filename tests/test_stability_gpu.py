@@ -25,8 +25,8 @@ pytestmark = [
 
 import cupyconv  # noqa: E402
 import cupyconv.torch as ct  # noqa: E402
-from cupyconv import engine  # noqa: E402
-from cupyconv.compiler import compile_count  # noqa: E402
+from layers import uses_gemm  # noqa: E402
+from cupyconv.jit.compiler import compile_count  # noqa: E402
 
 ITERATIONS = int(os.environ.get("CUPYCONV_STABILITY_ITERATIONS", "10000"))
 CHECKPOINTS = 10
@@ -143,7 +143,7 @@ def _tensors(shape_x, shape_w, c_out, dtype, channels_last=False, seed=0):
 
 
 def _geometry(x, w, kwargs):
-    from cupyconv.geometry import ConvParams, geometry
+    from cupyconv.core.geometry import ConvParams, geometry
 
     return geometry(x.shape, w.shape, None, ConvParams.from_args(**kwargs))
 
@@ -152,7 +152,7 @@ def test_direct_kernels_10000_calls_leak_nothing():
     kwargs = dict(stride=2, padding=1, output_padding=1, groups=2, dilation=1)
     x, w, b = _tensors((2, 4, 5, 6), (4, 3, 3, 3), 6, torch.float32)
     go = torch.randn(ct.conv_transpose2d(x, w, b, **kwargs).shape, device="cuda")
-    assert not engine.uses_gemm(_geometry(x, w, kwargs), "float32", 0)
+    assert not uses_gemm(_geometry(x, w, kwargs), "float32", 0)
     step = _torch_step(lambda: ct.conv_transpose2d(x, w, b, **kwargs), (x, w, b), go)
     _check_flat("direct fp32", step, ITERATIONS)
 
@@ -162,7 +162,7 @@ def test_tensor_core_kernels_channels_last_calls_leak_nothing():
     x, w, b = _tensors((2, 16, 6, 5), (16, 32, 4, 4), 32, torch.float16, channels_last=True)
     go = torch.randn(ct.conv_transpose2d(x, w, b, **kwargs).shape, device="cuda", dtype=torch.float16)
     go = go.contiguous(memory_format=torch.channels_last)
-    assert engine.uses_gemm(_geometry(x, w, kwargs), "float16", 0)
+    assert uses_gemm(_geometry(x, w, kwargs), "float16", 0)
     step = _torch_step(lambda: ct.conv_transpose2d(x, w, b, **kwargs), (x, w, b), go)
     _check_flat("tensor cores fp16 channels_last", step, max(1, ITERATIONS // 5))
 

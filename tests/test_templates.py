@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from cupyconv import templates
+from cupyconv.jit import templates
 
 EXPECTED = {
     "conv_transpose2d_forward.cu",

@@ -1,7 +1,8 @@
-"""Autotuning without a GPU: keys, candidates, the choices file and the decision rules.
+"""Autotuning without a GPU: variants, the pass table's candidates, keys, the choices file and the decisions.
 
-Timing itself needs a GPU (tests/test_tuning_gpu.py); here ``tuning._measure`` is replaced
-by a fake that returns chosen times, so everything around it is checked on the CPU.
+Timing itself needs a GPU (tests/test_tuning_gpu.py); here ``decide._measure`` is replaced
+by a fake that returns chosen times, and the engine runs on a :class:`Recorder` of a fake
+device, so everything around the timing is checked on the CPU.
 """
 import json
 import os
@@ -13,8 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from cupyconv import engine, launch, tuning
-from cupyconv.geometry import ConvParams, geometry
+import cupyconv
+from cupyconv import engine, tuning
+from cupyconv.core import device
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import direct, gemm, launch, table
+from cupyconv.plans.launch import Recorder
+from cupyconv.tuning import decide, explicit, store
+from cupyconv.tuning.variants import DIRECT, GEMM, Variant
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,38 +35,75 @@ WIDE = _g((4, 128, 8, 8), (128, 96, 4, 4), stride=2, padding=1)        # GEMM-el
 N16 = _g((3, 64, 16, 16), (64, 16, 3, 3))                               # GEMM N = 16 in the forward
 DEPTHWISE = _g((2, 16, 8, 8), (16, 1, 4, 4), stride=2, padding=1, groups=16)
 GPU_NAME, ARCH = "Fake GPU 80GB", "90"
+# The device every decision here is made for, and a second one of the same kind.
+DEV = device.fake(0, name=GPU_NAME, arch=ARCH)
+DEV1 = device.fake(1, name=GPU_NAME, arch=ARCH)
+PRE_AMPERE = device.fake(0, name="Fake Turing", arch="75")
+TUNED = explicit.TUNED_PASSES
+# 16-byte aligned made-up pointers for the engine's passes (aligned channels_last activations)
+_X, _W, _B, _Y, _GX, _GW = ((i + 1) << 32 for i in range(6))
 
 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
-    """Autotuning on, an empty cache directory, a fake device, and no choice remembered."""
+    """Autotuning on, an empty cache directory, no stream under capture, and no choice remembered."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
     monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(engine.TENSOR_CORES_ENV, raising=False)
-    monkeypatch.setattr(tuning, "_device_info", lambda device_id: (GPU_NAME, ARCH))
-    monkeypatch.setattr(tuning, "_capturing", lambda stream_ptr: False)
+    monkeypatch.delenv(gemm.TENSOR_CORES_ENV, raising=False)
+    monkeypatch.setattr(decide, "_capturing", lambda stream_ptr: False)
     tuning.clear()
     yield tmp_path / "cache"
     tuning.clear()
 
 
 class FakeTimer:
-    """Stands in for ``tuning._measure``: times by variant name, and counts calls."""
+    """Stands in for ``decide._measure``: times by variant name, and counts calls."""
 
     def __init__(self, times=None, default=1.0):
         self.times = times or {}
         self.default = default
         self.calls = []
+        self.devices = []
 
-    def __call__(self, cands, run, plans, device_id, stream_ptr, repeat):
+    def __call__(self, cands, run, plans, device, stream_ptr, repeat):
         self.calls.append([v.name for v in cands])
+        self.devices.append(device)
         return {v: self.times.get(v.name, self.default) for v in cands if self.times.get(v.name, 0) is not None}
 
 
-def _choose(pass_="forward", g=THIN, dtype="float16", layout="nchw", precision="strict", device_id=0):
+class TimingRecorder(Recorder):
+    """A recorder the tuner may time on (``decide._measure`` is faked, so nothing is launched)."""
+
+    timing = True
+
+
+def _cands(pass_="forward", g=THIN, dtype="float16", layout="nchw", precision="strict", dev=DEV):
+    return table.candidates(pass_, g, dtype, layout, precision, dev)
+
+
+def _choose(pass_="forward", g=THIN, dtype="float16", layout="nchw", precision="strict", dev=DEV, timing=True):
     runs = []
-    v = tuning.choose(pass_, g, dtype, layout, precision, device_id, 0, runs.append, lambda v: None)
+    cands = _cands(pass_, g, dtype, layout, precision, dev)
+    v = decide.choose(pass_, g, dtype, layout, precision, dev, 0, cands, runs.append,
+                      lambda v: table.plan(pass_, v, g, dtype, layout, precision).plans(), timing=timing)
     return v, runs
+
+
+def _plans(pass_, v, g=THIN, dtype="float16", layout="nchw", precision="strict", has_bias=False, dev=DEV):
+    return table.plan(pass_, v, g, dtype, layout, precision, has_bias, True, dev.sm_count).plans()
+
+
+def _run_engine(launcher, pass_, g=THIN, dtype="float16", layout="nchw", precision="strict"):
+    """One pass through the engine on ``launcher``; returns what it recorded for the pass."""
+    if pass_ == "forward":
+        engine.forward(g, dtype, _X, _W, _B, _Y, launcher, layout, precision)
+    elif pass_ == "grad_input":
+        engine.grad_input(g, dtype, _Y, _W, _GX, launcher, layout, precision)
+    else:
+        engine.grad_weight(g, dtype, _X, _Y, _GW, launcher, layout, precision)
+    recorded = launcher.passes[-1]
+    assert recorded.name == pass_
+    return recorded
 
 
 def _entries(cache_dir):
@@ -68,28 +112,48 @@ def _entries(cache_dir):
     return data["entries"]
 
 
+def _key(pass_="forward", g=THIN, dtype="float16", layout="nchw", precision="strict"):
+    return tuning.make_key(pass_, g, dtype, layout, precision, GPU_NAME, ARCH)
+
+
 # ------------------------------------------------------------------------------ variants
 
 def test_variant_names_round_trip():
-    for g in (THIN, WIDE, N16):
+    for g in (THIN, WIDE, N16, DEPTHWISE):
         for dtype, precision in (("float16", "strict"), ("float32", "tf32"), ("float32", "strict")):
-            for pass_ in tuning.PASSES:
+            for pass_ in table.PASSES:
                 for layout in launch.LAYOUTS:
-                    for v in tuning.candidates(pass_, g, dtype, layout, precision):
-                        assert tuning.Variant.parse(v.name) == v
-    assert tuning.Variant.parse("direct") is tuning.DIRECT
-    assert tuning.Variant.parse("gemm") == tuning.GEMM
-    for bad in ("", "gemm:7x7", "gemm:64x64:64x64", "gemm:sx", "cudnn", "gemm:s2:s3", "direct:64x64"):
+                    for v in table.candidates(pass_, g, dtype, layout, precision):
+                        assert Variant.parse(v.name) == v
+                        assert hash(Variant.parse(v.name)) == hash(v)
+    assert Variant.parse("direct") == DIRECT == Variant.make("direct") and DIRECT.name == "direct"
+    assert Variant.parse("gemm") == GEMM and GEMM.family == "gemm" and GEMM.kwargs == {}
+    v = Variant.parse("gemm:128x64:s3")
+    assert v == Variant.make("gemm", stages=3, tile="128x64") and v.kwargs == {"tile": "128x64", "stages": 3}
+    assert v.name == "gemm:128x64:s3" and Variant.parse("gemm:s2").kwargs == {"stages": 2}
+    for bad in ("", "gemm:64x64:64x64", "gemm:sx", "gemm:s2:s3", "gemm:s3:64x64", "gemm:", "Gemm", "gemm:64x64:s2:s3",
+                ":64x64", "gemm:64x"):
         with pytest.raises(ValueError):
-            tuning.Variant.parse(bad)
+            Variant.parse(bad)
+
+
+def test_well_formed_names_of_no_family_or_tile_are_no_candidate():
+    """Variant.parse only checks the form (the tuner knows no family); the pass table rejects the rest."""
+    every = {v for g in (THIN, WIDE, N16, DEPTHWISE) for p in table.PASSES for layout in launch.LAYOUTS
+             for v in table.candidates(p, g, "float16", layout)}
+    for name in ("gemm:7x7", "cudnn", "direct:64x64"):
+        v = Variant.parse(name)
+        assert v not in every
+    with pytest.raises(KeyError):
+        table.plan("forward", Variant.parse("cudnn"), THIN, "float16")
+    with pytest.raises(KeyError):
+        table.plan("forward", Variant.parse("gemm:7x7"), THIN, "float16")
 
 
 # ------------------------------------------------------------------------------ the key
 
 def test_key_names_version_code_gpu_arch_pass_layer_dtype_layout_and_precision():
     key = tuning.make_key("grad_input", THIN, "float32", "nhwc", "tf32", GPU_NAME, ARCH)
-    import cupyconv
-
     parts = key.split("|")
     assert parts[:4] == [cupyconv.__version__, tuning.code_hash(), GPU_NAME, "sm_90"]
     assert parts[4] == "grad_input"
@@ -134,93 +198,188 @@ def test_code_hash_is_stable_and_short():
 # ----------------------------------------------------------------------- candidates
 
 def _tile(v):
-    return v.kwargs.get("tile")
+    """The Tile a variant names, or None for the planner's own."""
+    name = v.kwargs.get("tile")
+    return None if name is None else gemm.TILES[name]
 
 
-@pytest.mark.parametrize("pass_", tuning.PASSES)
+@pytest.mark.parametrize("pass_", TUNED)
 @pytest.mark.parametrize("case", [("float16", "strict"), ("bfloat16", "strict"), ("float32", "tf32"),
                                   ("float32", "strict")], ids=["fp16", "bf16", "tf32", "fp32_strict"])
 def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
     dtype, precision = case
     for g in (THIN, WIDE, N16):
         for layout in launch.LAYOUTS:
-            cands = tuning.candidates(pass_, g, dtype, layout, precision)
-            assert cands[0] == tuning.GEMM, "the heuristic must come first: it is the fallback and tie-breaker"
-            assert len(cands) == len(set(cands)) <= tuning.MAX_GEMM_CANDIDATES + 1
+            cands = table.candidates(pass_, g, dtype, layout, precision)
+            assert isinstance(cands, tuple)
+            assert cands[0] == GEMM, "the heuristic must come first: it is the fallback and tie-breaker"
+            assert len(cands) == len(set(cands))
+            assert sum(v.family == "gemm" for v in cands) <= gemm.FAMILY.max_variants == 7
+            assert set(v.family for v in cands) <= {"gemm", "direct"} and cands.count(DIRECT) <= 1
             identities = set()
             for v in cands:
-                plans = tuning._plans_of(tuning._plan(pass_, v, g, dtype, layout, precision))
+                plans = table.plan(pass_, v, g, dtype, layout, precision).plans()
                 assert plans and all(isinstance(p, launch.Plan) for p in plans)
                 identities.add(tuple(plans))
             assert len(identities) == len(cands), "two candidates launch the same kernels"
 
 
+def test_candidates_list_variants_that_plan_alike_once():
+    # 18 input channels: 36-byte float16 rows split into no 16-byte vectors, so the forward GEMM
+    # gathers elements and always double-buffers: every pipeline depth plans the heuristic's launches
+    g = _g((2, 18, 9, 11), (18, 48, 3, 3), stride=2, padding=1)
+    depths = [opts for opts in gemm.options("forward", g, "float16", "strict") if "stages" in opts]
+    assert depths, "the GEMM family offers other pipeline depths"
+    heuristic = tuple(_plans("forward", GEMM, g))
+    for opts in depths:
+        assert tuple(_plans("forward", Variant.make("gemm", **opts), g)) == heuristic
+    cands = table.candidates("forward", g, "float16", "nchw", "strict")
+    assert cands[0] == GEMM and not [v for v in cands if "stages" in v.kwargs]
+    # ...whereas every option that plans differently stays a candidate (up to the family's cap)
+    distinct = {tuple(_plans("forward", Variant.make("gemm", **o), g))
+                for o in gemm.options("forward", g, "float16", "strict")}
+    assert len([v for v in cands if v.family == "gemm"]) == min(len(distinct), gemm.FAMILY.max_variants)
+    # a tile equal to the planner's own default is the heuristic again, and is not listed twice
+    default = gemm.plan_forward_gemm(g, "float16", False, "nhwc").gemm.spec.constants
+    default_tile = f"{dict(default)['BM']}x{dict(default)['BN']}"
+    assert {"tile": default_tile} in gemm.options("forward", g, "float16", "strict")
+    assert Variant.make("gemm", tile=default_tile) not in table.candidates("forward", g, "float16", "nhwc")
+
+
+def test_every_gemm_option_plans():
+    """The GEMM family hands its options straight to its planners: none may be refused (the pass table
+    would silently drop a variant whose planner takes no such option)."""
+    for g in (THIN, WIDE, N16):
+        for pass_ in TUNED:
+            for dtype, precision in (("float16", "strict"), ("float32", "tf32"), ("float32", "strict")):
+                for opts in gemm.options(pass_, g, dtype, precision):
+                    for layout in launch.LAYOUTS:
+                        assert _plans(pass_, Variant.make("gemm", **opts), g, dtype, layout, precision)
+
+
 def test_tile_sides_fit_the_gemm():
     # forward GEMM N is C_out per group = 16: no tile wider than 32 along N
-    for v in tuning.candidates("forward", N16, "float16", "nhwc", "strict"):
-        if not v.gemm:
+    for v in table.candidates("forward", N16, "float16", "nhwc", "strict"):
+        if v.family != "gemm":
             continue
-        plan = tuning._plan("forward", v, N16, "float16", "nhwc", "strict")
+        plan = table.plan("forward", v, N16, "float16", "nhwc", "strict")
         assert dict(plan.gemm.spec.constants)["BN"] == 32
     # ...but grad_input's N is C_in per group = 64, where 128-wide tiles are pointless too
-    for v in tuning.candidates("grad_input", N16, "float16", "nhwc", "strict"):
+    for v in table.candidates("grad_input", N16, "float16", "nhwc", "strict"):
         assert _tile(v) is None or _tile(v).bn in (32, 64)
     # grad_weight's tile covers C_in x C_out per group: 64 x 16
-    for v in tuning.candidates("grad_weight", N16, "float16", "nhwc", "strict"):
+    for v in table.candidates("grad_weight", N16, "float16", "nhwc", "strict"):
         assert _tile(v) is None or (_tile(v).bm in (32, 64) and _tile(v).bn == 32)
     # a wide layer tries the 128-wide tiles
-    names = {v.name for v in tuning.candidates("forward", WIDE, "float16", "nhwc", "strict")}
+    names = {v.name for v in table.candidates("forward", WIDE, "float16", "nhwc", "strict")}
     assert {"gemm:64x64", "gemm:64x128"} & names or "gemm:128x64" in names
-    assert len(tuning.candidates("forward", WIDE, "float16", "nhwc", "strict")) >= 3
+    assert len(table.candidates("forward", WIDE, "float16", "nhwc", "strict")) >= 3
 
 
 def test_strict_float32_never_tries_tiles_over_64x64():
     for g in (THIN, WIDE, N16):
-        for pass_ in tuning.PASSES:
-            for v in tuning.candidates(pass_, g, "float32", "nhwc", "strict"):
-                if not v.gemm:
+        for pass_ in TUNED:
+            for v in table.candidates(pass_, g, "float32", "nhwc", "strict"):
+                if v.family != "gemm":
                     continue
-                plans = tuning._plans_of(tuning._plan(pass_, v, g, "float32", "nhwc", "strict"))
+                plans = table.plan(pass_, v, g, "float32", "nhwc", "strict").plans()
                 gemm_plan = [p for p in plans if "igemm" in p.spec.template][0]
                 constants = dict(gemm_plan.spec.constants)
                 assert constants["BM"] * constants["BN"] <= 64 * 64, v.name
     # TF32 has no such cap
-    wide_tf32 = tuning.candidates("forward", WIDE, "float32", "nhwc", "tf32")
+    wide_tf32 = table.candidates("forward", WIDE, "float32", "nhwc", "tf32")
     assert any(_tile(v) is not None and _tile(v).bm * _tile(v).bn > 64 * 64 for v in wide_tf32)
 
 
 def test_direct_kernels_are_a_candidate_for_thin_layers_only():
-    for pass_ in tuning.PASSES:
+    for pass_ in TUNED:
         for layout in ("nchw", "nhwc"):
-            assert tuning.candidates(pass_, THIN, "float16", layout, "strict")[-1] == tuning.DIRECT
-        assert tuning.DIRECT not in tuning.candidates(pass_, WIDE, "float16", "nchw", "strict")
+            assert table.candidates(pass_, THIN, "float16", layout, "strict")[-1] == DIRECT
+        assert DIRECT not in table.candidates(pass_, WIDE, "float16", "nchw", "strict")
         # layers the tensor cores cannot run have the direct kernels only
-        assert tuning.candidates(pass_, DEPTHWISE, "float16", "nchw", "strict") == [tuning.DIRECT]
-        assert tuning.candidates(pass_, THIN, "float64", "nchw", "strict") == [tuning.DIRECT]
-        assert tuning.candidates(pass_, THIN, "float16", "nchw", "strict", gemm=False) == [tuning.DIRECT]
+        assert table.candidates(pass_, DEPTHWISE, "float16", "nchw", "strict") == (DIRECT,)
+        assert table.candidates(pass_, THIN, "float64", "nchw", "strict") == (DIRECT,)
+        # ...and so has a device without tensor cores the kernels can use
+        assert table.candidates(pass_, THIN, "float16", "nchw", "strict", PRE_AMPERE) == (DIRECT,)
+        assert table.candidates(pass_, WIDE, "float16", "nhwc", "strict", PRE_AMPERE) == (DIRECT,)
 
 
-@pytest.mark.parametrize("pass_", tuning.PASSES)
-def test_pipeline_depths_are_tried_when_the_planner_takes_them(pass_):
-    cands = tuning.candidates(pass_, WIDE, "float16", "nhwc", "strict")
+@pytest.mark.parametrize("pass_", TUNED)
+def test_direct_kernels_race_below_64_channels_per_group(pass_):
+    limit = direct.RACE_BELOW_CHANNELS
+    assert limit == 64
+
+    def layer(cin, cout, groups=1):
+        return _g((2, cin, 9, 11), (cin, cout // groups, 3, 3), stride=2, padding=1, groups=groups)
+
+    for g, races in ((layer(limit, limit), False), (layer(limit, limit - 1), True), (layer(limit - 1, limit), True),
+                     (layer(2 * limit, 2 * limit), False), (layer(2 * limit, 2 * limit, groups=2), False),
+                     (layer(2 * limit, 2 * limit, groups=4), True)):
+        assert direct.FAMILY.races(pass_, g, "float16") == races
+        for layout in launch.LAYOUTS:
+            cands = table.candidates(pass_, g, "float16", layout, "strict")
+            assert cands[0] == GEMM and (DIRECT in cands) == races, (g.in_per_group, g.out_per_group)
+            assert [f.name for f in table.eligible(pass_, g, "float16", layout)] == ["gemm", "direct"]
+
+
+@pytest.mark.parametrize("pass_", TUNED)
+def test_pipeline_depths_are_tried_for_every_gemm_pass(pass_):
+    cands = table.candidates(pass_, WIDE, "float16", "nhwc", "strict")
     staged = [v for v in cands if "stages" in v.kwargs]
-    assert [v.kwargs["stages"] for v in staged] == list(tuning._stage_choices(pass_))
+    assert [v.kwargs["stages"] for v in staged] == [s for s in gemm.STAGE_CHOICES if s != gemm.DEFAULT_STAGES]
+    assert staged, "every GEMM planner takes a pipeline depth"
     for v in staged:
-        plans = tuning._plans_of(tuning._plan(pass_, v, WIDE, "float16", "nhwc", "strict"))
+        plans = table.plan(pass_, v, WIDE, "float16", "nhwc", "strict").plans()
         assert any(dict(p.spec.constants).get("STAGES") == v.kwargs["stages"] for p in plans)
-    if not tuning._accepts(tuning._GEMM_PLANNERS[pass_], "stages"):
-        assert not staged
+    heuristic = table.plan(pass_, GEMM, WIDE, "float16", "nhwc", "strict").plans()
+    assert any(dict(p.spec.constants).get("STAGES") == gemm.DEFAULT_STAGES for p in heuristic)
 
 
-def test_tensor_cores_off_forces_direct(monkeypatch):
-    monkeypatch.setenv(engine.TENSOR_CORES_ENV, "0")
-    for pass_ in tuning.PASSES:
-        assert tuning.candidates(pass_, THIN, "float16", "nchw", "strict") == [tuning.DIRECT]
-        assert tuning.current(pass_, THIN, "float16") == tuning.DIRECT
-    calls = []
-    v = engine._variant("forward", lambda *a: calls.append(a), (THIN, "float16", 0, 0, None, 0, 0, 0, None, "nchw",
-                                                                 "strict"))
-    assert v == tuning.DIRECT and not calls
+def test_only_the_tuned_passes_have_a_choice():
+    assert set(TUNED) < set(table.PASSES)
+    for pass_ in set(table.PASSES) - set(TUNED):
+        for g in (THIN, WIDE, N16, DEPTHWISE):
+            for layout in launch.LAYOUTS:
+                assert len(table.candidates(pass_, g, "float16", layout)) == 1, pass_
+    for pass_ in TUNED:
+        assert len(table.candidates(pass_, THIN, "float16")) > 1
+
+
+def test_tensor_cores_off_forces_direct(fresh, monkeypatch):
+    monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
+    timer = FakeTimer()
+    monkeypatch.setattr(decide, "_measure", timer)
+    for pass_ in TUNED:
+        cands = table.candidates(pass_, THIN, "float16", "nchw", "strict", DEV)
+        assert cands == (DIRECT,)
+        assert tuning.current(pass_, THIN, "float16", "nchw", "strict", DEV, cands) == DIRECT
+        recorded = _run_engine(TimingRecorder(DEV), pass_)
+        assert recorded.variant == DIRECT and recorded.launches
+        assert not any("igemm" in plan.spec.template for _, plan in recorded.launches)
+    assert not timer.calls, "a single candidate is not timed"
+    monkeypatch.delenv(gemm.TENSOR_CORES_ENV)
+    assert table.candidates("forward", THIN, "float16", "nchw", "strict", DEV)[0] == GEMM
+
+
+def test_a_substituted_pre_ampere_device_gets_the_direct_kernels_only(fresh, monkeypatch):
+    timer = FakeTimer()
+    monkeypatch.setattr(decide, "_measure", timer)
+    with device.substitute(device.fake(0, sm_count=108)):
+        with device.substitute(PRE_AMPERE) as dev:
+            assert device.get(0) is dev and dev.tensor_cores == device.NO_TENSOR_CORES
+            for pass_ in TUNED:
+                assert table.candidates(pass_, THIN, "float16", "nchw", "strict", device.get(0)) == (DIRECT,)
+                assert [f.name for f in table.eligible(pass_, THIN, "float16", "nchw", device.get(0))] == ["direct"]
+                recorded = _run_engine(TimingRecorder(device.get(0)), pass_)
+                assert recorded.variant == DIRECT
+                assert not any("igemm" in plan.spec.template for _, plan in recorded.launches)
+        # the outer substitute is back, and with it the tensor cores
+        assert device.get(0).sm_count == 108 and device.get(0).tensor_cores >= device.MMA_SYNC
+        assert table.candidates("forward", THIN, "float16", "nchw", "strict", device.get(0))[0] == GEMM
+    assert not timer.calls
+    with pytest.raises(ValueError):
+        with device.substitute(device.ASSUMED):
+            pass
 
 
 # --------------------------------------------------------------------- the choices file
@@ -326,128 +485,163 @@ def test_cache_dir_env_and_default(monkeypatch, tmp_path):
     assert tuning.cache_dir() == Path(platformdirs.user_cache_dir("cupyconv", appauthor=False))
 
 
+def test_the_store_follows_the_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path / "a"))
+    a = store.cache()
+    assert store.cache() is a and a.path == tmp_path / "a" / tuning.CACHE_FILE
+    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path / "b"))
+    assert store.cache().path == tmp_path / "b" / tuning.CACHE_FILE
+    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path / "a"))
+    assert store.cache() is a
+    store.forget()
+    assert store.cache() is not a and store.cache().path == a.path
+
+
 # ------------------------------------------------------------------------- decisions
 
 def test_first_call_times_candidates_keeps_the_fastest_and_persists_it(fresh, monkeypatch):
-    cands = tuning.candidates("forward", THIN, "float16", "nchw", "strict")
+    cands = _cands()
     fastest = cands[2]
     timer = FakeTimer({fastest.name: 0.25}, default=1.0)
-    monkeypatch.setattr(tuning, "_measure", timer)
+    monkeypatch.setattr(decide, "_measure", timer)
     v, _ = _choose()
     assert v == fastest
-    assert timer.calls == [[c.name for c in cands]]
+    assert timer.calls == [[c.name for c in cands]] and timer.devices == [DEV]
     assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) == fastest
     # the next call is a lookup
     assert _choose()[0] == fastest and len(timer.calls) == 1
-    key = tuning.make_key("forward", THIN, "float16", "nchw", "strict", GPU_NAME, ARCH)
-    entry = _entries(fresh)[key]
+    entry = _entries(fresh)[_key()]
     assert entry["variant"] == fastest.name
     assert entry["ms"][fastest.name] == 0.25 and set(entry["ms"]) == {c.name for c in cands}
+    assert entry["repeat"] == decide.FIRST_CALL_REPEAT
     # another device of the process decides on its own
     assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 1) is None
 
 
+def test_the_tuner_times_the_candidates_it_is_handed(fresh, monkeypatch):
+    timer = FakeTimer({"direct": 0.5, "gemm": 2.0})
+    monkeypatch.setattr(decide, "_measure", timer)
+    handed = (GEMM, DIRECT)
+    v = decide.choose("forward", THIN, "float16", "nchw", "strict", DEV, 0, handed, lambda v: None, lambda v: [])
+    assert v == DIRECT and timer.calls == [["gemm", "direct"]]
+    assert set(_entries(fresh)[_key()]["ms"]) == {"gemm", "direct"}
+    # one candidate: nothing to choose, nothing timed or stored
+    tuning.clear()
+    assert decide.choose("grad_input", THIN, "float16", "nchw", "strict", DEV, 0, (DIRECT,), lambda v: None,
+                         lambda v: []) == DIRECT
+    assert len(timer.calls) == 1 and _key("grad_input") not in _entries(fresh)
+
+
 def test_ties_go_to_the_heuristic(fresh, monkeypatch):
-    monkeypatch.setattr(tuning, "_measure", FakeTimer(default=1.0))
-    assert _choose()[0] == tuning.GEMM
+    monkeypatch.setattr(decide, "_measure", FakeTimer(default=1.0))
+    assert _choose()[0] == GEMM
 
 
 def test_stored_choice_is_reused_without_timing_after_a_restart(fresh, monkeypatch):
-    cands = tuning.candidates("grad_weight", THIN, "float16", "nchw", "strict")
-    monkeypatch.setattr(tuning, "_measure", FakeTimer({cands[-1].name: 0.1}))
+    cands = _cands("grad_weight")
+    monkeypatch.setattr(decide, "_measure", FakeTimer({cands[-1].name: 0.1}))
     assert _choose("grad_weight")[0] == cands[-1]
     tuning.clear()  # as a new process: nothing in memory, only the file
 
     def no_timing(*args):
         raise AssertionError("a stored choice must not be timed again")
 
-    monkeypatch.setattr(tuning, "_measure", no_timing)
+    monkeypatch.setattr(decide, "_measure", no_timing)
     assert _choose("grad_weight")[0] == cands[-1]
     # another size in the same bucket reuses it too
     other = _g((2, 32, 10, 12), (32, 48, 3, 3), stride=2, padding=1)
     assert _choose("grad_weight", g=other)[0] == cands[-1]
+    # so does another device of the same name and arch
+    assert _choose("grad_weight", dev=DEV1)[0] == cands[-1]
 
 
-def test_stored_choice_that_is_no_candidate_is_tuned_again(fresh, monkeypatch):
-    key = tuning.make_key("forward", WIDE, "float16", "nhwc", "strict", GPU_NAME, ARCH)
+@pytest.mark.parametrize("stored", ["direct", "gemm:7x7", "cudnn", "direct:64x64", "not a variant"])
+def test_stored_choice_that_is_no_candidate_is_tuned_again(fresh, monkeypatch, stored):
+    key = _key(g=WIDE, layout="nhwc")
     # the direct kernels are no candidate for a layer this wide
-    assert tuning.DIRECT not in tuning.candidates("forward", WIDE, "float16", "nhwc", "strict")
-    tuning.TuningCache(fresh / tuning.CACHE_FILE).put(key, {"variant": "direct"})
+    assert DIRECT not in _cands(g=WIDE, layout="nhwc")
+    tuning.TuningCache(fresh / tuning.CACHE_FILE).put(key, {"variant": stored})
+    assert tuning.current("forward", WIDE, "float16", "nhwc", "strict", DEV, _cands(g=WIDE, layout="nhwc")) == GEMM
     timer = FakeTimer()
-    monkeypatch.setattr(tuning, "_measure", timer)
+    monkeypatch.setattr(decide, "_measure", timer)
     v, _ = _choose(g=WIDE, layout="nhwc")
-    assert v != tuning.DIRECT and len(timer.calls) == 1
+    assert v in _cands(g=WIDE, layout="nhwc") and len(timer.calls) == 1
     assert _entries(fresh)[key]["variant"] == v.name
 
 
 def test_autotune_off_uses_the_heuristic_and_writes_nothing(fresh, monkeypatch):
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     timer = FakeTimer({"direct": 0.001})
-    monkeypatch.setattr(tuning, "_measure", timer)
-    key = tuning.make_key("forward", THIN, "float16", "nchw", "strict", GPU_NAME, ARCH)
+    monkeypatch.setattr(decide, "_measure", timer)
     fresh.mkdir(parents=True)
-    tuning.TuningCache(fresh / tuning.CACHE_FILE).put(key, {"variant": "direct"})
+    tuning.TuningCache(fresh / tuning.CACHE_FILE).put(_key(), {"variant": "direct"})
     before = (fresh / tuning.CACHE_FILE).read_bytes()
     v, runs = _choose()
-    assert v == tuning.GEMM and not runs and not timer.calls
+    assert v == GEMM and not runs and not timer.calls
     assert (fresh / tuning.CACHE_FILE).read_bytes() == before
-    assert tuning.current("forward", THIN, "float16", device_id=None) == tuning.GEMM
+    # without a GPU (the assumed device) and with the file's choice unread alike
+    assert tuning.current("forward", THIN, "float16", "nchw", "strict", device.ASSUMED, _cands()) == GEMM
+    assert tuning.current("forward", THIN, "float16", "nchw", "strict", None, _cands()) == GEMM
+    tuning.clear()
+    assert tuning.current("forward", THIN, "float16", "nchw", "strict", DEV, _cands()) == GEMM
+    assert _run_engine(Recorder(DEV), "forward").variant == GEMM
     for off in ("false", "OFF", " no "):
         monkeypatch.setenv(tuning.AUTOTUNE_ENV, off)
         assert not tuning.enabled()
     monkeypatch.delenv(tuning.AUTOTUNE_ENV)
     assert tuning.enabled()
+    assert tuning.current("forward", THIN, "float16", "nchw", "strict", DEV, _cands()) == DIRECT
 
 
 def test_no_tuning_while_the_stream_is_captured(fresh, monkeypatch):
     timer = FakeTimer({"direct": 0.001})
-    monkeypatch.setattr(tuning, "_measure", timer)
-    monkeypatch.setattr(tuning, "_capturing", lambda stream_ptr: True)
-    assert _choose()[0] == tuning.GEMM
+    monkeypatch.setattr(decide, "_measure", timer)
+    monkeypatch.setattr(decide, "_capturing", lambda stream_ptr: True)
+    assert _choose()[0] == GEMM
     assert not timer.calls and not (fresh / tuning.CACHE_FILE).exists()
     assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None, \
         "a choice made under capture must not stick: the next eager call tunes"
-    monkeypatch.setattr(tuning, "_capturing", lambda stream_ptr: False)
-    assert _choose()[0] == tuning.DIRECT and len(timer.calls) == 1
+    monkeypatch.setattr(decide, "_capturing", lambda stream_ptr: False)
+    assert _choose()[0] == DIRECT and len(timer.calls) == 1
 
 
 def test_capture_check_errs_on_the_safe_side(monkeypatch):
     cupy = pytest.importorskip("cupy")
     monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", lambda s: (_ for _ in ()).throw(RuntimeError()))
-    assert tuning._capturing(0) is True
+    assert decide._capturing(0) is True
 
 
 def test_deterministic_mode_does_not_time_but_uses_a_stored_choice(fresh, monkeypatch):
     torch = pytest.importorskip("torch")
     timer = FakeTimer({"direct": 0.001})
-    monkeypatch.setattr(tuning, "_measure", timer)
+    monkeypatch.setattr(decide, "_measure", timer)
     saved = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert _choose()[0] == tuning.GEMM and not timer.calls
+        assert _choose()[0] == GEMM and not timer.calls
         tuning.clear()
-        key = tuning.make_key("forward", THIN, "float16", "nchw", "strict", GPU_NAME, ARCH)
-        tuning.TuningCache(fresh / tuning.CACHE_FILE).put(key, {"variant": "direct"})
-        assert _choose()[0] == tuning.DIRECT and not timer.calls
+        tuning.TuningCache(fresh / tuning.CACHE_FILE).put(_key(), {"variant": "direct"})
+        assert _choose()[0] == DIRECT and not timer.calls
     finally:
         torch.use_deterministic_algorithms(saved)
 
 
 def test_all_candidates_failing_falls_back_to_the_heuristic(fresh, monkeypatch):
-    monkeypatch.setattr(tuning, "_measure", lambda *a: {})
-    assert _choose()[0] == tuning.GEMM
+    monkeypatch.setattr(decide, "_measure", lambda *a: {})
+    assert _choose()[0] == GEMM
     assert not (fresh / tuning.CACHE_FILE).exists()
 
 
 def test_candidates_that_cannot_plan_or_compile_are_skipped(monkeypatch):
-    from cupyconv import compiler
+    from cupyconv.jit import compiler
 
-    cands = tuning.candidates("forward", THIN, "float16", "nchw", "strict")
+    cands = _cands()
     bad_plan, bad_compile = cands[1], cands[2]
-    bad_spec = tuning._plan("forward", bad_compile, THIN, "float16", "nchw", "strict").gemm.spec
-    built = []
+    bad_spec = table.plan("forward", bad_compile, THIN, "float16", "nchw", "strict").gemm.spec
+    built, devices = [], set()
 
     def get_function(spec, device_id, arch=None):
+        devices.add((device_id, arch))
         if spec == bad_spec:
             raise compiler.KernelCompileError("k", (), "error", "src")
         built.append(spec)
@@ -455,39 +649,42 @@ def test_candidates_that_cannot_plan_or_compile_are_skipped(monkeypatch):
     def plans(v):
         if v == bad_plan:
             raise ValueError("cannot plan")
-        return tuning._plan("forward", v, THIN, "float16", "nchw", "strict")
+        return table.plan("forward", v, THIN, "float16", "nchw", "strict").plans()
 
     monkeypatch.setattr(compiler, "get_function", get_function)
-    monkeypatch.setattr(compiler, "device_arch", lambda device_id: ARCH)
-    ok = tuning._build(cands, plans, 0)
+    ok = decide._build(cands, plans, DEV1)
     assert ok == [c for c in cands if c not in (bad_plan, bad_compile)]
     assert len(built) == len(set(built)), "each kernel compiles once"
+    assert devices == {(1, ARCH)}, "kernels compile for the device they are timed on"
 
 
 def test_shape_discovery_runs_remember_nothing(fresh, monkeypatch):
     timer = FakeTimer()
-    monkeypatch.setattr(tuning, "_measure", timer)
-    with tuning._suspended():
-        assert _choose()[0] == tuning.GEMM
+    monkeypatch.setattr(decide, "_measure", timer)
+    with decide.suspended():
+        assert _choose()[0] == GEMM
     assert not timer.calls and tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None
 
 
 def test_engine_asks_the_tuner_once_per_configuration(fresh, monkeypatch):
-    monkeypatch.setitem(engine._tensor_core_devices, 0, True)
-    cands = tuning.candidates("grad_input", THIN, "float16", "nchw", "strict")
+    cands = _cands("grad_input")
     timer = FakeTimer({cands[1].name: 0.5})
-    monkeypatch.setattr(tuning, "_measure", timer)
-    runs = []
-    args = (THIN, "float16", 16, 32, 48, 0, 7, None, "nchw", "strict")
+    monkeypatch.setattr(decide, "_measure", timer)
+    launcher = TimingRecorder(DEV)
     for _ in range(3):
-        assert engine._variant("grad_input", lambda v, *a: runs.append((v, a)), args, False, (16, 48)) == cands[1]
-    assert len(timer.calls) == 1
-    assert tuning.current("grad_input", THIN, "float16", "nchw", "strict", device_id=0) == cands[1]
+        recorded = _run_engine(launcher, "grad_input")
+        assert recorded.variant == cands[1]
+        # the chosen variant's launches run, and only those
+        assert {plan for _, plan in recorded.launches} == set(_plans("grad_input", cands[1]))
+    assert len(timer.calls) == 1 and timer.calls[0] == [v.name for v in cands] and timer.devices == [DEV]
+    assert tuning.current("grad_input", THIN, "float16", "nchw", "strict", DEV, cands) == cands[1]
+    # a layer with one candidate never reaches the tuner
+    assert _run_engine(launcher, "grad_input", g=DEPTHWISE).variant == DIRECT and len(timer.calls) == 1
 
 
 def test_one_configuration_is_tuned_once_under_concurrent_first_calls(fresh, monkeypatch):
     timer = FakeTimer()
-    monkeypatch.setattr(tuning, "_measure", timer)
+    monkeypatch.setattr(decide, "_measure", timer)
     results = []
     threads = [threading.Thread(target=lambda: results.append(_choose()[0])) for _ in range(8)]
     for t in threads:
@@ -497,30 +694,111 @@ def test_one_configuration_is_tuned_once_under_concurrent_first_calls(fresh, mon
     assert len(timer.calls) == 1 and len(set(results)) == 1 and len(results) == 8
 
 
+# ------------------------------------------------------------ choices without timing
+
+def test_choose_without_timing_takes_the_heuristic_and_remembers_nothing(fresh, monkeypatch):
+    timer = FakeTimer({"direct": 0.001})
+    monkeypatch.setattr(decide, "_measure", timer)
+    v, runs = _choose(timing=False)
+    assert v == GEMM and not runs and not timer.calls
+    assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None
+    assert not (fresh / tuning.CACHE_FILE).exists()
+    # what explain and host-only tools see: a recorder is never timed on
+    assert _run_engine(Recorder(DEV), "forward").variant == GEMM and not timer.calls
+    # and a later eager call still tunes
+    assert _choose()[0] == DIRECT and len(timer.calls) == 1
+
+
+def test_choose_without_timing_takes_a_stored_or_remembered_choice(fresh, monkeypatch):
+    timer = FakeTimer()
+    monkeypatch.setattr(decide, "_measure", timer)
+    cands = _cands("grad_weight")
+    tuning.TuningCache(fresh / tuning.CACHE_FILE).put(_key("grad_weight"), {"variant": cands[1].name})
+    assert _choose("grad_weight", timing=False)[0] == cands[1]
+    assert _run_engine(Recorder(DEV), "grad_weight").variant == cands[1]
+    assert tuning.chosen("grad_weight", THIN, "float16", "nchw", "strict", 0) is None
+    # this process's choice wins over the file's
+    decide.remember(("grad_weight", THIN, "float16", "nchw", "strict", 0), cands[2])
+    assert _choose("grad_weight", timing=False)[0] == cands[2]
+    assert _run_engine(Recorder(DEV), "grad_weight").variant == cands[2]
+    assert {p for _, p in _run_engine(Recorder(DEV), "grad_weight").launches} == set(_plans("grad_weight", cands[2]))
+    # the assumed device of a machine without a GPU gets the heuristic
+    assert decide.choose("grad_weight", THIN, "float16", "nchw", "strict", device.ASSUMED, 0, cands,
+                         lambda v: None, lambda v: [], timing=False) == cands[0]
+    assert not timer.calls
+
+
+# ------------------------------------------------------------------------- pinned
+
+def test_pinned_runs_the_given_variants_and_the_heuristic_elsewhere(fresh, monkeypatch):
+    timer = FakeTimer({"direct": 0.001})
+    monkeypatch.setattr(decide, "_measure", timer)
+    gi = _cands("grad_input")
+    decide.remember(("grad_input", THIN, "float16", "nchw", "strict", 0), gi[1])
+    launcher = TimingRecorder(DEV)
+    pin = _cands("forward")[2]
+    with tuning.pinned({"forward": pin}):
+        assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) == pin
+        assert tuning.chosen("forward", WIDE, "float32", "nhwc", "tf32", 1) == pin, "a pin holds for every layer"
+        assert tuning.chosen("grad_input", THIN, "float16", "nchw", "strict", 0) is None
+        assert tuning.current("grad_input", THIN, "float16", "nchw", "strict", DEV, gi) == GEMM
+        forward = _run_engine(launcher, "forward")
+        assert forward.variant == pin and {p for _, p in forward.launches} == set(_plans("forward", pin, has_bias=True))
+        # unpinned passes run their heuristic, whatever was chosen before, and time nothing
+        assert _run_engine(launcher, "grad_input").variant == GEMM
+        assert _run_engine(launcher, "grad_weight").variant == GEMM
+        assert _choose("grad_weight")[0] == GEMM
+    assert not timer.calls and not (fresh / tuning.CACHE_FILE).exists()
+    assert tuning.chosen("grad_weight", THIN, "float16", "nchw", "strict", 0) is None, "nothing remembered"
+    # afterwards the process's choices hold again
+    assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None
+    assert tuning.chosen("grad_input", THIN, "float16", "nchw", "strict", 0) == gi[1]
+    assert _run_engine(launcher, "grad_input").variant == gi[1]
+
+
+def test_pins_nest_and_unwind_on_errors(fresh):
+    with tuning.pinned({"forward": DIRECT}):
+        with pytest.raises(RuntimeError):
+            with tuning.pinned({"grad_input": DIRECT}):
+                assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None
+                assert tuning.chosen("grad_input", THIN, "float16", "nchw", "strict", 0) == DIRECT
+                raise RuntimeError("boom")
+        assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) == DIRECT
+        assert tuning.chosen("grad_input", THIN, "float16", "nchw", "strict", 0) is None
+    assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None
+
+
 # ------------------------------------------------------------------------- tune()
 
 def test_tune_parses_dicts_and_pairs():
-    jobs = tuning._jobs([dict(in_channels=32, out_channels=48, kernel_size=3, stride=2, padding=1),
-                         (dict(in_channels=32, out_channels=48, kernel_size=(3, 3), stride=2, padding=1,
-                               bias=False), (2, 32, 9, 11))], (2, 32, 9, 11), dtype="half", layout="channels_last")
+    jobs = explicit._jobs([dict(in_channels=32, out_channels=48, kernel_size=3, stride=2, padding=1),
+                           (dict(in_channels=32, out_channels=48, kernel_size=(3, 3), stride=2, padding=1,
+                                 bias=False), (2, 32, 9, 11))], (2, 32, 9, 11), dtype="half", layout="channels_last")
     assert [j.g for j in jobs] == [THIN, THIN]
     assert [j.has_bias for j in jobs] == [True, False]
     assert {j.dtype for j in jobs} == {"float16"} and {j.layout for j in jobs} == {"nhwc"}
     # repeats are tuned once
-    assert len(tuning._jobs([dict(in_channels=32, out_channels=48, kernel_size=3)] * 3, (2, 32, 9, 11))) == 1
-    assert tuning._jobs(dict(in_channels=32, out_channels=48, kernel_size=3), (32, 9, 11))[0].precision == "strict"
+    assert len(explicit._jobs([dict(in_channels=32, out_channels=48, kernel_size=3)] * 3, (2, 32, 9, 11))) == 1
+    assert explicit._jobs(dict(in_channels=32, out_channels=48, kernel_size=3), (32, 9, 11))[0].precision == "strict"
     with pytest.raises(TypeError, match="input shape"):
-        tuning._jobs(dict(in_channels=32, out_channels=48, kernel_size=3), None)
+        explicit._jobs(dict(in_channels=32, out_channels=48, kernel_size=3), None)
     with pytest.raises(TypeError, match="unknown"):
-        tuning._jobs(dict(in_channels=32, out_channels=48, kernel_size=3, padding_mode="zeros"), (2, 32, 9, 11))
+        explicit._jobs(dict(in_channels=32, out_channels=48, kernel_size=3, padding_mode="zeros"), (2, 32, 9, 11))
     with pytest.raises(ValueError):
-        tuning._jobs(dict(in_channels=32, out_channels=48, kernel_size=3, groups=5), (2, 32, 9, 11))
+        explicit._jobs(dict(in_channels=32, out_channels=48, kernel_size=3, groups=5), (2, 32, 9, 11))
     with pytest.raises(ValueError):
-        tuning._jobs(dict(in_channels=32, out_channels=48, kernel_size=3), (2, 31, 9, 11))
+        explicit._jobs(dict(in_channels=32, out_channels=48, kernel_size=3), (2, 31, 9, 11))
     with pytest.raises(TypeError):
-        tuning._jobs("layer", (2, 32, 9, 11))
+        explicit._jobs("layer", (2, 32, 9, 11))
     with pytest.raises(ValueError):
-        tuning.tune(dict(in_channels=32, out_channels=48, kernel_size=3), (2, 32, 9, 11), passes=("grad_bias",))
+        cupyconv.tune(dict(in_channels=32, out_channels=48, kernel_size=3), (2, 32, 9, 11), passes=("grad_bias",))
+    with pytest.raises(ValueError):
+        cupyconv.tune(dict(in_channels=32, out_channels=48, kernel_size=3), (2, 32, 9, 11), repeat=0)
+
+
+def test_tune_is_the_public_function_and_times_the_tuned_passes():
+    assert cupyconv.tune is explicit.tune
+    assert TUNED == (table.FORWARD, table.GRAD_INPUT, table.GRAD_WEIGHT)
 
 
 def test_tune_finds_each_layer_of_a_model():
@@ -534,7 +812,7 @@ def test_tune_finds_each_layer_of_a_model():
         torch.nn.ConvTranspose2d(24, 3, 3, padding=1))
     model.train()
     stats = model[1].running_mean.clone()
-    jobs = tuning._jobs(model, (2, 64, 5, 7))
+    jobs = explicit._jobs(model, (2, 64, 5, 7))
     assert [j.name for j in jobs] == ["0", "3", "5"]
     assert [j.g.input_shape for j in jobs] == [(2, 64, 5, 7), (2, 32, 10, 14), (2, 24, 20, 28)]
     assert [j.has_bias for j in jobs] == [True, False, True]
@@ -542,18 +820,18 @@ def test_tune_finds_each_layer_of_a_model():
     assert model.training and all(m.training for m in model.modules())
     assert torch.equal(model[1].running_mean, stats), "tuning must not touch batch-norm statistics"
     x = torch.randn(2, 64, 5, 7).contiguous(memory_format=torch.channels_last)
-    assert {j.layout for j in tuning._jobs(model, x)} == {"nhwc"}
-    assert {j.layout for j in tuning._jobs(model, x, layout="nchw")} == {"nchw"}
-    assert tuning._jobs(model[0], x.shape)[0].g == jobs[0].g
-    assert tuning._jobs([(model[0], (2, 64, 5, 7)), (model[3], (1, 32, 3, 3))], None)[1].g.input_shape == \
+    assert {j.layout for j in explicit._jobs(model, x)} == {"nhwc"}
+    assert {j.layout for j in explicit._jobs(model, x, layout="nchw")} == {"nchw"}
+    assert explicit._jobs(model[0], x.shape)[0].g == jobs[0].g
+    assert explicit._jobs([(model[0], (2, 64, 5, 7)), (model[3], (1, 32, 3, 3))], None)[1].g.input_shape == \
         (1, 32, 3, 3)
     saved = torch.backends.cudnn.allow_tf32
     try:
         torch.backends.cudnn.allow_tf32 = True
-        assert tuning._jobs(model[0], x)[0].precision == "tf32"
-        assert tuning._jobs(model[0], x, precision="strict")[0].precision == "strict"
+        assert explicit._jobs(model[0], x)[0].precision == "tf32"
+        assert explicit._jobs(model[0], x, precision="strict")[0].precision == "strict"
         torch.backends.cudnn.allow_tf32 = False
-        assert tuning._jobs(model[0], x)[0].precision == "strict"
+        assert explicit._jobs(model[0], x)[0].precision == "strict"
     finally:
         torch.backends.cudnn.allow_tf32 = saved
 
@@ -564,7 +842,15 @@ def test_tune_without_a_gpu_says_so():
     if gpu_usable():
         pytest.skip("a GPU is present")
     with pytest.raises(RuntimeError, match="GPU"):
-        tuning.tune(dict(in_channels=32, out_channels=48, kernel_size=3), (2, 32, 9, 11))
+        cupyconv.tune(dict(in_channels=32, out_channels=48, kernel_size=3), (2, 32, 9, 11))
+
+
+def test_the_package_exports_the_tuning_names():
+    for name in tuning.__all__:
+        assert getattr(tuning, name) is not None, name
+    assert tuning.pinned is decide.pinned and tuning.current is decide.current and tuning.chosen is decide.chosen
+    assert tuning.TuningCache is store.TuningCache and tuning.make_key is store.make_key
+    assert tuning.Variant is Variant and tuning.DIRECT == DIRECT and tuning.GEMM == GEMM
 
 
 def test_import_stays_light():

@@ -25,13 +25,17 @@ pytestmark = [
 
 import cupyconv  # noqa: E402
 import cupyconv.torch as ct  # noqa: E402
-from cupyconv import engine, tuning  # noqa: E402
-from cupyconv.geometry import ConvParams, geometry  # noqa: E402
+from cupyconv import tuning  # noqa: E402
+from cupyconv.core import device as core_device  # noqa: E402
+from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
+from cupyconv.plans import gemm, launch, table  # noqa: E402
+from cupyconv.tuning import decide  # noqa: E402
+from cupyconv.tuning.explicit import TUNED_PASSES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # ConvTranspose2d arguments and an input shape.  THIN has under 64 channels per group, so
-# in NCHW the direct kernels compete with the tiles; WIDE reaches the 128-wide tiles.
+# the direct kernels compete with the tiles (in both layouts); WIDE reaches the 128-wide tiles.
 THIN = (dict(in_channels=32, out_channels=48, kernel_size=3, stride=2, padding=1, output_padding=1),
         (3, 32, 13, 11))
 WIDE = (dict(in_channels=128, out_channels=96, kernel_size=4, stride=2, padding=1), (2, 128, 9, 8))
@@ -46,7 +50,7 @@ def tuned(tmp_path, monkeypatch):
     cache = tmp_path / "tuning"
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
     monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(cache))
-    monkeypatch.delenv(engine.TENSOR_CORES_ENV, raising=False)
+    monkeypatch.delenv(gemm.TENSOR_CORES_ENV, raising=False)
     tuning.clear()
     saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
     yield cache
@@ -58,13 +62,13 @@ def tuned(tmp_path, monkeypatch):
 def timings(monkeypatch):
     """Counts the calls of the candidate timer (it still times)."""
     calls = []
-    real = tuning._measure
+    real = decide._measure
 
     def spy(*args, **kwargs):
         calls.append(args[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tuning, "_measure", spy)
+    monkeypatch.setattr(decide, "_measure", spy)
     return calls
 
 
@@ -92,7 +96,7 @@ def _data(layer, seed=0):
 
 
 def _rel_err(got, ref):
-    return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    return float((got.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def _bound(dtype, tf32):
@@ -109,27 +113,27 @@ def _reference(layer, x, w, b, go):
 
 
 def _choices_in_process(g, dtype, layout, precision):
-    return {p: tuning.chosen(p, g, dtype, layout, precision, torch.cuda.current_device()) for p in tuning.PASSES}
+    return {p: tuning.chosen(p, g, dtype, layout, precision, torch.cuda.current_device()) for p in TUNED_PASSES}
 
 
 # ------------------------------------------------------------------------------ tune()
 
 def test_tune_picks_candidates_persists_them_and_reuses_them(tuned):
     g = _geometry(THIN)
+    dev = core_device.get(0)
     (result,) = cupyconv.tune(THIN[0], THIN[1], dtype="float16", repeat=3)
     assert result.dtype == "float16" and result.layout == "nchw" and result.input_shape == THIN[1]
     entries = json.loads((tuned / tuning.CACHE_FILE).read_text())["entries"]
-    assert len(entries) == 3
-    for pass_ in tuning.PASSES:
-        names = [v.name for v in tuning.candidates(pass_, g, "float16", "nchw", "strict",
-                                                  gemm=engine.uses_gemm(g, "float16", 0))]
+    assert len(entries) == 3 and list(result.choices) == list(TUNED_PASSES)
+    for pass_ in TUNED_PASSES:
+        names = [v.name for v in table.candidates(pass_, g, "float16", "nchw", "strict", dev)]
         assert len(names) >= 2 and "direct" in names
         pick = result.choices[pass_]
         times = result.times_ms[pass_]
         assert result.sources[pass_] == "tuned"
         assert pick in names and set(times) <= set(names) and len(times) >= 2
         assert times[pick] == min(times.values()) and all(t > 0 for t in times.values())
-        key = tuning.make_key(pass_, g, "float16", "nchw", "strict", *tuning._device_info(0))
+        key = tuning.make_key(pass_, g, "float16", "nchw", "strict", dev.name, dev.arch)
         assert entries[key]["variant"] == pick
         assert tuning.chosen(pass_, g, "float16", "nchw", "strict", 0) == tuning.Variant.parse(pick)
     again = cupyconv.tune(THIN[0], THIN[1], dtype="float16")[0]
@@ -142,7 +146,7 @@ def test_tune_channels_last_times_the_direct_kernels_against_the_gemms(tuned):
     """Both kinds of kernel read channels_last in place, so the tuner races them there too."""
     (result,) = cupyconv.tune(THIN[0], THIN[1], dtype="float16", layout="channels_last", repeat=2)
     assert result.layout == "nhwc"
-    for pass_ in tuning.PASSES:
+    for pass_ in TUNED_PASSES:
         times = result.times_ms[pass_]
         assert "direct" in times and any(v.startswith("gemm") for v in times), pass_
         assert times[result.choices[pass_]] == min(times.values())
@@ -166,10 +170,11 @@ def test_explain_reports_the_tuned_kernels(tuned):
     (result,) = cupyconv.tune(WIDE[0], WIDE[1], dtype="float16", repeat=2, force=True)
     g = _geometry(WIDE)
     e = cupyconv.explain(WIDE[1], g.weight_shape, dtype="float16", **_kwargs(WIDE))
-    for pass_ in tuning.PASSES:
+    for pass_ in TUNED_PASSES:
         v = tuning.Variant.parse(result.choices[pass_])
-        plans = tuning._plans_of(tuning._plan(pass_, v, g, "float16", "nchw", "strict", True, True,
-                                              engine.sm_count(0)))
+        assert e.pass_(pass_).variant == result.choices[pass_], "explain must show the tuned choice"
+        plans = table.plan(pass_, v, g, "float16", "nchw", "strict", True, True,
+                           core_device.get(0).sm_count).plans()
         main = [k for k in e.pass_(pass_).kernels if k.stage in ("main", "partial")][0]
         assert any(p.spec.constants == tuple(sorted(main.constants.items())) for p in plans), pass_
 
@@ -177,28 +182,32 @@ def test_explain_reports_the_tuned_kernels(tuned):
 # --------------------------------------------------------------- every pick is right
 
 def _run_variant(pass_, v, g, dtype, layout, precision, x, w, b, go):
-    """Run one candidate of one pass through the engine on torch tensors; returns its output."""
+    """Run one candidate of one pass on torch tensors, as the pass table plans it; returns its output."""
     def prep(t):
         t = t.to(dtype)
         return t.contiguous(memory_format=torch.channels_last) if layout == "nhwc" and t.dim() == 4 else t.contiguous()
 
     x, w, b, go = prep(x), w.to(dtype).contiguous(), b.to(dtype), prep(go)
-    device = x.device.index
-    common = dict(device_id=device, stream_ptr=torch.cuda.current_stream().cuda_stream,
-                  alloc=ct._scratch_allocator(x.device), layout=layout, precision=precision)
+    index = x.device.index
+    launcher = launch.Launcher(index, torch.cuda.current_stream().cuda_stream, ct._scratch_allocator(x.device))
     memory_format = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     if pass_ == "forward":
         out = torch.full(g.output_shape, float("nan"), dtype=dtype, device="cuda").contiguous(
             memory_format=memory_format)
-        engine._run_forward(v, g, DTYPE_NAMES[dtype], x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr(),
-                            **common)
+        pointers = (x.data_ptr(), w.data_ptr(), b.data_ptr(), out.data_ptr())
     elif pass_ == "grad_input":
         out = torch.full(g.input_shape, float("nan"), dtype=dtype, device="cuda").contiguous(
             memory_format=memory_format)
-        engine._run_grad_input(v, g, DTYPE_NAMES[dtype], go.data_ptr(), w.data_ptr(), out.data_ptr(), **common)
+        pointers = (go.data_ptr(), w.data_ptr(), out.data_ptr())
     else:
         out = torch.full(g.weight_shape, float("nan"), dtype=dtype, device="cuda")
-        engine._run_grad_weight(v, g, DTYPE_NAMES[dtype], x.data_ptr(), go.data_ptr(), out.data_ptr(), **common)
+        pointers = (x.data_ptr(), go.data_ptr(), out.data_ptr())
+    aligned = all(p % 16 == 0 for p in pointers)
+    plan = table.plan(pass_, v, g, DTYPE_NAMES[dtype], layout, precision, pass_ == "forward", aligned,
+                      launcher.device.sm_count)
+    with launch.watch() as seen:
+        plan.run(launcher, pointers)
+    assert {p for _, p in seen} == set(plan.plans()), f"{pass_} {v.name} launched other kernels"
     torch.cuda.synchronize()
     return out
 
@@ -212,13 +221,14 @@ def test_every_candidate_matches_float64(layer, case, layout, tuned):
     precision = "tf32" if tf32 else "strict"
     g = _geometry(layer)
     dt = DTYPE_NAMES[dtype]
-    assert engine.uses_gemm(g, dt, 0)
+    dev = core_device.get(0)
     x, w, b, go = _data(layer)
     y_ref, gi_ref, gw_ref = _reference(layer, x, w, b, go)
     wants = {"forward": y_ref, "grad_input": gi_ref, "grad_weight": gw_ref}
     tried = 0
-    for pass_ in tuning.PASSES:
-        cands = tuning.candidates(pass_, g, dt, layout, precision, gemm=True)
+    for pass_ in TUNED_PASSES:
+        assert table.eligible(pass_, g, dt, layout, dev)[0] is gemm.FAMILY, "this GPU runs the tensor-core GEMMs"
+        cands = table.candidates(pass_, g, dt, layout, precision, dev)
         assert cands[0] == tuning.GEMM
         for v in cands:
             got = _run_variant(pass_, v, g, dtype, layout, precision, x, w, b, go)
@@ -256,10 +266,14 @@ def test_results_stay_correct_when_the_first_call_tunes(case, channels_last, tun
             assert len(timings) == 3, "the first call tunes each of the three passes once"
     assert len(timings) == 3, "the second call must only look its choices up"
     layout = "nhwc" if channels_last else "nchw"
-    picks = _choices_in_process(g, DTYPE_NAMES[dtype], layout, ct._precision(DTYPE_NAMES[dtype]))
+    precision = ct._precision(DTYPE_NAMES[dtype])
+    picks = _choices_in_process(g, DTYPE_NAMES[dtype], layout, precision)
     assert all(v is not None for v in picks.values())
-    if channels_last:
-        assert all(v.gemm for v in picks.values())
+    # the direct kernels race the GEMMs in both layouts, so which one wins is the GPU's to say;
+    # every pick must be one of the pass's candidates
+    dev = core_device.get(0)
+    for pass_, v in picks.items():
+        assert v in table.candidates(pass_, g, DTYPE_NAMES[dtype], layout, precision, dev), (pass_, v)
     entries = json.loads((tuned / tuning.CACHE_FILE).read_text())["entries"]
     assert {e["variant"] for e in entries.values()} == {v.name for v in picks.values()}
 
@@ -273,6 +287,28 @@ def test_autotune_off_times_nothing(tuned, timings, monkeypatch):
     assert tuning.chosen("forward", _geometry(THIN), "float16", "nchw", "strict", 0) == tuning.GEMM
 
 
+def test_pinned_candidates_run_and_are_right(tuned, timings):
+    """pinned() makes a call run the given candidate (how the sanitizer reaches each one), times nothing
+    and remembers nothing."""
+    g = _geometry(THIN)
+    dev = core_device.get(0)
+    x, w, b, go = _data(THIN, seed=2)
+    y_ref = _reference(THIN, x, w, b, go)[0]
+    xs, ws, bs = x.half(), w.half(), b.half()
+    cands = table.candidates("forward", g, "float16", "nchw", "strict", dev)
+    assert len(cands) >= 2
+    for v in cands:
+        with decide.pinned({"forward": v}), launch.watch() as seen:
+            y = ct.conv_transpose2d(xs, ws, bs, **_kwargs(THIN))
+            torch.cuda.synchronize()
+        planned = table.plan("forward", v, g, "float16", "nchw", "strict", True, True, dev.sm_count).plans()
+        assert {p for _, p in seen} == set(planned), v.name
+        err = _rel_err(y, y_ref)
+        assert err <= _bound(torch.float16, False), f"{v.name}: error {err:.2e}"
+    assert not timings and not (tuned / tuning.CACHE_FILE).exists()
+    assert tuning.chosen("forward", g, "float16", "nchw", "strict", 0) is None
+
+
 # --------------------------------------------------------------------- a fresh process
 
 _FRESH = textwrap.dedent("""
@@ -280,6 +316,8 @@ _FRESH = textwrap.dedent("""
     import torch
     import cupyconv, cupyconv.torch as ct
     from cupyconv import tuning
+    from cupyconv.tuning import decide
+    from cupyconv.tuning.explicit import TUNED_PASSES
 
     def refuse(*args, **kwargs):
         raise AssertionError("timed again although the choice is stored")
@@ -289,15 +327,15 @@ _FRESH = textwrap.dedent("""
     if mode == "tune":
         print(json.dumps(cupyconv.tune(layer, shape, dtype="float16", repeat=2)[0].choices))
     else:
-        tuning._measure = refuse
+        decide._measure = refuse
         m = ct.ConvTranspose2d(**layer).cuda().half()
         x = torch.randn(shape, device="cuda", dtype=torch.half, requires_grad=True)
         m(x).sum().backward()
         torch.cuda.synchronize()
         w = m.weight
-        from cupyconv.geometry import ConvParams, geometry
+        from cupyconv.core.geometry import ConvParams, geometry
         g = geometry(shape, tuple(w.shape), None, ConvParams.from_args(2, 1, 1, 1, 1))
-        print(json.dumps({p: tuning.chosen(p, g, "float16", "nchw", "strict", 0).name for p in tuning.PASSES}))
+        print(json.dumps({p: tuning.chosen(p, g, "float16", "nchw", "strict", 0).name for p in TUNED_PASSES}))
 """)
 
 
@@ -327,7 +365,7 @@ def test_no_tuning_while_capturing_a_cuda_graph(tuned, timings):
     static_x = torch.randn(THIN[1], device="cuda", dtype=torch.half)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad(), tuning._suspended():
+    with torch.cuda.stream(side), torch.no_grad(), decide.suspended():
         layer(static_x)  # compiles the heuristic's kernels, decides nothing
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()

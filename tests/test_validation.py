@@ -324,11 +324,15 @@ def test_grad_output_shape_follows_parameters(no_compute):
     _check(_bwd, ValueError, "grad_output", stride=2)
 
 
-@pytest.mark.parametrize("mask", [(True, True), (True, True, True, True), (), [True],
-                                  (1, 1, 1), (True, 0, True), (None, True, True), ("yes", True, True),
-                                  True, None, "TTT", 7])
-def test_bad_output_mask(no_compute, mask):
+@pytest.mark.parametrize("mask", [(1, 1, 1), (True, 0, True), (None, True, True), ("yes", True, True),
+                                  True, None, "TTT", 7, ((True,), True, True)])
+def test_output_mask_of_other_types(no_compute, mask):
     _check(_bwd, TypeError, "output_mask", output_mask=mask)
+
+
+@pytest.mark.parametrize("mask", [(True, True), (True, True, True, True), (), [True]])
+def test_output_mask_of_other_lengths(no_compute, mask):
+    _check(_bwd, ValueError, "output_mask", output_mask=mask)
 
 
 def test_good_output_masks():

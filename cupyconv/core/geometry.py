@@ -95,6 +95,15 @@ class Geometry:
     out_size: Pair
     batched: bool = True
 
+    def __hash__(self) -> int:
+        # Every launch looks a geometry up in a few caches; hash its fields once.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.params, self.batch, self.in_channels, self.out_channels, self.in_size, self.kernel,
+                           self.out_size, self.batched))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def groups(self) -> int:
         """The number of groups."""
@@ -207,3 +216,20 @@ def output_padding_for(output_size_arg, input_shape: Sequence[int], kernel: Pair
                 f"{smallest} and {largest} along axis {a}")
         result.append(requested[a] - smallest)
     return (result[0], result[1])
+
+
+def output_mask(value) -> Tuple[bool, bool, bool]:
+    """The ``output_mask`` of a backward call: (grad_input, grad_weight, grad_bias) as three bools.
+
+    Every face checks it here, so a mistake gets the same error everywhere: TypeError for
+    something that is not a list or tuple of bools (Python's or NumPy's), ValueError for a
+    sequence of bools of the wrong length.
+    """
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"output_mask must be a sequence of three bools, got {type(value).__name__}")
+    for v in value:
+        if not (isinstance(v, bool) or (type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"))):
+            raise TypeError(f"output_mask must be a sequence of three bools, got {list(value)!r}")
+    if len(value) != 3:
+        raise ValueError(f"output_mask must have three entries, got {list(value)!r}")
+    return bool(value[0]), bool(value[1]), bool(value[2])

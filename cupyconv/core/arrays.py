@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence, Tuple
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+from .dtypes import DTYPES, SUPPORTED
 
 
 def kind_of(obj, name: str) -> str:
@@ -29,8 +29,8 @@ def kind_of(obj, name: str) -> str:
 def dtype_name(obj, name: str) -> str:
     """The array's dtype as a name; only floating dtypes are accepted."""
     dtype = str(getattr(obj, "dtype", ""))
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype}")
+    if dtype not in DTYPES:
+        raise TypeError(f"{name} must have a floating dtype ({SUPPORTED}), got {dtype}")
     return dtype
 
 

@@ -24,7 +24,7 @@ def kernels_dir() -> Path:
     Templates (``*.cu``, one kernel concept each) sit at its top; the headers they share
     sit in ``include/``, where every ``#include "name.cuh"`` is looked up.
     """
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent   # the cupyconv package
     for candidate in (here / "kernels", here.parent / "kernels"):
         if (candidate / "include" / "common.cuh").is_file():
             return candidate

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
+from ..core import device as _device
 from . import templates
 
 COMPILE_OPTIONS: Tuple[str, ...] = ("--std=c++17",)
@@ -109,7 +110,14 @@ def compiled_devices() -> set:
     launched on (or is ready to launch on) since the last :func:`clear_cache`.
     """
     with _entries_lock:
-        return {key[3] for key, entry in _entries.items() if entry.function is not None}
+        return {key[4] for key, entry in _entries.items() if entry.function is not None}
+
+
+def compiled_specs() -> set:
+    """(KernelSpec, device id) of every kernel this process holds compiled."""
+    with _entries_lock:
+        return {(KernelSpec(key[0], key[2], key[3]), key[4]) for key, entry in _entries.items()
+                if entry.function is not None}
 
 
 def clear_cache() -> None:
@@ -149,7 +157,7 @@ def get_function(spec: KernelSpec, device_id: int, arch: Optional[str] = None):
     global _compile_count
     if arch is None:
         arch = device_arch(device_id)
-    key = (templates.content_hash(spec.template), spec.function, spec.constants, device_id, arch)
+    key = (spec.template, templates.content_hash(spec.template), spec.function, spec.constants, device_id, arch)
     entry = _entries.get(key)
     if entry is not None and entry.function is not None:
         return entry.function
@@ -163,17 +171,9 @@ def get_function(spec: KernelSpec, device_id: int, arch: Optional[str] = None):
     return entry.function
 
 
-_arch_cache: Dict[int, str] = {}
-
-
 def device_arch(device_id: int) -> str:
-    """The compute capability of CUDA device ``device_id`` as CuPy spells it (e.g. ``"90"``), cached."""
-    arch = _arch_cache.get(device_id)
-    if arch is None:
-        import cupy
-
-        arch = _arch_cache[device_id] = cupy.cuda.Device(device_id).compute_capability
-    return arch
+    """The compute capability of CUDA device ``device_id`` as CuPy spells it (e.g. ``"90"``)."""
+    return _device.get(device_id).arch
 
 
 def compile_many(specs, device_id: int, workers: int = 8) -> int:

@@ -1,0 +1,1 @@
+"""What every layer of cupyconv shares: geometry, dtypes, the device, array kinds, the float64 reference."""

@@ -1,0 +1,317 @@
+"""The direct kernels: gathers on CUDA cores for every layer, dtype and layout.
+
+They run any layer (float64 included) and win where tensor-core tiles would be mostly
+padding: grouped, depthwise and dilated layers with few channels per group.  NCHW
+kernels run their lanes along pixels, channels_last (NHWC) kernels along channels.
+grad_weight is a deterministic split-K reduction (see :class:`~.sequences.SplitK`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+from ..core import dtypes
+from ..core.geometry import Geometry
+from ..jit.compiler import KernelSpec
+from ..tuning.variants import Variant
+from .family import Family
+from .launch import GRID_YZ_LIMIT, Plan, cdiv, check_layout, even_block, index_type, layer_constants, numel, split_rows
+from .reduction import plan_reduce
+from .sequences import OneKernel, PassPlan, SplitK
+
+# Below this many channels per group the direct kernels can beat the tensor cores, whose
+# tiles are then mostly padding: only then are they timed against them.
+RACE_BELOW_CHANNELS = 64
+
+
+def _acc_bytes(dtype: str) -> int:
+    return dtypes.get(dtype).accumulator_bytes
+
+
+def _phase_cells(g: Geometry) -> Tuple[int, int, int, int]:
+    """(q_h0, q_w0, QH, QW): the low-resolution cells whose stride phases cover the output.
+
+    Output pixel (oh, ow) is phase (oh + PH) % SH of cell (oh + PH) // SH (and the same
+    along w); the forward kernels walk cells q_h0 .. q_h0 + QH - 1 and q_w0 .. q_w0 + QW - 1.
+    """
+    (sh, sw), (ph, pw), (h_out, w_out) = g.params.stride, g.params.padding, g.out_size
+    q_h0, q_w0 = ph // sh, pw // sw
+    return q_h0, q_w0, (h_out - 1 + ph) // sh - q_h0 + 1, (w_out - 1 + pw) // sw - q_w0 + 1
+
+
+def _phases(kernel: int, dilation: int, stride: int) -> int:
+    """How many of the ``stride`` output phases along one axis receive at least one tap."""
+    return len({(k * dilation) % stride for k in range(kernel)})
+
+
+# The direct kernels keep their per-thread blocks near this many fp32 accumulators:
+# enough reuse of every load, with registers left for two or more blocks per SM.
+_DIRECT_ACCUMULATORS = 48
+_DIRECT_WEIGHT_SMEM = 12 * 1024
+# The forward stages output runs of up to this many columns per thread through shared
+# memory (at most 17 KB a block); the weight rows get what is left of the 48 KB.
+_STAGED_RUN = 16
+_DIRECT_WEIGHT_LIMIT = 30 * 1024
+
+
+def _weight_rows(g: Geometry, dtype: str, per_tap: int) -> Tuple[int, int]:
+    """(padded row length, bytes per channel) of the direct kernels' staged weight rows."""
+    acc = _acc_bytes(dtype)
+    vec = 16 // acc
+    row = cdiv(g.kernel[1] * per_tap, vec) * vec
+    return row, g.kernel[0] * row * acc
+
+
+def _staged_block(g: Geometry, dtype: str, channels: int) -> Tuple[int, int]:
+    """(channels per thread, channels staged at a time) whose weight rows fit shared memory.
+
+    ``channels`` is the group's width on the side a thread blocks over (outputs of the
+    forward, inputs of grad_input).
+    """
+    block = even_block(channels, 8)
+    while True:
+        _, per_channel = _weight_rows(g, dtype, block)
+        if per_channel <= _DIRECT_WEIGHT_LIMIT or block == 1:
+            break
+        block = even_block(channels, block // 2)
+    if per_channel > _DIRECT_WEIGHT_LIMIT:
+        raise ValueError(
+            f"kernel_size {g.kernel} is too large for the direct kernels: one channel's weights need "
+            f"{per_channel} bytes of shared memory, over {_DIRECT_WEIGHT_LIMIT}")
+    return block, per_channel
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw") -> Plan:
+    dtypes.get(dtype)
+    check_layout(layout)
+    if layout == "nhwc":
+        return _plan_forward_nhwc(g, dtype, has_bias)
+    sh, sw = g.params.stride
+    dh, dw = g.params.dilation
+    h_out, w_out = g.out_size
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
+    oc_block, per_channel = _staged_block(g, dtype, g.out_per_group)
+    ic_chunk = max(1, min(g.in_per_group, _DIRECT_WEIGHT_SMEM // per_channel))
+    # Each cell keeps one accumulator per output channel and non-empty stride phase.
+    phases = _phases(g.kernel[0], dh, sh) * _phases(g.kernel[1], dw, sw)
+    cells = max(1, min(4, _DIRECT_ACCUMULATORS // (phases * oc_block), _STAGED_RUN // sw))
+    block = 128
+    q_h0, q_w0, qh, qw = _phase_cells(g)
+    cells_w = cdiv(qw, cells)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(HAS_BIAS=bool(has_bias), OC_BLOCK=oc_block, CELLS=cells, IC_CHUNK=ic_chunk, BLOCK=block,
+                     STAGE_STORES=cells * sw <= _STAGED_RUN)
+    oc_blocks = g.groups * cdiv(g.out_per_group, oc_block)
+    grid = (cdiv(qh * cells_w, block), min(oc_blocks, GRID_YZ_LIMIT), min(g.batch, GRID_YZ_LIMIT))
+    spec = KernelSpec.make("conv_transpose2d_forward.cu", "conv_transpose2d_forward", constants)
+    h, w = g.in_size
+    return Plan(spec, grid, (block, 1, 1), (g.batch, h, w, h_out, w_out, q_h0, q_w0, qh, qw, cells_w), index_t)
+
+
+def _window_cells(g: Geometry, cap: int) -> int:
+    """Adjacent pixels per thread whose shared grad_output window stays small (<= 24 values)."""
+    sw, dw = g.params.stride[1], g.params.dilation[1]
+    cells = cap
+    while cells > 1 and (cells - 1) * sw + (g.kernel[1] - 1) * dw + 1 > 24:
+        cells //= 2
+    return cells
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw") -> Plan:
+    dtypes.get(dtype)
+    check_layout(layout)
+    if layout == "nhwc":
+        return _plan_grad_input_nhwc(g, dtype)
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
+    ic_block, per_channel = _staged_block(g, dtype, g.in_per_group)
+    oc_chunk = max(1, min(g.out_per_group, _DIRECT_WEIGHT_SMEM // per_channel))
+    cells = _window_cells(g, max(1, min(8, 32 // ic_block)))
+    block = 128
+    h, w = g.in_size
+    cells_w = cdiv(w, cells)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(IC_BLOCK=ic_block, CELLS=cells, OC_CHUNK=oc_chunk, BLOCK=block)
+    ic_blocks = g.groups * cdiv(g.in_per_group, ic_block)
+    grid = (cdiv(h * cells_w, block), min(ic_blocks, GRID_YZ_LIMIT), min(g.batch, GRID_YZ_LIMIT))
+    spec = KernelSpec.make("conv_transpose2d_grad_input.cu", "conv_transpose2d_grad_input", constants)
+    return Plan(spec, grid, (block, 1, 1), (g.batch, h, w) + g.out_size + (cells_w,), index_t)
+
+
+_GRAD_WEIGHT_ACCUMULATORS = 64
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_weight(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Plan]:
+    """The split-K partial pass and the fixed-order reduction that finishes it."""
+    dtypes.get(dtype)
+    check_layout(layout)
+    if layout == "nhwc":
+        return _plan_grad_weight_nhwc(g, dtype, sm_count)
+    kh, kw = g.kernel
+    # A thread's block: whole kernel rows, as many input channels as fit, then kernel
+    # rows and output channels from what is left of the accumulator budget.
+    ic_block = even_block(g.in_per_group, max(1, min(8, _GRAD_WEIGHT_ACCUMULATORS // kw)))
+    rest = max(1, _GRAD_WEIGHT_ACCUMULATORS // (ic_block * kw))
+    kh_block = even_block(kh, rest)
+    oc_block = even_block(g.out_per_group, max(1, min(8, rest // kh_block)))
+    cells = _window_cells(g, max(1, min(4, 16 // ic_block)))
+    block = 128
+    yblocks = g.groups * cdiv(g.in_per_group, ic_block) * cdiv(g.out_per_group, oc_block)
+    return _split_k_partial(g, dtype, sm_count, "conv_transpose2d_grad_weight.cu",
+                            "conv_transpose2d_grad_weight_partial",
+                            dict(IC_BLOCK=ic_block, OC_BLOCK=oc_block, KH_BLOCK=kh_block, BLOCK=block), cells,
+                            yblocks, cdiv(kh, kh_block), block, block)
+
+
+def _split_k_partial(g: Geometry, dtype: str, sm_count: int, template: str, function: str, tiling: dict,
+                     cells: int, yblocks: int, kh_blocks: int, threads: int, row_threads: int) -> Tuple[Plan, Plan]:
+    """A direct grad_weight kernel's partial pass over fixed chunks of input rows, and its reduce.
+
+    ``row_threads`` threads share the steps of one chunk's rows.
+    """
+    h, w = g.in_size
+    cells_w = cdiv(w, cells)
+    # Enough chunks for several waves of blocks, each thread still walking 8 or more steps.
+    chunks, rows_per_chunk = split_rows(g.batch * h, yblocks * kh_blocks, 8 * row_threads, sm_count,
+                                        blocks_per_sm=8, row_items=cells_w)
+    weight_elems = numel(g.weight_shape)
+    partial_elems = chunks * weight_elems
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), partial_elems)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(tiling, CELLS=cells)
+    spec = KernelSpec.make(template, function, constants)
+    partial = Plan(spec, (chunks, min(yblocks, GRID_YZ_LIMIT), kh_blocks), (threads, 1, 1),
+                   (g.batch, h, w) + g.out_size + (cells_w, rows_per_chunk), index_t,
+                   scratch_bytes=partial_elems * _acc_bytes(dtype))
+    return partial, plan_reduce(dtype, weight_elems, chunks, index_t)
+
+
+# channels_last direct kernels: lanes run along channels, a block holds a tile of at most
+# _NHWC_TILE of them and as many pixel runs as fill _NHWC_THREADS threads.
+_NHWC_TILE = 64
+_NHWC_THREADS = 128
+_NHWC_WEIGHT_SMEM = 40 * 1024  # five blocks of 128 threads still fit an SM
+
+
+def _nhwc_tile(g: Geometry, dtype: str, channels: int, per_group: int) -> Tuple[int, int, int]:
+    """(channel tile, channels per thread, staged channels per chunk) for an NHWC kernel
+    whose lanes run along ``channels``, ``per_group`` of them to a group."""
+    _staged_block(g, dtype, 1)  # the same kernel-size limit as the NCHW kernels
+    per_tap = _acc_bytes(dtype) * g.kernel[0] * g.kernel[1]
+    tile = min(channels, _NHWC_TILE)
+    while tile > 1 and tile * per_tap > _NHWC_WEIGHT_SMEM:
+        tile = cdiv(tile, 2)
+    # A thread's channels share their group's input loads, so they must not straddle groups.
+    per_thread = next(b for b in (4, 2, 1) if per_group % b == 0 and tile % b == 0)
+    return tile, per_thread, max(1, _NHWC_WEIGHT_SMEM // (tile * per_tap))
+
+
+_BLOCKS_TO_FILL = 2048  # enough blocks for several waves on any GPU we plan for
+
+
+def _images_per_block(blocks: int, batch: int) -> int:
+    """Images each block walks: up to 8, while ``_BLOCKS_TO_FILL`` blocks remain to fill the GPU."""
+    per_block = 1
+    while per_block < 8 and per_block < batch and blocks * cdiv(batch, per_block * 2) >= _BLOCKS_TO_FILL:
+        per_block *= 2
+    return per_block
+
+
+def _nhwc_grid(g: Geometry, runs_total: int, runs: int, channels: int, tile: int,
+               staged_once: bool) -> Tuple[int, int, int]:
+    """(run blocks, channel tiles, image blocks) of an NHWC forward or grad_input kernel.
+
+    Weights staged once per channel tile serve several images; staged per chunk, they
+    would not, so then each block takes one image.
+    """
+    xy = (cdiv(runs_total, runs), min(cdiv(channels, tile), GRID_YZ_LIMIT))
+    images = _images_per_block(xy[0] * xy[1], g.batch) if staged_once else 1
+    return xy + (min(cdiv(g.batch, images), GRID_YZ_LIMIT),)
+
+
+def _plan_forward_nhwc(g: Geometry, dtype: str, has_bias: bool) -> Plan:
+    sh, sw = g.params.stride
+    dh, dw = g.params.dilation
+    h_out, w_out = g.out_size
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
+    tile, ocb, ic_chunk = _nhwc_tile(g, dtype, g.out_channels, g.out_per_group)
+    lanes = tile // ocb
+    runs = max(1, _NHWC_THREADS // lanes)
+    phases = _phases(g.kernel[0], dh, sh) * _phases(g.kernel[1], dw, sw)
+    cells = max(1, min(4, 32 // (phases * ocb)))
+    q_h0, q_w0, qh, qw = _phase_cells(g)
+    cells_w = cdiv(qw, cells)
+    ic_chunk = min(ic_chunk, g.in_per_group)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(HAS_BIAS=bool(has_bias), OC_TILE=tile, OCB=ocb, RUNS=runs, CELLS=cells, IC_CHUNK=ic_chunk)
+    grid = _nhwc_grid(g, qh * cells_w, runs, g.out_channels, tile, ic_chunk == g.in_per_group)
+    spec = KernelSpec.make("conv_transpose2d_forward_nhwc.cu", "conv_transpose2d_forward_nhwc", constants)
+    h, w = g.in_size
+    return Plan(spec, grid, (lanes * runs, 1, 1), (g.batch, h, w, h_out, w_out, q_h0, q_w0, qh, qw, cells_w), index_t)
+
+
+def _plan_grad_input_nhwc(g: Geometry, dtype: str) -> Plan:
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
+    tile, icb, oc_chunk = _nhwc_tile(g, dtype, g.in_channels, g.in_per_group)
+    lanes = tile // icb
+    runs = max(1, _NHWC_THREADS // lanes)
+    cells = _window_cells(g, max(1, 8 // icb))
+    h, w = g.in_size
+    cells_w = cdiv(w, cells)
+    oc_chunk = min(oc_chunk, g.out_per_group)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(IC_TILE=tile, ICB=icb, RUNS=runs, CELLS=cells, OC_CHUNK=oc_chunk)
+    grid = _nhwc_grid(g, h * cells_w, runs, g.in_channels, tile, oc_chunk == g.out_per_group)
+    spec = KernelSpec.make("conv_transpose2d_grad_input_nhwc.cu", "conv_transpose2d_grad_input_nhwc", constants)
+    return Plan(spec, grid, (lanes * runs, 1, 1), (g.batch, h, w) + g.out_size + (cells_w,), index_t)
+
+
+_NHWC_REDUCE_SMEM = 32 * 1024
+
+
+def _plan_grad_weight_nhwc(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan]:
+    kh, kw = g.kernel
+    acc = _acc_bytes(dtype)
+    ic_block = even_block(g.in_per_group, max(1, min(8, _GRAD_WEIGHT_ACCUMULATORS // kw)))
+    kh_block = even_block(kh, max(1, _GRAD_WEIGHT_ACCUMULATORS // (ic_block * kw)))
+    values = ic_block * kh_block * kw
+    # One input channel per thread (depthwise-like layers) leaves little to share between
+    # cells, and narrower tiles with single cells ran fastest there (depthwise_up on an H100:
+    # 0.14 ms against 0.34 ms with 64-channel tiles of 4 cells in float16).
+    thin = ic_block == 1
+    tile = min(g.out_channels, 16 if thin else _NHWC_TILE)
+    while tile > 1 and values * tile * acc > _NHWC_REDUCE_SMEM:
+        tile = cdiv(tile, 2)
+    runs = max(1, min(_NHWC_THREADS // tile, _NHWC_REDUCE_SMEM // (values * tile * acc)))
+    cells = _window_cells(g, 1 if thin else max(1, min(4, 16 // ic_block)))
+    yblocks = cdiv(g.out_channels, tile) * cdiv(g.in_per_group, ic_block)
+    return _split_k_partial(g, dtype, sm_count, "conv_transpose2d_grad_weight_nhwc.cu",
+                            "conv_transpose2d_grad_weight_nhwc_partial",
+                            dict(OC_TILE=tile, RUNS=runs, IC_BLOCK=ic_block, KH_BLOCK=kh_block), cells, yblocks,
+                            cdiv(kh, kh_block), tile * runs, runs)
+
+
+
+class DirectFamily(Family):
+    name = "direct"
+    passes = ("forward", "grad_input", "grad_weight")
+
+    def races(self, pass_: str, g: Geometry, dtype: str) -> bool:
+        return min(g.in_per_group, g.out_per_group) < RACE_BELOW_CHANNELS
+
+    def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
+             has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        if pass_ == "forward":
+            return OneKernel(plan_forward(g, dtype, has_bias, layout))
+        if pass_ == "grad_input":
+            return OneKernel(plan_grad_input(g, dtype, layout))
+        return SplitK(*plan_grad_weight(g, dtype, sm_count, layout))
+
+    def clear(self) -> None:
+        for planner in (plan_forward, plan_grad_input, plan_grad_weight):
+            planner.cache_clear()
+
+
+FAMILY = DirectFamily()

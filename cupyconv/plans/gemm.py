@@ -1,0 +1,369 @@
+"""The tensor-core implicit GEMMs (``mma.sync``, sm_80 and newer) for layers with 16 or more channels per group.
+
+The forward is one GEMM per stride phase, grad_input one strided GEMM, grad_weight a
+deterministic split-K GEMM per (group, tap).  The weight is first repacked into the B
+operand's layout; NCHW sources are copied into channels_last scratch so that tiles load
+whole 16-byte channel runs with cp.async.  float32 multiplies in TF32 when allowed and
+otherwise in 3xTF32, which keeps float32 accuracy.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ..core import dtypes
+from ..core.device import MMA_SYNC, Device
+from ..core.geometry import Geometry
+from ..jit.compiler import KernelSpec
+from ..tuning.variants import Variant
+from .family import Family
+from .launch import GRID_YZ_LIMIT, Plan, cdiv, check_layout, index_type, layer_constants, numel
+from .reduction import ELEMENTWISE_BLOCK, plan_reduce
+from .sequences import PackedGemm, PassPlan, SplitK
+
+# CUPYCONV_TENSOR_CORES=0 keeps every layer on the direct kernels.
+TENSOR_CORES_ENV = "CUPYCONV_TENSOR_CORES"
+
+
+def _itemsize(dtype: str) -> int:
+    return dtypes.get(dtype).itemsize
+
+
+# ------------------------------------------------------------ tensor-core implicit GEMM
+
+# mma.cuh's MMA_* codes; float32 is TF32 when allowed and 3xTF32 (fp32 accuracy) otherwise.
+_MMA_KINDS = {"float16": 0, "bfloat16": 1}
+MMA_TF32, MMA_3XTF32 = 2, 3
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A block tile of the implicit GEMM and how its warps split it."""
+
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn}"
+
+
+TILES = {t.name: t for t in (Tile(256, 128, 4, 2), Tile(256, 64, 4, 2),
+                             Tile(128, 128, 2, 4), Tile(128, 64, 2, 2), Tile(128, 32, 4, 1),
+                             Tile(64, 128, 1, 4), Tile(64, 64, 2, 2), Tile(64, 32, 2, 1),
+                             Tile(32, 64, 1, 2), Tile(32, 32, 1, 2))}
+
+
+def mma_kind(dtype: str, precision: str) -> int:
+    dtypes.check_precision(precision)
+    if dtype == "float32":
+        return MMA_TF32 if precision == "tf32" else MMA_3XTF32
+    if dtype not in _MMA_KINDS:
+        raise TypeError(f"tensor-core kernels take float16, bfloat16 or float32, got {dtype}")
+    return _MMA_KINDS[dtype]
+
+
+# Pipeline depths of the cp.async GEMM loop.  A stage of a BM x BN tile holds
+# (BM + BN) rows of 80 bytes; four stages of 128x128 are 80 KB, so two blocks still
+# fit an SM of sm_80/sm_90.
+STAGE_CHOICES = (2, 3, 4)
+DEFAULT_STAGES = 4
+_ROW_BYTES = 80
+
+# Activation tiles are cp.async copies through L1 (.ca) rather than L2 only (.cg): taps
+# re-read neighbouring pixels, and the GEMMs were L2-bound (benchmarks/NOTES.md, v4).
+# A module switch, so both can be timed in one process.
+A_CACHE_L1 = True
+
+
+def stage_bytes(tile: Tile) -> int:
+    return (tile.bm + tile.bn) * _ROW_BYTES
+
+
+def _gemm_constants(g: Geometry, dtype: str, layout: str, precision: str, tile: Tile, index_t: str) -> dict:
+    check_layout(layout)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(MMA_KIND=mma_kind(dtype, precision), CHANNELS_LAST=layout == "nhwc", BM=tile.bm, BN=tile.bn,
+                     WARPS_M=tile.warps_m, WARPS_N=tile.warps_n)
+    return constants
+
+
+def gemm_tile(rows: int, cols: int) -> Tile:
+    """Heuristic block tile for a GEMM whose N is ``cols`` (and M ``rows``)."""
+    if cols <= 32:
+        return TILES["128x32"]
+    if cols <= 64:
+        return TILES["128x64"] if rows > 64 else TILES["64x64"]
+    return TILES["128x128"] if rows > 64 else TILES["64x128"]
+
+
+def grad_weight_tile(rows: int, cols: int) -> Tile:
+    """grad_weight's M and N are channel counts: the smallest tile that covers them, up to 128."""
+    def side(n: int) -> int:
+        return 32 if n <= 32 else 64 if n <= 64 else 128
+    bm, bn = side(rows), side(cols)
+    if bm == 128 and bn == 32:
+        bm = 64
+    if bm == 32 and bn == 128:
+        bn = 64
+    return TILES[f"{bm}x{bn}"]
+
+
+def _default_tile(tile: Tile, dtype: str, precision: str) -> Tile:
+    """3xTF32 keeps a second set of accumulators; tiles over 64x64 would spill them."""
+    if mma_kind(dtype, precision) == MMA_3XTF32 and tile.bm * tile.bn > 64 * 64:
+        return TILES["64x64"]
+    return tile
+
+
+def _gemm_index_t(g: Geometry) -> str:
+    return index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
+
+
+def _bk(dtype: str) -> int:
+    """GEMM K elements per shared-memory stage: 64 bytes."""
+    return 64 // _itemsize(dtype)
+
+
+def plan_pack_weight(g: Geometry, dtype: str, mode: int, tile: Tile) -> Plan:
+    """Repack the weight into the B-operand layout of a GEMM plan (see pack_weight.cu)."""
+    cg_n, cg_k = (g.out_per_group, g.in_per_group) if mode == 0 else (g.in_per_group, g.out_per_group)
+    taps = g.kernel[0] * g.kernel[1]
+    n_pad, k_pad = cdiv(cg_n, tile.bn) * tile.bn, cdiv(cg_k, _bk(dtype)) * _bk(dtype)
+    total = g.groups * taps * n_pad * k_pad
+    element = _itemsize(dtype)
+    constants = dict(INDEX_T=index_type(total, numel(g.weight_shape)), MODE=mode, ELEMENT_BYTES=element,
+                     TAPS=taps, GROUPS=g.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group, N_PAD=n_pad,
+                     K_PAD=k_pad, BLOCK=ELEMENTWISE_BLOCK)
+    spec = KernelSpec.make("pack_weight.cu", "pack_weight", constants)
+    return Plan(spec, (min(cdiv(total, ELEMENTWISE_BLOCK), 8192), 1, 1), (ELEMENTWISE_BLOCK, 1, 1), (),
+                constants["INDEX_T"], scratch_bytes=total * element)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str) -> Plan:
+    """Copy an NCHW activation into channels_last scratch (see to_channels_last.cu)."""
+    total = batch * channels * pixels
+    element = _itemsize(dtype)
+    index_t = index_type(total)
+    constants = dict(INDEX_T=index_t, ELEMENT_BYTES=element)
+    spec = KernelSpec.make("to_channels_last.cu", "to_channels_last", constants)
+    grid = (cdiv(pixels, 64), cdiv(channels, 64), max(1, min(batch, GRID_YZ_LIMIT)))
+    return Plan(spec, grid, (32, 8, 1), (batch, channels, pixels), index_t, scratch_bytes=total * element)
+
+
+def vector_ok(g: Geometry, dtype: str, mode: int) -> bool:
+    """Whether channels_last rows of the GEMM's source split into whole 16-byte vectors."""
+    cg_k = g.in_per_group if mode == 0 else g.out_per_group
+    return (cg_k * _itemsize(dtype)) % 16 == 0
+
+
+def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, precision: str,
+               tile: Optional[Tile], aligned: bool, stages: Optional[int]) -> PackedGemm:
+    sh, sw = g.params.stride
+    if mode == 0:
+        h_out, w_out = g.out_size
+        m, cg_n, phases = g.batch * cdiv(h_out, sh) * cdiv(w_out, sw), g.out_per_group, sh * sw
+        sizes = (g.batch,) + g.in_size + g.out_size
+        src_channels, src_pixels = g.in_channels, g.in_size[0] * g.in_size[1]
+    else:
+        h, w = g.in_size
+        m, cg_n, phases = g.batch * h * w, g.in_per_group, 1
+        sizes = (g.batch,) + g.out_size + g.in_size
+        src_channels, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
+    tile = tile or _default_tile(gemm_tile(m, cg_n), dtype, precision)
+    index_t = _gemm_index_t(g)
+    constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
+    del constants["CHANNELS_LAST"]
+    # Whole 16-byte channel runs are copied with cp.async; an NCHW source is first
+    # copied into channels_last scratch for that (its own scratch is always aligned).
+    vectors = vector_ok(g, dtype, mode)
+    transpose = layout == "nchw" and vectors
+    a_vec = transpose or (layout == "nhwc" and aligned and vectors)
+    stages = (stages or DEFAULT_STAGES) if a_vec else 2
+    if stages not in STAGE_CHOICES:
+        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
+    constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0, A_VEC=a_vec, STAGES=stages, A_L1=A_CACHE_L1,
+                     SRC_CL=layout == "nhwc" or transpose, DST_CL=layout == "nhwc")
+    spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
+    grid = (cdiv(m, tile.bm), g.groups * cdiv(cg_n, tile.bn), phases)
+    gemm = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), sizes, index_t,
+                smem_bytes=stages * stage_bytes(tile))
+    to_cl = plan_to_channels_last(g.batch, src_channels, src_pixels, dtype) if transpose else None
+    return PackedGemm(plan_pack_weight(g, dtype, mode, tile), gemm, to_cl)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward_gemm(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", precision: str = "strict",
+                      tile: Optional[Tile] = None, aligned: bool = True, stages: Optional[int] = None) -> PackedGemm:
+    """Forward as one implicit GEMM per stride phase (grid z).
+
+    ``aligned``: the activation pointers are 16-byte aligned (channels_last vector loads).
+    ``stages``: cp.async pipeline depth (one of :data:`STAGE_CHOICES`; default
+    :data:`DEFAULT_STAGES`); the element-gathering fallback always double-buffers.
+    """
+    return _plan_gemm(g, dtype, 0, has_bias, layout, precision, tile, aligned, stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_input_gemm(g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict",
+                         tile: Optional[Tile] = None, aligned: bool = True, stages: Optional[int] = None) -> PackedGemm:
+    """grad_input (a strided conv2d of grad_output) as one implicit GEMM; see :func:`plan_forward_gemm`."""
+    return _plan_gemm(g, dtype, 1, False, layout, precision, tile, aligned, stages)
+
+
+def grad_weight_vectors(g: Geometry, dtype: str, layout: str, aligned: bool = True) -> Tuple[bool, bool]:
+    """(vector tiles, NCHW sources to copy into channels_last first) for the grad_weight GEMM.
+
+    Vector tiles copy 16-byte channel runs of 16-bit channels_last data with cp.async.
+    """
+    runs = _itemsize(dtype) == 2 and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
+    transpose = runs and layout == "nchw"
+    return transpose or (runs and layout == "nhwc" and aligned), transpose
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_weight_sources(g: Geometry, dtype: str) -> Tuple[Plan, Plan]:
+    """The channels_last copies of x and grad_output that the vector grad_weight GEMM reads."""
+    return (plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype),
+            plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype))
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw", precision: str = "strict",
+                          tile: Optional[Tile] = None, aligned: bool = True,
+                          stages: Optional[int] = None) -> Tuple[Plan, Plan]:
+    """grad_weight as a split-K implicit GEMM per (group, tap), and the fixed-order reduction.
+
+    When :func:`grad_weight_vectors` says the sources must be copied into
+    channels_last first, :func:`plan_grad_weight_sources` plans those copies.
+    """
+    tile = tile or _default_tile(grad_weight_tile(g.in_per_group, g.out_per_group), dtype, precision)
+    vec, transpose = grad_weight_vectors(g, dtype, layout, aligned)
+    stages = (stages or DEFAULT_STAGES) if vec else 2
+    if stages not in STAGE_CHOICES:
+        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
+    taps = g.kernel[0] * g.kernel[1]
+    h, w = g.in_size
+    k_tiles = cdiv(g.batch * h * w, _bk(dtype))
+    base_blocks = cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn) * g.groups * taps
+    # Enough K ranges for 16 resident warps per SM, each range at least eight K tiles long.
+    warps = tile.warps_m * tile.warps_n
+    splits = max(1, min(cdiv(16 * sm_count, warps * base_blocks), cdiv(k_tiles, 8), 512))
+    per_split = cdiv(k_tiles, splits)
+    splits = cdiv(k_tiles, per_split)
+    weight_elems = numel(g.weight_shape)
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
+    constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
+    constants.update(CHANNELS_LAST=layout == "nhwc" or transpose, VEC=vec, STAGES=stages, A_L1=A_CACHE_L1)
+    spec = KernelSpec.make("conv_transpose2d_grad_weight_igemm.cu", "conv_transpose2d_grad_weight_igemm", constants)
+    # Taps fastest: blocks reading the same K range of x and grad_out run together.
+    grid = (g.groups * taps, cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn), splits)
+    bk = _bk(dtype)
+    smem = stages * (bk * (tile.bm + tile.bn) * 2 + 2 * bk * 16) if vec else 2 * stage_bytes(tile)
+    partial = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1),
+                   (g.batch, h, w) + g.out_size + (per_split,), index_t, scratch_bytes=splits * weight_elems * 4,
+                   smem_bytes=smem)
+    return partial, plan_reduce(dtype, weight_elems, splits, index_t)
+
+
+def gemm_fits(g: Geometry, dtype: str) -> bool:
+    """Whether the tensor-core kernels can run this layer at all (grid and dtype limits)."""
+    if not dtypes.get(dtype).tensor_cores:
+        return False
+    taps = g.kernel[0] * g.kernel[1]
+    return g.groups * taps < 2 ** 31 and g.groups * cdiv(max(g.in_per_group, g.out_per_group), 32) \
+        <= GRID_YZ_LIMIT and taps <= 256
+
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_shape(g: Geometry, dtype: str) -> bool:
+    return min(g.in_per_group, g.out_per_group) >= 16 and gemm_fits(g, dtype)
+
+
+def enabled() -> bool:
+    """Whether ``CUPYCONV_TENSOR_CORES`` leaves the tensor-core kernels on (it does unless it is 0)."""
+    return os.environ.get(TENSOR_CORES_ENV, "1").strip() != "0"
+
+
+# ------------------------------------------------------------------------ the variants
+
+def _sides(n: int) -> Tuple[int, ...]:
+    """Tile sides worth trying along a GEMM dimension of ``n``: the covering side and half of it."""
+    side = 32 if n <= 32 else 64 if n <= 64 else 128
+    return (side, side // 2) if side > 32 else (side,)
+
+
+def _gemm_rows(pass_: str, g: Geometry) -> int:
+    if pass_ == "forward":
+        sh, sw = g.params.stride
+        return g.batch * -(-g.out_size[0] // sh) * -(-g.out_size[1] // sw)
+    return g.batch * g.in_size[0] * g.in_size[1]
+
+
+# GEMM rows from which 256-row tiles are tried: four such tiles per SM of an H100.
+_TALL_TILE_ROWS = 256 * 132 * 4
+
+
+def options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Dict[str, object]]:
+    """Planner options worth timing for a GEMM pass, the planner's own defaults first.
+
+    Block tiles (by name) whose N side fits the GEMM's N (no 128-wide tiles for 16
+    channels) and whose M side fits its M; tiles the 3xTF32 rule of :func:`_default_tile`
+    would shrink are left out.  The other pipeline depths are tried with the default tile.
+    """
+    if pass_ == "grad_weight":
+        bms, bns = _sides(g.in_per_group), _sides(g.out_per_group)
+    else:
+        rows = _gemm_rows(pass_, g)
+        # 256-row tiles halve the weight traffic per output row; worth it only where the
+        # M grid still fills the GPU many times over.
+        bms = (64, 128, 256) if rows >= _TALL_TILE_ROWS else (64, 128) if rows > 64 else (32, 64)
+        bns = _sides(g.out_per_group if pass_ == "forward" else g.in_per_group)
+    found: List[Dict[str, object]] = [{}]
+    for bm in bms:
+        for bn in bns:
+            tile = TILES.get(f"{bm}x{bn}")
+            if tile is not None and _default_tile(tile, dtype, precision) == tile:
+                found.append({"tile": tile.name})
+    found += [{"stages": s} for s in STAGE_CHOICES if s != DEFAULT_STAGES]
+    return found
+
+
+class GemmFamily(Family):
+    name = "gemm"
+    passes = ("forward", "grad_input", "grad_weight")
+
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
+        """sm_80 or newer, and a GEMM of at least 16 channels per group on both sides: thinner
+        layers (grouped, depthwise) waste most of each mma on padding."""
+        return device.tensor_cores >= MMA_SYNC and enabled() and _gemm_shape(g, dtype)
+
+    def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
+        return [Variant.make(self.name, **opts) for opts in options(pass_, g, dtype, precision)]
+
+    def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
+             has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        kwargs = dict(variant.kwargs)
+        if "tile" in kwargs:
+            kwargs["tile"] = TILES[kwargs["tile"]]
+        if pass_ == "forward":
+            return plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=aligned, **kwargs)
+        if pass_ == "grad_input":
+            return plan_grad_input_gemm(g, dtype, layout, precision, aligned=aligned, **kwargs)
+        partial, reduce = plan_grad_weight_gemm(g, dtype, sm_count, layout, precision, aligned=aligned, **kwargs)
+        sources = plan_grad_weight_sources(g, dtype) if grad_weight_vectors(g, dtype, layout, aligned)[1] else None
+        return SplitK(partial, reduce, sources)
+
+    def clear(self) -> None:
+        for planner in (plan_forward_gemm, plan_grad_input_gemm, plan_grad_weight_gemm, plan_to_channels_last,
+                        plan_grad_weight_sources, _gemm_shape):
+            planner.cache_clear()
+
+
+FAMILY = GemmFamily()

@@ -1,0 +1,286 @@
+"""Launch mechanics: one kernel's :class:`Plan`, its parameter block, scratch, and where launches go.
+
+A plan names the kernel specialisation to compile (its template constants), the grid and
+the runtime arguments.  Plans are pure Python, so CI can enumerate and compile every one
+of them without a GPU.  Launches take raw device pointers and a raw stream handle, so
+CuPy arrays and torch tensors (bfloat16 included, which CuPy cannot represent) share one
+path that costs no DLPack round trip.
+
+A :class:`Launcher` is where one call's launches go: a device, a stream and the caller's
+allocator for scratch.  A :class:`Recorder` takes the same launches and only writes them
+down, which is how ``explain`` and host-only tools see exactly what a call runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from ..core import device as _device
+from ..core import dtypes
+from ..core.geometry import Geometry
+from ..jit import compiler
+from ..jit.compiler import KernelSpec, get_function
+
+INT32_LIMIT = 2 ** 31
+GRID_YZ_LIMIT = 65535
+STATIC_SMEM_LIMIT = 48 * 1024
+LAYOUTS = ("nchw", "nhwc")
+
+
+def index_type(*element_counts: int) -> str:
+    """32-bit offsets unless some tensor a kernel touches has 2**31 elements or more."""
+    return "long long" if max(element_counts) >= INT32_LIMIT else "int"
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_rows(rows: int, other_blocks: int, min_items: int, sm_count: int, blocks_per_sm: int = 4,
+               row_items: int = 1) -> Tuple[int, int]:
+    """Split ``rows`` into enough fixed chunks to fill the GPU; returns (chunks, rows_per_chunk).
+
+    ``blocks_per_sm`` blocks per SM are wanted in all, counting the ``other_blocks`` each
+    chunk is launched with, but no chunk gets fewer than ``min_items`` of the
+    ``row_items`` items that each row holds.
+    """
+    wanted = max(1, cdiv(blocks_per_sm * sm_count, max(other_blocks, 1)))
+    wanted = min(wanted, max(1, cdiv(rows * row_items, min_items)))
+    rows_per_chunk = cdiv(rows, wanted)
+    return cdiv(rows, rows_per_chunk), rows_per_chunk
+
+
+def even_block(size: int, cap: int) -> int:
+    """The block of at most ``cap`` that cuts ``size`` into the fewest, most even pieces."""
+    return cdiv(size, cdiv(size, max(1, cap)))
+
+
+def layer_constants(g: Geometry, dtype: str, index_t: str) -> dict:
+    """The constants of ``kernels/include/layer.cuh``: storage and index types, and the layer's geometry."""
+    p = g.params
+    return dict(
+        SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t,
+        KH=g.kernel[0], KW=g.kernel[1], SH=p.stride[0], SW=p.stride[1], PH=p.padding[0], PW=p.padding[1],
+        DH=p.dilation[0], DW=p.dilation[1], GROUPS=p.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One kernel launch: what to compile, how to launch it, and its non-pointer arguments."""
+
+    spec: KernelSpec
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    scalars: Tuple[int, ...]   # runtime sizes, passed as index_t
+    index_t: str
+    scratch_bytes: int = 0     # split-K partials the caller must provide
+    smem_bytes: int = 0        # dynamic shared memory per block
+    # device -> (compiler generation, CUfunction handle, the kernel object that keeps its module loaded)
+    _functions: Dict[int, tuple] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _params: Dict[int, "_ParamBlock"] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def function(self, device_id: int) -> int:
+        """The CUfunction handle of this plan's kernel on ``device_id``."""
+        held = self._functions.get(device_id)
+        if held is None or held[0] != compiler._generation:
+            kernel = get_function(self.spec, device_id)
+            if self.smem_bytes > STATIC_SMEM_LIMIT:
+                # Blocks may only use more than 48 KB once the function has opted in.
+                kernel.max_dynamic_shared_size_bytes = self.smem_bytes
+            held = self._functions[device_id] = (compiler._generation, kernel.kernel.ptr, kernel)
+        return held[1]
+
+    def run(self, device_id: int, stream_ptr: int, pointers: Sequence[int]) -> None:
+        block = self._params.get(len(pointers))
+        if block is None:
+            block = self._params[len(pointers)] = _ParamBlock(len(pointers), self.scalars, self.index_t)
+        block.launch(self.function(device_id), self.grid, self.block, self.smem_bytes, pointers, stream_ptr)
+
+
+class _ParamBlock:
+    """A kernel's parameter block, built once per plan; each launch only rewrites the pointers.
+
+    cuLaunchKernel copies the parameters, so the block can be reused at once; the lock
+    keeps two threads launching the same plan from interleaving their pointer writes.
+    """
+
+    def __init__(self, n_pointers: int, scalars: Sequence[int], index_t: str):
+        scalar_type = ctypes.c_int64 if index_t == "long long" else ctypes.c_int32
+        self.pointers = [ctypes.c_void_p() for _ in range(n_pointers)]
+        self.values = self.pointers + [scalar_type(s) for s in scalars]
+        self.array = (ctypes.c_void_p * len(self.values))(*[ctypes.addressof(v) for v in self.values])
+        self.address = ctypes.addressof(self.array)
+        self.lock = threading.Lock()
+
+    def launch(self, function: int, grid, block, smem_bytes: int, pointers: Sequence[int], stream_ptr: int) -> None:
+        with self.lock:
+            for slot, ptr in zip(self.pointers, pointers):
+                slot.value = ptr
+            _driver().launchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                   smem_bytes, stream_ptr, self.address, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    from cupy.cuda import driver
+
+    return driver
+
+
+Allocator = Callable[[int], Tuple[object, int]]
+_SCRATCH_ALIGN = 256
+
+
+def carve(alloc: Allocator, sizes: Sequence[int]) -> Tuple[object, List[int]]:
+    """One scratch allocation split into 256-byte aligned pieces of ``sizes`` bytes.
+
+    A pass needs up to four scratch buffers; one allocation costs the host one
+    allocator call instead of four.  The buffer lives as long as the returned owner;
+    both allocators we use (CuPy's pool and torch's caching allocator) are
+    stream-ordered, so its reuse waits behind the launches that read it.
+    """
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += cdiv(size, _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    keep, base = alloc(total)
+    return keep, [base + o for o in offsets]
+
+
+def cupy_allocator() -> Allocator:
+    """Scratch from CuPy's memory pool on the current device."""
+    import cupy
+
+    def alloc(nbytes: int):
+        buf = cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
+        return buf, buf.data.ptr
+    return alloc
+
+
+class SourceCopies:
+    """channels_last copies of NCHW sources, made once and shared by the passes of one call.
+
+    grad_input and grad_weight both read grad_output through the same copy; a backward
+    call that runs both gives its launcher one of these.  The copies live as long as this
+    object (stream-ordered, like all scratch).
+    """
+
+    def __init__(self) -> None:
+        self._copies: Dict[Tuple[int, int], Tuple[object, int]] = {}  # (id(plan), src) -> (buffer, pointer)
+
+    def get(self, plan: Plan, src: int, launcher: "Launcher") -> int:
+        """The pointer of ``src`` copied by ``plan`` (a channels_last copy), made on first use."""
+        hit = self._copies.get((id(plan), src))
+        if hit is None:
+            keep, ptr = launcher.alloc(plan.scratch_bytes)
+            launcher.launch("to_channels_last", plan, (src, ptr))
+            hit = self._copies[(id(plan), src)] = (keep, ptr)
+        return hit[1]
+
+
+# Lists that every launch is appended to while watch() runs (a GPU test compares them with explain).
+_watchers: List[list] = []
+
+
+@contextlib.contextmanager
+def watch() -> Iterator[List[Tuple[str, Plan]]]:
+    """Note every (stage, plan) launched through a :class:`Launcher` while the block runs."""
+    seen: List[Tuple[str, Plan]] = []
+    _watchers.append(seen)
+    try:
+        yield seen
+    finally:
+        _watchers.remove(seen)
+
+
+class Launcher:
+    """Where one call's launches go: a device, a stream, the caller's scratch allocator.
+
+    ``copies`` holds channels_last copies that several passes of the call share.
+    """
+
+    timing = True   # the tuner may time candidate kernels on this launcher's stream
+
+    def __init__(self, device_id: int, stream_ptr: int, alloc: Allocator):
+        self.device = _device.get(device_id)
+        self.device_id = device_id
+        self.stream_ptr = stream_ptr
+        self.alloc = alloc
+        self.copies: Optional[SourceCopies] = None
+
+    def enter(self, pass_: str, variant) -> None:
+        """A pass begins with ``variant``'s kernels (a :class:`Recorder` notes it; launches need nothing)."""
+
+    def launch(self, stage: str, plan: Plan, pointers: Sequence[int]) -> None:
+        plan.run(self.device_id, self.stream_ptr, pointers)
+        if _watchers:
+            for seen in _watchers:
+                seen.append((stage, plan))
+
+    def scratch(self, sizes: Sequence[int]) -> Tuple[object, List[int]]:
+        return carve(self.alloc, sizes)
+
+    def zero(self, ptr: int, nbytes: int) -> None:
+        from cupy.cuda import runtime
+
+        if nbytes:
+            runtime.memsetAsync(ptr, 0, nbytes, self.stream_ptr)
+
+
+@dataclass
+class RecordedPass:
+    name: str
+    variant: object                                    # the tuning Variant that ran
+    launches: List[Tuple[str, Plan]] = field(default_factory=list)
+    zeroed_bytes: int = 0                              # filled with a memset instead (empty batch)
+
+
+class Recorder(Launcher):
+    """A launcher that launches nothing: it writes down each pass, its variant and its launches.
+
+    Pointers are whatever the caller makes up; scratch gets made-up, aligned addresses.
+    Nothing is timed on it, so the tuner answers with a remembered, stored or heuristic choice.
+    """
+
+    timing = False
+
+    def __init__(self, device: _device.Device):
+        self.device = device
+        self.device_id = device.index
+        self.stream_ptr = 0
+        self.alloc = self._alloc
+        self.copies = None
+        self.passes: List[RecordedPass] = []
+        self._next = 1 << 40
+
+    def _alloc(self, nbytes: int):
+        ptr = self._next
+        self._next += cdiv(max(nbytes, 1), _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        return None, ptr
+
+    def enter(self, pass_: str, variant) -> None:
+        self.passes.append(RecordedPass(pass_, variant))
+
+    def launch(self, stage: str, plan: Plan, pointers: Sequence[int]) -> None:
+        self.passes[-1].launches.append((stage, plan))
+
+    def zero(self, ptr: int, nbytes: int) -> None:
+        self.passes[-1].zeroed_bytes += nbytes
+
+    @property
+    def launches(self) -> List[Tuple[str, Plan]]:
+        return [launch for p in self.passes for launch in p.launches]

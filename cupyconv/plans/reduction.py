@@ -1,0 +1,73 @@
+"""Reductions: grad_bias, and the fixed-order reduce that finishes every split-K pass.
+
+grad_bias = grad_output.sum((0, 2, 3)) is summed in fixed chunks of rows into fp32 (fp64
+for float64) partials, which one more kernel adds up in chunk order: no atomics, so the
+result is bitwise reproducible.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+from ..core import dtypes
+from ..core.geometry import Geometry
+from ..jit.compiler import KernelSpec
+from ..tuning.variants import Variant
+from .family import Family
+from .launch import GRID_YZ_LIMIT, Plan, cdiv, check_layout, index_type, numel, split_rows
+from .sequences import PassPlan, SplitK
+
+# threads per block of the reduce, the weight repack and other elementwise kernels
+ELEMENTWISE_BLOCK = 256
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Plan]:
+    dtypes.get(dtype)
+    check_layout(layout)
+    block = 256
+    h_out, w_out = g.out_size
+    channel_tile = min(g.out_channels, block)
+    if layout == "nhwc":
+        # A block is (pixel lane, channel): few channels leave room for many pixel lanes.
+        channel_blocks = cdiv(g.out_channels, channel_tile)
+        chunks, rows_per_chunk = split_rows(g.batch * h_out * w_out, channel_blocks, 64 * (block // channel_tile),
+                                            sm_count)
+        grid_y = min(channel_blocks, GRID_YZ_LIMIT)
+    else:
+        chunks, rows_per_chunk = split_rows(g.batch * h_out, g.out_channels, block // 32, sm_count)
+        grid_y = min(g.out_channels, GRID_YZ_LIMIT)
+    index_t = index_type(numel(g.output_shape), chunks * g.out_channels)
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block,
+                     CHANNELS_LAST=layout == "nhwc", CHANNEL_TILE=channel_tile if layout == "nhwc" else 1)
+    spec = KernelSpec.make("conv_transpose2d_grad_bias.cu", "conv_transpose2d_grad_bias_partial", constants)
+    partial = Plan(spec, (chunks, grid_y, 1), (block, 1, 1),
+                   (g.batch, h_out, w_out, rows_per_chunk), index_t,
+                   scratch_bytes=chunks * g.out_channels * dtypes.get(dtype).accumulator_bytes)
+    return partial, plan_reduce(dtype, g.out_channels, chunks, index_t)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK)
+    spec = KernelSpec.make("reduce_partials.cu", "reduce_partials", constants)
+    grid = (min(cdiv(elements, ELEMENTWISE_BLOCK), 8192), 1, 1)
+    return Plan(spec, grid, (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks), index_t)
+
+
+
+
+class ReductionFamily(Family):
+    name = "reduction"
+    passes = ("grad_bias",)
+
+    def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
+             has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        return SplitK(*plan_grad_bias(g, dtype, sm_count, layout))
+
+    def clear(self) -> None:
+        plan_grad_bias.cache_clear()
+        plan_reduce.cache_clear()
+
+
+FAMILY = ReductionFamily()

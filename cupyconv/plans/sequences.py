@@ -1,0 +1,107 @@
+"""What one pass launches, in order: the launch sequences that every family's plans are made of.
+
+A sequence lists its plans (to compile ahead and to show) and runs them on a
+:class:`~cupyconv.plans.launch.Launcher` with the pass's pointers:
+
+- forward: ``(x, weight, bias or 0, out)``
+- grad_input: ``(grad_output, weight, out)``
+- grad_weight: ``(x, grad_output, out)``
+- grad_bias: ``(grad_output, out)``
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from .launch import Launcher, Plan
+
+
+class PassPlan:
+    """Every launch of one pass."""
+
+    def plans(self) -> List[Plan]:
+        """Every plan this pass may launch (a shared channels_last copy too)."""
+        raise NotImplementedError
+
+    def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class OneKernel(PassPlan):
+    """A single kernel that reads the pass's sources and writes its output."""
+
+    main: Plan
+
+    def plans(self) -> List[Plan]:
+        return [self.main]
+
+    def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
+        launcher.launch("main", self.main, pointers)
+
+
+@dataclass(frozen=True)
+class SplitK(PassPlan):
+    """Partial sums over fixed chunks into scratch, then their fixed-order reduction into the output.
+
+    The order never depends on timing, so the result is bitwise reproducible.  ``sources``
+    are channels_last copies (of x, then of grad_output) that the partial pass reads
+    instead of NCHW sources; grad_output's copy is shared through ``launcher.copies``.
+    """
+
+    partial: Plan
+    reduce: Plan
+    sources: Optional[Tuple[Plan, Plan]] = None
+
+    def plans(self) -> List[Plan]:
+        return [self.partial, self.reduce] + list(self.sources or ())
+
+    def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
+        *inputs, out = pointers
+        if self.sources is None:
+            keep, scratch = launcher.alloc(self.partial.scratch_bytes)
+        else:
+            (x, grad_out), (x_plan, go_plan) = inputs, self.sources
+            if launcher.copies is None:
+                keep, (scratch, x_cl, go_cl) = launcher.scratch(
+                    [self.partial.scratch_bytes, x_plan.scratch_bytes, go_plan.scratch_bytes])
+                launcher.launch("to_channels_last", go_plan, (grad_out, go_cl))
+            else:
+                keep, (scratch, x_cl) = launcher.scratch([self.partial.scratch_bytes, x_plan.scratch_bytes])
+                go_cl = launcher.copies.get(go_plan, grad_out, launcher)
+            launcher.launch("to_channels_last", x_plan, (x, x_cl))
+            inputs = [x_cl, go_cl]
+        launcher.launch("partial", self.partial, tuple(inputs) + (scratch,))
+        launcher.launch("reduce", self.reduce, (scratch, out))
+        del keep
+
+
+@dataclass(frozen=True)
+class PackedGemm(PassPlan):
+    """The weight repacked into the GEMM's operand layout, optionally the source copied to
+    channels_last (shared through ``launcher.copies``), then the GEMM."""
+
+    pack: Plan
+    gemm: Plan
+    to_channels_last: Optional[Plan] = None
+
+    def plans(self) -> List[Plan]:
+        return [p for p in (self.pack, self.to_channels_last, self.gemm) if p is not None]
+
+    def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
+        if len(pointers) == 4:
+            src, weight, bias, dst = pointers
+        else:
+            (src, weight, dst), bias = pointers, 0
+        to_cl = self.to_channels_last
+        own_copy = to_cl is not None and launcher.copies is None
+        keep, (packed, *src_cl) = launcher.scratch(
+            [self.pack.scratch_bytes] + ([to_cl.scratch_bytes] if own_copy else []))
+        launcher.launch("pack", self.pack, (weight, packed))
+        if own_copy:
+            launcher.launch("to_channels_last", to_cl, (src, src_cl[0]))
+            src = src_cl[0]
+        elif to_cl is not None:
+            src = launcher.copies.get(to_cl, src, launcher)
+        launcher.launch("main", self.gemm, (src, packed, bias, dst))
+        del keep

@@ -1,0 +1,79 @@
+"""A variant: one way to run a pass, as a kernel family and its planner options.
+
+Its name is what the tuning file stores: ``direct``, ``gemm``, ``gemm:128x64``,
+``gemm:s3`` or ``gemm:64x64:s2`` (family, then a block tile, then a pipeline depth).
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+_TILE = re.compile(r"\d+x\d+")
+_STAGES = re.compile(r"s(\d+)")
+_FAMILY = re.compile(r"[a-z][a-z0-9_]*")
+# the order of options in a name
+_ORDER = ("tile", "stages")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A kernel family and the planner options it runs with; no options means the planner's heuristic."""
+
+    family: str
+    options: Tuple[Tuple[str, object], ...] = ()
+
+    def __hash__(self) -> int:
+        # Looked up on every launch of a tuned pass; hash the fields once.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.family, self.options))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # a string's hash differs between processes: a pickled variant hashes afresh
+        return {f: getattr(self, f) for f in ("family", "options")}
+
+    @classmethod
+    def make(cls, family: str, **options) -> "Variant":
+        return cls(family, tuple(sorted(options.items())))
+
+    @functools.cached_property
+    def kwargs(self) -> Dict[str, object]:
+        return dict(self.options)
+
+    @property
+    def name(self) -> str:
+        opts = self.kwargs
+        parts = [self.family]
+        if "tile" in opts:
+            parts.append(str(opts["tile"]))
+        if "stages" in opts:
+            parts.append(f"s{opts['stages']}")
+        return ":".join(parts)
+
+    @classmethod
+    def parse(cls, name: str) -> "Variant":
+        """The variant a :attr:`name` stands for; ValueError for anything else."""
+        family, *rest = str(name).split(":")
+        if not _FAMILY.fullmatch(family) or len(rest) > len(_ORDER):
+            raise ValueError(f"not a cupyconv variant name: {name!r}")
+        opts: Dict[str, object] = {}
+        for part in rest:
+            stages = _STAGES.fullmatch(part)
+            if _TILE.fullmatch(part) and not opts:
+                opts["tile"] = part
+            elif stages and "stages" not in opts:
+                opts["stages"] = int(stages.group(1))
+            else:
+                raise ValueError(f"not a cupyconv variant name: {name!r}")
+        return cls.make(family, **opts)
+
+    def __repr__(self) -> str:
+        return f"Variant({self.name!r})"
+
+
+DIRECT = Variant("direct")
+GEMM = Variant("gemm")
