@@ -373,7 +373,8 @@ def test_compiler_cache_cleared_alone_between_calls():
     """compiler.clear_cache() without the plan cache: plans fetch fresh kernels, nothing launches stale ones."""
     import gc
 
-    from cupyconv import compiler, reference
+    from cupyconv import reference
+    from cupyconv.jit import compiler
 
     x = cupy.random.standard_normal((2, 16, 7, 6), dtype=cupy.float32)
     w = cupy.random.standard_normal((16, 16, 3, 3), dtype=cupy.float32)
