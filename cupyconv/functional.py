@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from . import engine
-from . import reference
+from . import engine, reference
 from .core.arrays import common_placement
 from .core.device import gpu_present
 from .core.geometry import ConvParams, Geometry, geometry, output_mask as _output_mask

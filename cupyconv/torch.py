@@ -51,8 +51,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import engine as _engine
-from .core import dtypes as _dtypes
 from . import reference as _reference
+from .core import dtypes as _dtypes
 from .core.geometry import ConvParams, geometry as _geometry, output_mask as _output_mask
 from .plans.launch import Launcher as _Launcher
 
