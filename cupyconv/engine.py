@@ -64,9 +64,16 @@ def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str,
         def plan(v):
             return table.plan(pass_, v, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
 
-        variant = decide.choose(pass_, g, dtype, layout, precision, device, launcher.stream_ptr, found,
-                                lambda v: plan(v).run(launcher, pointers), lambda v: plan(v).plans(),
-                                timing=launcher.timing)
+        def run(v):
+            # Each candidate is timed with every launch it makes on its own, channels_last copies included.
+            shared, launcher.copies = launcher.copies, None
+            try:
+                plan(v).run(launcher, pointers)
+            finally:
+                launcher.copies = shared
+
+        variant = decide.choose(pass_, g, dtype, layout, precision, device, launcher.stream_ptr, found, run,
+                                lambda v: plan(v).plans(), timing=launcher.timing)
     launcher.enter(pass_, variant)
     return table.plan(pass_, variant, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
 

@@ -861,3 +861,31 @@ def test_import_stays_light():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr
+
+
+def test_each_candidate_is_timed_with_its_own_channels_last_copy(fresh, monkeypatch):
+    """In a backward that shares grad_output's copy, timing runs still pay for their own copy, as a
+    candidate that is chosen alone would: the shared copy is only for the chosen kernels."""
+    runs = []
+
+    def timer(cands, run, plans, device, stream_ptr, repeat):
+        for v in cands:
+            stages = []
+            launcher.launch = lambda stage, plan, pointers: stages.append(stage)  # this run's launches only
+            try:
+                run(v)
+            finally:
+                del launcher.launch
+            runs.append((v, stages))
+        return {v: 1.0 for v in cands}
+
+    monkeypatch.setattr(decide, "_measure", timer)
+    with device.substitute(DEV):
+        launcher = TimingRecorder(DEV)
+        engine.backward(THIN, "float16", _Y, _X, _W, _GX, _GW, None, launcher, "nchw", "strict")
+    timed_gemms = [stages for v, stages in runs if v.family == "gemm"]
+    assert timed_gemms and all(stages.count("to_channels_last") >= 1 for stages in timed_gemms)
+    # the chosen kernels share one copy of grad_output between grad_input and grad_weight
+    chosen = [p for p in launcher.passes if p.name in ("grad_input", "grad_weight")]
+    copied = sum(stage == "to_channels_last" for p in chosen for stage, _ in p.launches)
+    assert [p.variant for p in chosen] == [GEMM, GEMM] and copied == 2   # grad_output once, x once
