@@ -23,12 +23,17 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .core import dtypes
+from .core.device import gpu_present
 from .core.geometry import output_size
+from .core.version import VERSION
+
+PROG = "python -m cupyconv.bench"
 
 
 @dataclass(frozen=True)
@@ -278,10 +283,9 @@ def run(layers: List[BenchLayer], dtype: Union[str, Sequence[str]] = "float32", 
 
     ``dtype`` is one name of DTYPE_CHOICES or a sequence of them.  ``allow_tf32``, when
     given, runs float32 and tf32 alike with TF32 on (True) or off (False), and the rows are
-    named for what ran.  ``copy_gbps`` is measured here unless given.
+    named for what ran.  ``copy_gbps`` is measured here unless given.  RuntimeError without
+    a CUDA GPU.
     """
-    import torch
-
     dtypes = list(dict.fromkeys(_resolve_dtype(d, allow_tf32)
                                 for d in ([dtype] if isinstance(dtype, str) else dtype)))
     unknown = [d for d in dtypes if d not in DTYPE_CHOICES]
@@ -289,6 +293,9 @@ def run(layers: List[BenchLayer], dtype: Union[str, Sequence[str]] = "float32", 
         raise ValueError(f"unknown dtype {unknown}; choose from {DTYPE_CHOICES}")
     if set(layouts) - set(LAYOUTS):
         raise ValueError(f"unknown layout {sorted(set(layouts) - set(LAYOUTS))}; choose from {LAYOUTS}")
+    require_gpu()
+    import torch
+
     if copy_gbps is None:
         copy_gbps = copy_bandwidth_gbps()
     cases = list(itertools.product(layers, dtypes, layouts))
@@ -319,7 +326,9 @@ def host_cost(calls: int = 2000) -> List[dict]:
 
     The layer is small enough that the GPU finishes each kernel faster than the host can
     issue the next, so wall time over many unsynchronised calls measures the host path.
+    RuntimeError without a CUDA GPU.
     """
+    require_gpu()
     import time
 
     import torch
@@ -361,19 +370,52 @@ def host_cost(calls: int = 2000) -> List[dict]:
     return rows
 
 
+def require_gpu() -> None:
+    """RuntimeError naming what is missing unless torch and CuPy both see a CUDA GPU."""
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeError("the benchmark needs torch: pip install 'cupyconv[bench]'") from None
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device"
+        raise RuntimeError(f"the benchmark needs a CUDA GPU, and torch {torch.__version__} sees none ({build}); "
+                           f"--from-json PATH reports saved results without one")
+    if not gpu_present():
+        raise RuntimeError("the benchmark needs CuPy with a CUDA GPU: pip install 'cupyconv[cuda12]' "
+                           "(or cuda13)")
+
+
+def project_commit() -> Tuple[Optional[str], Optional[bool]]:
+    """(short commit, uncommitted changes) of the checkout cupyconv runs from, or (None, None).
+
+    Only the project's own repository counts: a copy of the package inside some other git
+    repository records no commit rather than that repository's.
+    """
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root or not (root / "cupyconv").is_dir():
+            return None, None
+        return git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
 def environment() -> dict:
-    """The device name, torch, CuPy and cuDNN versions and the commit (``CUPYCONV_COMMIT`` or git) of this run."""
+    """The device name, torch, CuPy and cuDNN versions, and the commit of this run: ``CUPYCONV_COMMIT``
+    if set, else the project's own checkout (with ``dirty`` for uncommitted changes), else none."""
     import cupy
     import torch
 
-    commit = os.environ.get("CUPYCONV_COMMIT", "")
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit, dirty = os.environ.get("CUPYCONV_COMMIT") or None, None
+    if commit is None:
+        commit, dirty = project_commit()
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cupy=cupy.__version__,
-                cudnn=torch.backends.cudnn.version(), commit=commit)
+                cudnn=torch.backends.cudnn.version(), commit=commit, dirty=dirty)
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -424,7 +466,7 @@ def format_header(env: dict) -> str:
     """One line naming the device, versions, commit and copy bandwidth of a run."""
     copy = env.get("copy_gbps")
     return (f"device {env.get('device')}, torch {env.get('torch')}, cupy {env.get('cupy')}, "
-            f"cudnn {env.get('cudnn')}, commit {env.get('commit')}, "
+            f"cudnn {env.get('cudnn')}, commit {env.get('commit') or 'none'}{' (dirty)' if env.get('dirty') else ''}, "
             f"copy bandwidth {'n/a' if copy is None else f'{copy:.0f} GB/s'}")
 
 
@@ -434,9 +476,12 @@ def write_results(path: Path, env: dict, rows: List[dict]) -> None:
 
 
 def load_results(path: Path) -> Tuple[dict, List[dict]]:
-    """The environment and rows of a file written by ``write_results``."""
+    """The environment and rows of a file written by ``write_results``; ValueError for anything else."""
     data = json.loads(Path(path).read_text())
-    rows = data.pop("rows")
+    rows = data.pop("rows", None) if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and {"name", "dtype", "pass"} <= set(r)
+                                             for r in rows):
+        raise ValueError(f"{path} holds no benchmark rows")
     return data, rows
 
 
@@ -505,19 +550,25 @@ def plot_speedups(env: dict, rows: List[dict], path: Path) -> None:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The parsed command line, plus the resolved ``dtypes``, ``layouts`` and ``layers``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("seeds", "all"), default="all")
-    parser.add_argument("--layer", action="append", metavar="NAME", help="only this layer (repeatable)")
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"cupyconv {VERSION}")
+    parser.add_argument("--suite", choices=("seeds", "all"), default="all",
+                        help="the layers to run: the seed layers only, or all (default: all)")
+    parser.add_argument("--layer", action="append", metavar="NAME",
+                        help=f"only this layer (repeatable); one of {', '.join(layer.name for layer in SUITE)}")
     parser.add_argument("--dtype", action="append", choices=DTYPE_CHOICES,
-                        help=f"repeatable; default {' '.join(DTYPES)}")
-    parser.add_argument("--layout", action="append", choices=LAYOUTS, help="repeatable; default both")
-    parser.add_argument("--repeat", type=int, default=20, help="timed runs per measurement (the median is kept)")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--plot", type=Path, help="draw the speedups into this image (needs matplotlib)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+                        help=f"only this dtype (repeatable; default: {' '.join(DTYPES)})")
+    parser.add_argument("--layout", action="append", choices=LAYOUTS,
+                        help="only this memory layout (repeatable; default: both)")
+    parser.add_argument("--repeat", type=_positive, default=20,
+                        help="timed runs per measurement, of which the median is kept (default: 20)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results here (default: not written)")
+    parser.add_argument("--plot", type=Path, metavar="PATH",
+                        help="draw the speedups into this image, needs matplotlib (default: no plot)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: one is shown)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--from-json", type=Path, metavar="PATH",
-                        help="report saved results instead of measuring (no GPU needed)")
+                        help="report saved results instead of measuring; needs no GPU")
     source.add_argument("--host-cost", action="store_true",
                         help="measure per-call host time against F.conv_transpose2d instead")
     args = parser.parse_args(argv)
@@ -536,9 +587,30 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
+def _fail(message: str) -> None:
+    """One line on stderr and exit status 2, as argparse does for a bad command line."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """``python -m cupyconv.bench``: measure (or load with ``--from-json``), print the table, write JSON and plot."""
     args = parse_args(argv)
+    if args.from_json is None:
+        try:
+            require_gpu()
+        except RuntimeError as exc:
+            _fail(str(exc))
     if args.host_cost:
         env = environment()
         print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {env['commit']}")
@@ -547,7 +619,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"{r['call']:<20} {r['torch_us']:>9.1f} {r['cupyconv_us']:>12.1f} {r['ratio']:>6.2f}")
         return
     if args.from_json:
-        env, rows = load_results(args.from_json)
+        try:
+            env, rows = load_results(args.from_json)
+        except OSError as exc:
+            _fail(f"cannot read {args.from_json}: {exc.strerror or exc}")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            _fail(f"{args.from_json} is not a results file written by --json")
         rows = select_rows(rows, args.layer, args.dtype, args.layout)
     else:
         env = environment()

@@ -238,3 +238,93 @@ def test_plot_and_json_of_a_selection(tmp_path):
     assert env == ENV and rows == _rows()[:2]
     assert png.stat().st_size > 0
 
+
+
+# ------------------------------------------------------------------ the command line as a user meets it
+
+def _cli(*args, module="cupyconv.bench", env=None):
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root), **(env or {})}, timeout=300)
+
+
+def _gpu() -> bool:
+    try:
+        bench.require_gpu()
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(_gpu(), reason="checks the message without a GPU")
+def test_measuring_without_a_gpu_is_one_line_and_status_2():
+    for args in ((), ("--host-cost",)):
+        result = _cli(*args)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("python -m cupyconv.bench: error: the benchmark needs")
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(_gpu(), reason="checks the message without a GPU")
+def test_run_without_a_gpu_says_what_is_missing():
+    pytest.importorskip("torch")
+    with pytest.raises(RuntimeError, match="needs"):
+        bench.run([SMALL], ["float16"], copy_gbps=1.0)
+    with pytest.raises(RuntimeError, match="needs"):
+        bench.host_cost()
+
+
+@pytest.mark.parametrize("content,message", [(None, "cannot read"), ("not json", "not a results file"),
+                                             ('{"rows": 3}', "not a results file"), ("[1, 2]", "not a results file")])
+def test_from_json_with_a_bad_file_is_one_line_and_status_2(tmp_path, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    result = _cli("--from-json", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    want = f"cannot read {path}: No such file or directory" if content is None else \
+        f"{path} is not a results file written by --json"
+    assert message in want and result.stderr.strip().splitlines() == [f"python -m cupyconv.bench: error: {want}"]
+
+
+def test_usage_names_the_commands_and_every_option_has_help():
+    for module in ("cupyconv", "cupyconv.bench"):
+        result = _cli("--help", module=module)
+        assert result.returncode == 0
+        assert result.stdout.startswith(f"usage: python -m {module} ")
+        version = _cli("--version", module=module)
+        assert version.returncode == 0 and version.stdout.strip() == f"cupyconv {bench.VERSION}"
+    parser_help = _cli("--help").stdout
+    for layer in bench.SUITE:
+        assert layer.name in parser_help
+    assert parser_help.count("default") >= 7   # every option that has one names it
+
+
+@pytest.mark.parametrize("batch", ["0", "-3", "two"])
+def test_the_demo_refuses_a_batch_that_is_not_positive(batch):
+    result = _cli("--batch", batch, module="cupyconv", env={"CUPYCONV_BACKEND": "numpy"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--batch: expected a positive int" in result.stderr
+
+
+def test_the_commit_is_the_projects_own_or_none(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    commit, dirty = bench.project_commit()
+    if (root / ".git").exists():
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        assert commit == head and isinstance(dirty, bool)
+    # a copy of the package inside another repository records no commit, not that repository's
+    outer = tmp_path / "other_project"
+    import shutil
+
+    shutil.copytree(root / "cupyconv", outer / "vendored" / "cupyconv",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    subprocess.run(["git", "-C", str(outer), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "other"], check=True)
+    code = "from cupyconv import bench; print(bench.project_commit())"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=outer / "vendored",
+                           env={**__import__("os").environ, "PYTHONPATH": str(outer / "vendored")})
+    assert found.stdout.strip() == "(None, None)", found.stderr
