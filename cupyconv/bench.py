@@ -462,11 +462,16 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def commit_text(env: dict) -> str:
+    """The commit of a run as a report shows it: none, or the hash, marked when the checkout was dirty."""
+    return f"{env.get('commit') or 'none'}{' (dirty)' if env.get('dirty') else ''}"
+
+
 def format_header(env: dict) -> str:
     """One line naming the device, versions, commit and copy bandwidth of a run."""
     copy = env.get("copy_gbps")
     return (f"device {env.get('device')}, torch {env.get('torch')}, cupy {env.get('cupy')}, "
-            f"cudnn {env.get('cudnn')}, commit {env.get('commit') or 'none'}{' (dirty)' if env.get('dirty') else ''}, "
+            f"cudnn {env.get('cudnn')}, commit {commit_text(env)}, "
             f"copy bandwidth {'n/a' if copy is None else f'{copy:.0f} GB/s'}")
 
 
@@ -539,8 +544,7 @@ def plot_speedups(env: dict, rows: List[dict], path: Path) -> None:
     fig.legend(handles=[Patch(facecolor=colors[d], hatch=hatches[lay], edgecolor="white", label=f"{d}, {lay}")
                         for d, lay in series], loc="lower center", ncol=min(len(series), 4), fontsize=8,
                frameon=False)
-    fig.suptitle(f"cupyconv vs torch (cuDNN) on {env.get('device', 'unknown device')}, "
-                 f"commit {env.get('commit', 'unknown')}")
+    fig.suptitle(f"cupyconv vs torch (cuDNN) on {env.get('device', 'unknown device')}, commit {commit_text(env)}")
     # Room in inches for the legend below and the title above, whatever the figure's height.
     fig.tight_layout(rect=(0, (0.1 + 0.2 * legend_rows) / fig_height, 1, 1 - 0.3 / fig_height))
     fig.savefig(path, dpi=150)
@@ -613,7 +617,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             _fail(str(exc))
     if args.host_cost:
         env = environment()
-        print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {env['commit']}")
+        print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {commit_text(env)}")
         print(f"{'call (tiny layer)':<20} {'torch us':>9} {'cupyconv us':>12} {'ratio':>6}")
         for r in host_cost():
             print(f"{r['call']:<20} {r['torch_us']:>9.1f} {r['cupyconv_us']:>12.1f} {r['ratio']:>6.2f}")
