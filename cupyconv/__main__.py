@@ -14,6 +14,7 @@ import numpy as np
 
 import cupyconv
 from cupyconv import reference
+from cupyconv.bench import positive_int
 from cupyconv.core.geometry import ConvParams
 
 SEED_LAYER = dict(in_channels=32, out_channels=64, kernel=(3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1),
@@ -71,22 +72,12 @@ def _gpu_timings(x, w, go, kwargs, repeat):
     return rows
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
-    return value
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cupyconv",
                                      description="cupyconv demo: the seed layer, checked and timed")
     parser.add_argument("--version", action="version", version=f"cupyconv {cupyconv.__version__}")
-    parser.add_argument("--batch", type=_positive, default=SEED_INPUT[0], help="batch size (default: %(default)s)")
-    parser.add_argument("--repeat", type=_positive, default=20,
+    parser.add_argument("--batch", type=positive_int, default=SEED_INPUT[0], help="batch size (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=20,
                         help="timed runs per measurement on a GPU (default: %(default)s)")
     args = parser.parse_args(argv)
 

@@ -564,7 +564,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help=f"only this dtype (repeatable; default: {' '.join(DTYPES)})")
     parser.add_argument("--layout", action="append", choices=LAYOUTS,
                         help="only this memory layout (repeatable; default: both)")
-    parser.add_argument("--repeat", type=_positive, default=20,
+    parser.add_argument("--repeat", type=positive_int, default=20,
                         help="timed runs per measurement, of which the median is kept (default: 20)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results here (default: not written)")
     parser.add_argument("--plot", type=Path, metavar="PATH",
@@ -591,7 +591,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a positive int, else the command line's one-line error."""
     try:
         value = int(text)
     except ValueError:

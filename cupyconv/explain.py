@@ -617,11 +617,12 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precisio
                 kernels.append(_record(name, stage, plan, flops, partial_reads + plan.scratch_bytes, peak, dtype))
             elif stage == "reduce":
                 elements, chunks = plan.scalars
-                kernels.append(_record(name, stage, plan, (chunks - 1) * elements,
-                                       (partial.scratch_bytes if partial else 0) + written, peak, dtype))
+                # a reduce always follows the partial pass whose scratch it sums
+                kernels.append(_record(name, stage, plan, (chunks - 1) * elements, partial.scratch_bytes + written,
+                                       peak, dtype))
                 unit = "K tiles" if recorded.variant.family == "gemm" else "rows"
-                note = (f"split-K over {chunks} chunks of {partial.scalars[-1] if partial else '?'} {unit}; "
-                        f"{_bytes(partial.scratch_bytes if partial else 0)} of {acc}-byte partials")
+                note = (f"split-K over {chunks} chunks of {partial.scalars[-1]} {unit}; "
+                        f"{_bytes(partial.scratch_bytes)} of {acc}-byte partials")
             else:
                 kernels.append(_record(name, stage, plan, flops, nbytes, peak, dtype))
         passes.append(_pass(name, flops, nbytes, kernels, peak, dtype, note=note, variant=recorded.variant.name))

@@ -112,11 +112,11 @@ def all_plans(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", pre
         for fam in fams:
             if families_named is not None and fam.name not in families_named:
                 continue
-            variants = fam.variants(pass_, g, dtype, layout, precision)
             if every_variant:
-                cands = candidates(pass_, g, dtype, layout, precision, device)
-                variants = [v for v in cands if v.family == fam.name]
-            for v in variants[:None if every_variant else 1]:
+                variants = [v for v in candidates(pass_, g, dtype, layout, precision, device) if v.family == fam.name]
+            else:
+                variants = fam.variants(pass_, g, dtype, layout, precision)[:1]
+            for v in variants:
                 for aligned in ((True, False) if layout == "nhwc" else (True,)):
                     for p in plan(pass_, v, g, dtype, layout, precision, has_bias, aligned, device.sm_count).plans():
                         found.setdefault(p)
