@@ -12,18 +12,21 @@ kH, kW), bias is (C_out,) or None. The kernel is not flipped.
 
 import numpy as np
 
+from .core.geometry import output_size
+
 __all__ = ["conv_transpose2d", "conv_transpose2d_backward", "output_size"]
 
 
-def output_size(in_size, kernel, stride, padding, output_padding, dilation):
-    """Output length along one dimension, as ConvTranspose2d computes it."""
+def _output_length(in_size, kernel, stride, padding, output_padding, dilation):
+    # Written out here rather than taken from the core, so that the oracle does not share the
+    # implementation's rule; unchecked, because an empty batch may have zero-size images.
     return ((in_size - 1) * stride - 2 * padding + dilation * (kernel - 1)
             + output_padding + 1)
 
 
 def _geometry(in_hw, k_hw, stride, padding, output_padding, dilation):
-    out_hw = tuple(output_size(in_hw[i], k_hw[i], stride[i], padding[i],
-                               output_padding[i], dilation[i]) for i in range(2))
+    out_hw = tuple(_output_length(in_hw[i], k_hw[i], stride[i], padding[i],
+                                   output_padding[i], dilation[i]) for i in range(2))
     # The buffer must hold every tap's landing row, and also the cropped window,
     # which extends past the last landing row when output_padding > padding.
     full_hw = tuple(max((in_hw[i] - 1) * stride[i] + dilation[i] * (k_hw[i] - 1) + 1,

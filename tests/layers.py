@@ -5,7 +5,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from cupyconv.core.geometry import output_size
+from cupyconv.core.geometry import output_length
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class Layer:
                     groups=self.groups, dilation=self.dilation)
 
     def out_size(self):
-        return tuple(output_size(self.size[a], self.kernel[a], self.stride[a], self.padding[a],
-                                 self.output_padding[a], self.dilation[a]) for a in range(2))
+        # unchecked, so that random_layer can see an empty output and draw again
+        return tuple(output_length(self.size[a], self.kernel[a], self.stride[a], self.padding[a],
+                                   self.output_padding[a], self.dilation[a]) for a in range(2))
 
 
 def random_layer(rng: random.Random, dtype: str, max_kernel=7, max_stride=4, max_dilation=3, max_size=13,

@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from cupyconv.core.geometry import ConvParams, Geometry, as_int, as_pair, geometry, output_padding_for, output_size
+from cupyconv.core.geometry import (ConvParams, Geometry, as_int, as_pair, geometry, output_length, output_padding_for,
+                                    output_size)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -29,9 +30,12 @@ def _random_case(rng: random.Random):
         cout_g = rng.randint(1, 2)
         size = (rng.randint(1, 6), rng.randint(1, 6))
         batch = rng.choice([None, 1, 2])
-        out = tuple(output_size(size[a], k[a], s[a], p[a], op[a], d[a]) for a in range(2))
-        if min(out) >= 1:
-            return dict(k=k, s=s, d=d, p=p, op=op, groups=groups, cin=cin, cout_g=cout_g, size=size,
+        try:
+            for a in range(2):
+                output_size(size[a], k[a], s[a], p[a], op[a], d[a])
+        except ValueError:  # the output would be empty: not a layer
+            continue
+        return dict(k=k, s=s, d=d, p=p, op=op, groups=groups, cin=cin, cout_g=cout_g, size=size,
                         batch=batch)
 
 
@@ -96,6 +100,58 @@ def test_output_size_is_exported_at_top_level():
     assert output_size(5, 3, 2, 1, 1, 1) == 10
     assert output_size(1, 1, 1, 0, 0, 1) == 1
     assert output_size(4, 3, 1, 0, 1, 2) == 9
+    assert output_size(np.int64(5), 3, 2, 1, 1, 1) == 10
+
+
+def test_reference_output_size_is_the_checked_one():
+    from cupyconv import reference
+
+    assert reference.output_size is output_size
+
+
+# (in_size, kernel, stride, padding, output_padding, dilation), the exception and what its message must say
+BAD_OUTPUT_SIZES = {
+    "non_positive_result": ((1, 1, 1, 5, 0, 1), ValueError, r"output size .* = -9 is not positive"),
+    "zero_result": ((1, 1, 1, 1, 1, 2), ValueError, r"= 0 is not positive"),
+    "in_size_zero": ((0, 3, 1, 0, 0, 1), ValueError, r"in_size must be >= 1, got 0"),
+    "kernel_zero": ((5, 0, 1, 0, 0, 1), ValueError, r"kernel must be >= 1, got 0"),
+    "stride_zero": ((5, 3, 0, 0, 0, 1), ValueError, r"stride must be >= 1"),
+    "padding_negative": ((5, 3, 1, -1, 0, 1), ValueError, r"padding must be >= 0"),
+    "output_padding_negative": ((5, 3, 2, 0, -1, 1), ValueError, r"output_padding must be >= 0"),
+    "output_padding_too_large": ((5, 3, 2, 0, 2, 1), ValueError, r"output_padding must be smaller"),
+    "dilation_zero": ((5, 3, 1, 0, 0, 0), ValueError, r"dilation must be >= 1"),
+    "stride_huge": ((5, 3, 2 ** 40, 0, 0, 1), ValueError, r"stride must be at most 2\*\*31 - 1"),
+    "in_size_bool": ((True, 3, 1, 0, 0, 1), TypeError, r"in_size must be an int, got bool"),
+    "kernel_float": ((5, 3.0, 1, 0, 0, 1), TypeError, r"kernel must be an int, got float"),
+    "stride_float": ((5, 3, 2.0, 0, 0, 1), TypeError, r"stride must be an int, got float"),
+    "padding_bool": ((5, 3, 1, False, 0, 1), TypeError, r"padding must be an int, got bool"),
+    "output_padding_none": ((5, 3, 2, 0, None, 1), TypeError, r"output_padding must be an int"),
+    "dilation_pair": ((5, 3, 1, 0, 0, (1, 1)), TypeError, r"dilation must be an int, got tuple"),
+    "in_size_numpy_float": ((np.float64(5), 3, 1, 0, 0, 1), TypeError, r"in_size must be an int"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_OUTPUT_SIZES)
+def test_output_size_checks_its_arguments_as_a_layer_does(name):
+    args, exc, message = BAD_OUTPUT_SIZES[name]
+    with pytest.raises(exc, match=message):
+        output_size(*args)
+
+
+def test_output_size_agrees_with_torch_on_what_is_a_layer():
+    """Every (in, k, s, p, op, d) in a small box: output_size raises exactly where torch refuses the layer."""
+    for in_size, k, s, p, op, d in itertools.product((1, 3), (1, 3), (1, 2), (0, 1, 3), (0, 1), (1, 2)):
+        if op >= max(s, d):
+            continue
+        x, w = torch.zeros(1, 1, in_size, 1, dtype=torch.float64), torch.zeros(1, 1, k, 1, dtype=torch.float64)
+        try:
+            expected = F.conv_transpose2d(x, w, stride=(s, 1), padding=(p, 0), output_padding=(op, 0),
+                                          dilation=(d, 1)).shape[2]
+        except RuntimeError:
+            with pytest.raises(ValueError, match="not positive"):
+                output_size(in_size, k, s, p, op, d)
+        else:
+            assert output_size(in_size, k, s, p, op, d) == expected
 
 
 # ------------------------------------------------------------------------- as_pair / as_int
@@ -180,7 +236,7 @@ def _input(case, rng):
 
 
 OP_CASES = [c for c in CASES
-            if min(output_size(c["size"][a], c["k"][a], c["s"][a], c["p"][a], 0, c["d"][a])
+            if min(output_length(c["size"][a], c["k"][a], c["s"][a], c["p"][a], 0, c["d"][a])
                    for a in range(2)) >= 1][:24]
 
 

@@ -37,9 +37,37 @@ def as_pair(value, name: str) -> Pair:
     return (v, v)
 
 
-def output_size(in_size: int, kernel: int, stride: int, padding: int, output_padding: int, dilation: int) -> int:
-    """One spatial dimension of a transposed convolution's output."""
+def output_length(in_size: int, kernel: int, stride: int, padding: int, output_padding: int, dilation: int) -> int:
+    """The output-size rule along one axis, unchecked: any ints in, possibly a non-positive number out.
+
+    For arguments already validated, and for callers that want to see a non-positive result
+    rather than an exception; :func:`output_size` is the checked, public form.
+    """
     return (in_size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
+
+
+def output_size(in_size: int, kernel: int, stride: int, padding: int, output_padding: int, dilation: int) -> int:
+    """One spatial dimension of a transposed convolution's output, checked as a layer's arguments are.
+
+    Every argument must be an int (bools and floats are a TypeError naming it); stride,
+    padding, output_padding and dilation must satisfy the layer's rules, ``in_size`` and
+    ``kernel`` must be positive, and so must the result (ValueError otherwise).
+    """
+    in_size, kernel = as_int(in_size, "in_size"), as_int(kernel, "kernel")
+    stride, padding = as_int(stride, "stride"), as_int(padding, "padding")
+    output_padding, dilation = as_int(output_padding, "output_padding"), as_int(dilation, "dilation")
+    ConvParams.from_args(stride, padding, output_padding, 1, dilation)
+    if in_size < 1:
+        raise ValueError(f"in_size must be >= 1, got {in_size}")
+    if kernel < 1:
+        raise ValueError(f"kernel must be >= 1, got {kernel}")
+    size = output_length(in_size, kernel, stride, padding, output_padding, dilation)
+    if size < 1:
+        raise ValueError(
+            f"the output size (in_size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1 "
+            f"= {size} is not positive (in_size={in_size}, kernel={kernel}, stride={stride}, padding={padding}, "
+            f"output_padding={output_padding}, dilation={dilation}); it must be at least 1")
+    return size
 
 
 @dataclass(frozen=True)
@@ -183,7 +211,7 @@ def geometry(input_shape: Sequence[int], weight_shape: Sequence[int], bias_shape
                 f"the layer is too large along axis {a}: (input - 1) * stride + dilation * (kernel - 1) "
                 f"+ output_padding + 1 = {extent} exceeds 2**31 - 1 (input {(h, w)}, kernel {k}, stride {p.stride}, "
                 f"dilation {p.dilation}, output_padding {p.output_padding})")
-    out = tuple(output_size((h, w)[a], k[a], p.stride[a], p.padding[a], p.output_padding[a], p.dilation[a])
+    out = tuple(output_length((h, w)[a], k[a], p.stride[a], p.padding[a], p.output_padding[a], p.dilation[a])
                 for a in range(2))
     if min(out) < (0 if n == 0 else 1):
         raise ValueError(
@@ -208,7 +236,7 @@ def output_padding_for(output_size_arg, input_shape: Sequence[int], kernel: Pair
     result = []
     for a in range(2):
         in_size = input_shape[len(input_shape) - 2 + a]
-        smallest = output_size(in_size, kernel[a], stride[a], padding[a], 0, dilation[a])
+        smallest = output_length(in_size, kernel[a], stride[a], padding[a], 0, dilation[a])
         largest = smallest + stride[a] - 1
         if not smallest <= requested[a] <= largest:
             raise ValueError(
