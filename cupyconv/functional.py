@@ -22,7 +22,8 @@ BACKEND_ENV = "CUPYCONV_BACKEND"
 def backend() -> str:
     """Where NumPy inputs are computed: ``"cupy"`` (a CUDA GPU) or ``"numpy"`` (the float64 reference).
 
-    Set ``CUPYCONV_BACKEND=numpy`` to force the reference even when a GPU is present.
+    Set ``CUPYCONV_BACKEND=numpy`` to force the reference even when a GPU is present, and
+    ``CUPYCONV_BACKEND=cupy`` to make a missing CuPy or GPU a RuntimeError instead of a fallback.
     """
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
     if forced not in ("", "numpy", "cupy"):
@@ -30,8 +31,23 @@ def backend() -> str:
     if forced == "numpy":
         return "numpy"
     if forced == "cupy" and not gpu_present():
+        _require_cupy()
         raise RuntimeError(f"{BACKEND_ENV}=cupy but no CUDA GPU is usable through CuPy")
     return "cupy" if gpu_present() else "numpy"
+
+
+def _require_cupy() -> None:
+    """A missing CuPy, told apart from a missing GPU: the fix is an install, not a driver."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "cupy":
+            raise RuntimeError(
+                f"{BACKEND_ENV}=cupy but CuPy is not installed. Install the CuPy for your CUDA version, e.g. "
+                f"pip install cupy-cuda12x (CUDA 12) or cupy-cuda13x (CUDA 13); from a cupyconv checkout, "
+                f"pip install \".[cuda12]\" or CUPYCONV_CUDA=12 bash scripts/setup.sh. Or unset {BACKEND_ENV} "
+                f"to run NumPy inputs on the float64 NumPy reference.") from None
+        raise RuntimeError(f"{BACKEND_ENV}=cupy but CuPy could not be imported: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------- GPU path

@@ -1,4 +1,6 @@
 """The array API's dtype handling and backend selection (CPU)."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,38 @@ def test_backend_can_be_forced_to_the_reference(monkeypatch):
     assert cupyconv.backend() == "numpy"
     monkeypatch.setenv("CUPYCONV_BACKEND", "tpu")
     with pytest.raises(ValueError, match="CUPYCONV_BACKEND"):
+        cupyconv.backend()
+
+
+def test_forcing_cupy_without_cupy_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)   # "import cupy" fails as if it were not installed
+    monkeypatch.setenv("CUPYCONV_BACKEND", "cupy")
+    with pytest.raises(RuntimeError, match="CuPy is not installed") as info:
+        cupyconv.backend()
+    assert "pip install cupy-cuda12x" in str(info.value) and "[cuda12]" in str(info.value)
+    x, w = np.ones((1, 2, 3, 3), np.float32), np.ones((2, 1, 2, 2), np.float32)
+    with pytest.raises(RuntimeError, match="CuPy is not installed"):
+        cupyconv.conv_transpose2d(x, w)
+    # explain() reports the backend as unavailable rather than failing
+    assert "CuPy is not installed" in cupyconv.explain(x.shape, w.shape).backend
+    monkeypatch.delenv("CUPYCONV_BACKEND")
+    assert cupyconv.backend() == "numpy"
+
+
+def test_forcing_cupy_with_a_broken_cupy_passes_the_import_error_on(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "cupy":
+            raise ImportError("libcudart.so.12: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    monkeypatch.setenv("CUPYCONV_BACKEND", "cupy")
+    with pytest.raises(RuntimeError, match="CuPy could not be imported: libcudart"):
         cupyconv.backend()
 
 
