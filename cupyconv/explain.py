@@ -424,13 +424,16 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
     stored choice.
     ``output_size`` picks the output_padding as ``ConvTranspose2d.forward(x, output_size)`` does.
     ``output_mask`` (grad_input, grad_weight, grad_bias) chooses the gradients reported; by
-    default all, grad_bias only when the layer has a bias. On a GPU (``device``, default 0) each
+    default those the backward computes: all three for shapes, as ``conv_transpose2d_backward``
+    returns grad_bias whether or not the forward had a bias, and grad_bias for a module only
+    when it has a bias, as torch's autograd asks for it only then. On a GPU (``device``, default 0) each
     kernel is compiled (``compile=False`` skips that) to read its register and memory use, and
     the peaks come from the device; without one, H100 peaks are assumed. ``peak`` overrides them
     and ``sm_count`` the SM count that sizes the split-K grids. Bad arguments raise ValueError or
     TypeError, as the layer itself would.
     """
-    if _torch_module_class(input_shape) is not None:
+    from_module = _torch_module_class(input_shape) is not None
+    if from_module:
         given = dict(stride=stride, padding=padding, output_padding=output_padding, groups=groups,
                      dilation=dilation)
         defaults = dict(stride=1, padding=0, output_padding=0, groups=1, dilation=1)
@@ -474,7 +477,10 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         params = ConvParams.from_args(params.stride, params.padding, op, params.groups, params.dilation)
     g = geometry(in_shape, w_shape, bias_shape, params)
 
-    mask = (True, True, bool(has_bias)) if output_mask is None else _output_mask(output_mask)
+    if output_mask is not None:
+        mask = _output_mask(output_mask)
+    else:
+        mask = (True, True, bool(has_bias) if from_module else True)
 
     if peak is not None and not isinstance(peak, Peak):
         raise TypeError(f"peak must be a cupyconv.explain.Peak, got {type(peak).__name__}")

@@ -96,11 +96,10 @@ def test_flops_bytes_and_roofline(name):
     assert fwd.bytes == x_b + w_b + y_b + (b_b if has_bias else 0)
     assert e.pass_("grad_input").flops == fwd.flops == e.pass_("grad_weight").flops
     assert e.pass_("grad_input").bytes == e.pass_("grad_weight").bytes == x_b + w_b + y_b
-    if has_bias:
-        assert e.pass_("grad_bias").flops == math.prod(g.output_shape)
-        assert e.pass_("grad_bias").bytes == y_b + b_b
-    else:
-        assert [p.name for p in e.passes] == ALL_PASSES[:3]
+    # conv_transpose2d_backward computes grad_bias whether or not the forward had a bias
+    assert [p.name for p in e.passes] == ALL_PASSES
+    assert e.pass_("grad_bias").flops == math.prod(g.output_shape)
+    assert e.pass_("grad_bias").bytes == y_b + b_b
     flop_rate = e.peak.flops_fp64 if dtype == "float64" else e.peak.flops_fp32
     for p in e.passes:
         assert p.flops > 0 and p.bytes > 0
@@ -115,6 +114,27 @@ def test_flops_bytes_and_roofline(name):
     assert partial.bytes == x_b + y_b + partial.scratch_bytes
     assert reduce.bytes == partial.scratch_bytes + w_b
     assert e.floor_s == pytest.approx(sum(p.floor_s for p in e.passes))
+
+
+def test_without_a_bias_explain_lists_the_passes_the_backward_runs():
+    """The array API's backward returns grad_bias for a layer without a bias; torch's autograd does not ask."""
+    import numpy as np
+
+    import cupyconv
+
+    x, w = np.ones((1, 2, 3, 3)), np.ones((2, 3, 2, 2))
+    grads = cupyconv.conv_transpose2d_backward(np.ones((1, 3, 4, 4)), x, w)
+    assert all(gr is not None for gr in grads)
+    assert [p.name for p in explain(x.shape, w.shape, bias=False).passes] == ALL_PASSES
+    assert [p.name for p in explain(x.shape, w.shape, bias=None).passes] == ALL_PASSES
+    assert [p.name for p in explain(x.shape, w.shape, bias=False, output_mask=(True, True, False)).passes] == \
+        ALL_PASSES[:3]
+
+    torch = pytest.importorskip("torch")
+    m = torch.nn.ConvTranspose2d(2, 3, 2, bias=False)
+    assert [p.name for p in explain(m, (1, 2, 3, 3)).passes] == ALL_PASSES[:3]
+    with_bias = torch.nn.ConvTranspose2d(2, 3, 2)
+    assert [p.name for p in explain(with_bias, (1, 2, 3, 3)).passes] == ALL_PASSES
 
 
 def test_seed_layer_numbers_are_sane():
