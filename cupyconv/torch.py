@@ -49,12 +49,14 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import engine as _engine
 from . import reference as _reference
 from .core import dtypes as _dtypes
 from .core.geometry import ConvParams, geometry as _geometry, output_mask as _output_mask
 from .plans.launch import Launcher as _Launcher
+from .torch_batching import backward_rule, forward_rule
 
 __all__ = ["conv_transpose2d", "conv_transpose2d_backward", "ConvTranspose2d", "convert", "tf32_allowed"]
 
@@ -119,9 +121,17 @@ def _validate_backward(go, x, w, stride, padding, output_padding, groups, dilati
     return g
 
 
-def _channels_last(t: Tensor) -> bool:
+def _is_channels_last(t: Tensor) -> bool:
     """Whether a tensor is laid out channels_last (and not also plain contiguous)."""
     return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _channels_last(x: Tensor, w: Tensor) -> bool:
+    """torch's convolution memory format: channels_last when the input or the weight is.
+
+    The output, grad_input and grad_weight all take it (grad_output's format does not count).
+    """
+    return x.dim() == 4 and (_is_channels_last(x) or _is_channels_last(w))
 
 
 def _as_channels_last(t: Tensor) -> Tensor:
@@ -256,9 +266,9 @@ def _precision(dtype: str) -> str:
     return "tf32" if dtype == "float32" and tf32_allowed() else "strict"
 
 
-def _layout_for(x: Tensor) -> str:
+def _layout_for(x: Tensor, w: Tensor) -> str:
     """channels_last memory is read and written in place, by every kernel."""
-    return "nhwc" if _channels_last(x) else "nchw"
+    return "nhwc" if _channels_last(x, w) else "nchw"
 
 
 def _in_layout(t: Tensor, layout: str) -> Tensor:
@@ -272,7 +282,7 @@ def _empty(shape, like: Tensor, device, layout: str) -> Tensor:
 
 def _cuda_forward(x, w, b, entry):
     g, dt, device, index, out_shape = entry
-    layout = _layout_for(x)
+    layout = _layout_for(x, w)
     x, w = _in_layout(x, layout), w.contiguous()
     if b is not None:
         b = b.contiguous()
@@ -289,7 +299,7 @@ def _cuda_forward(x, w, b, entry):
 
 def _cuda_backward(go, x, w, mask, entry):
     g, dt, device, index, = entry
-    layout = _layout_for(x)
+    layout = _layout_for(x, w)
     precision = _precision(dt)
     go = _in_layout(go, layout)
     gi = gw = gb = None
@@ -309,6 +319,8 @@ def _cuda_backward(go, x, w, mask, entry):
     finally:
         if prev != index:
             _set_device(prev)
+    if gw is not None and layout == "nhwc":
+        gw = _as_channels_last(gw)  # the kernels write weights as (C_in, C_out/groups, kH, kW)
     return gi, gw, gb
 
 
@@ -329,7 +341,7 @@ def _cpu_forward(x, w, b, entry):
     y = _reference.conv_transpose2d(xn, _to_numpy64(w), None if b is None else _to_numpy64(b), p.stride,
                                     p.padding, p.output_padding, p.groups, p.dilation)
     out = _from_numpy(y, x, entry[4])
-    return _as_channels_last(out) if _channels_last(x) else out
+    return _as_channels_last(out) if _channels_last(x, w) else out
 
 
 def _cpu_backward(go, x, w, mask, entry):
@@ -338,10 +350,13 @@ def _cpu_backward(go, x, w, mask, entry):
     gi, gw, gb = _reference.conv_transpose2d_backward(
         _to_numpy64(go).reshape(g.output_shape), _to_numpy64(x).reshape(g.input_shape), _to_numpy64(w),
         p.stride, p.padding, p.output_padding, p.groups, p.dilation, tuple(bool(m) for m in mask))
+    channels_last = _channels_last(x, w)
     gi = None if gi is None else _from_numpy(gi, x, x.shape)
-    if gi is not None and _channels_last(x):
+    if gi is not None and channels_last:
         gi = _as_channels_last(gi)
     gw = None if gw is None else _from_numpy(gw, w, w.shape)
+    if gw is not None and channels_last:
+        gw = _as_channels_last(gw)
     gb = None if gb is None else _from_numpy(gb, go, (g.out_channels,))
     return gi, gw, gb
 
@@ -373,9 +388,10 @@ def _backward_impl(go, x, w, stride, padding, output_padding, groups, dilation, 
     return _cpu_backward(go, x, w, output_mask, entry)
 
 
-# ----------------------------------------------------------------------- the custom ops
+# ----------------------------------------------------------------------- the operators
 
-_TAGS = (torch.Tag.needs_fixed_stride_order,) if hasattr(torch.Tag, "needs_fixed_stride_order") else ()
+_TAGS = tuple(getattr(torch.Tag, name) for name in ("needs_fixed_stride_order", "pt2_compliant_tag")
+              if hasattr(torch.Tag, name))
 
 _FORWARD_SCHEMA = ("(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] output_padding, "
                    "int groups, int[] dilation) -> Tensor")
@@ -383,45 +399,56 @@ _BACKWARD_SCHEMA = ("(Tensor grad_output, Tensor input, Tensor weight, int[] str
                     "int[] output_padding, int groups, int[] dilation, bool[] output_mask) "
                     "-> (Tensor?, Tensor?, Tensor?)")
 
+# Defined with torch.library rather than torch.library.custom_op because custom_op's
+# autograd knows only reverse mode: under forward-mode AD it returns outputs without
+# tangents, a silent zero.  Here the Autograd kernel is ours and carries both modes.
+_LIB = torch.library.Library("cupyconv", "DEF")
+_LIB.define("conv_transpose2d" + _FORWARD_SCHEMA, tags=_TAGS)
+_LIB.define("conv_transpose2d_backward" + _BACKWARD_SCHEMA, tags=_TAGS)
+_OPS = torch.ops.cupyconv
+_FORWARD_OP = _OPS.conv_transpose2d.default
+_BACKWARD_OP = _OPS.conv_transpose2d_backward.default
 
-@torch.library.custom_op("cupyconv::conv_transpose2d", mutates_args=(), schema=_FORWARD_SCHEMA, tags=_TAGS)
-def _conv_transpose2d_op(input, weight, bias, stride, padding, output_padding, groups, dilation):
+
+def _conv_transpose2d_kernel(input, weight, bias, stride, padding, output_padding, groups, dilation):
     return _forward_impl(input, weight, bias, stride, padding, output_padding, groups, dilation)
 
 
-@_conv_transpose2d_op.register_fake
-def _conv_transpose2d_fake(input, weight, bias, stride, padding, output_padding, groups, dilation):
-    g = _validate_forward(input, weight, bias, stride, padding, output_padding, groups, dilation)
-    out = input.new_empty(g.user_shape(g.output_shape))
-    return _as_channels_last(out) if _channels_last(input) else out
-
-
-@torch.library.custom_op("cupyconv::conv_transpose2d_backward", mutates_args=(), schema=_BACKWARD_SCHEMA,
-                         tags=_TAGS)
-def _conv_transpose2d_backward_op(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
-                                  output_mask):
+def _conv_transpose2d_backward_kernel(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
+                                      output_mask):
     return _backward_impl(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
                           output_mask)
 
 
-@_conv_transpose2d_backward_op.register_fake
+def _conv_transpose2d_fake(input, weight, bias, stride, padding, output_padding, groups, dilation):
+    g = _validate_forward(input, weight, bias, stride, padding, output_padding, groups, dilation)
+    out = input.new_empty(g.user_shape(g.output_shape))
+    return _as_channels_last(out) if _channels_last(input, weight) else out
+
+
 def _conv_transpose2d_backward_fake(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
                                     output_mask):
     g = _validate_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
                            output_mask)
+    channels_last = _channels_last(input, weight)
     gi = gw = gb = None
     if output_mask[0]:
         gi = input.new_empty(input.shape)
-        if _channels_last(input):
+        if channels_last:
             gi = _as_channels_last(gi)
     if output_mask[1]:
         gw = weight.new_empty(weight.shape)
+        if channels_last:
+            gw = _as_channels_last(gw)
     if output_mask[2]:
         gb = grad_output.new_empty((g.out_channels,))
     return gi, gw, gb
 
 
-_OPS = torch.ops.cupyconv
+_LIB.impl("conv_transpose2d", _conv_transpose2d_kernel, "CompositeExplicitAutograd")
+_LIB.impl("conv_transpose2d_backward", _conv_transpose2d_backward_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("cupyconv::conv_transpose2d", _conv_transpose2d_fake, lib=_LIB)
+torch.library.register_fake("cupyconv::conv_transpose2d_backward", _conv_transpose2d_backward_fake, lib=_LIB)
 
 
 def _params_from(inputs):
@@ -429,35 +456,190 @@ def _params_from(inputs):
     return (_key_seq(stride), _key_seq(padding), _key_seq(output_padding), groups, _key_seq(dilation))
 
 
-def _op_forward_setup(ctx, inputs, output):
-    x, w, b = inputs[:3]
-    ctx.params = _params_from(inputs[3:])
-    ctx.has_bias = b is not None
+def _op_params(params):
+    s, p, op, d = (list(_pair(params[i])) for i in (0, 1, 2, 4))
+    return s, p, op, params[3], d
+
+
+def _op_forward(x, w, b, params) -> Tensor:
+    return _FORWARD_OP(x, w, b, *_op_params(params))
+
+
+def _op_backward(go, x, w, params, mask):
+    return _BACKWARD_OP(go, x, w, *_op_params(params), list(mask))
+
+
+# ------------------------------------------------------------------- derivative formulas
+#
+# y = A_w x + b, where A_w x is the transposed convolution of x with weight w, and the
+# backward is (grad_input, grad_weight, grad_bias) = (A_w^T go, B(x, go), sum(go)).  Both
+# are linear in each argument, so every derivative is the forward or the backward again:
+# differentiable to any order, in either mode, on our own kernels.
+
+def _plus(a, b):
+    return b if a is None else a + b
+
+
+def _save_forward(ctx, x, w, has_bias, params, output) -> None:
+    ctx.params = params
+    ctx.has_bias = has_bias
     ctx.save_for_backward(x, w)
+    if _forward_ad._current_level >= 0:  # a dual level is open (eager forward AD or torch.func.jvp)
+        ctx.save_for_forward(x, w)
+        ctx.output_shape = output.shape
+        ctx.channels_last = _channels_last(x, w)
 
 
-def _op_forward_backward(ctx, grad_output):
+def _forward_grads(ctx, grad_output, needs):
     x, w = ctx.saved_tensors
-    needs = ctx.needs_input_grad
     mask = (needs[0], needs[1], ctx.has_bias and needs[2])
-    gi, gw, gb = _backward(grad_output, x, w, ctx.params, mask)
-    return gi, gw, gb, None, None, None, None, None
+    return _backward(grad_output, x, w, ctx.params, mask)
 
 
-def _op_backward_setup(ctx, inputs, output):
-    go, x, w = inputs[:3]
-    ctx.params = _params_from(inputs[3:8])
+def _forward_tangent(ctx, dx, dw, db):
+    """d(A_w x + b) = A_w dx + A_dw x + db."""
+    x, w = ctx.saved_tensors
+    t = None
+    if dx is not None:
+        t = _forward(dx, w, None, ctx.params)
+    if dw is not None:
+        t = _plus(t, _forward(x, dw, None, ctx.params))
+    if db is not None:
+        db = db.reshape((-1, 1, 1) if len(ctx.output_shape) == 3 else (1, -1, 1, 1))
+        if t is None:
+            t = db.expand(ctx.output_shape)
+            t = _as_channels_last(t) if ctx.channels_last else t.contiguous()
+        else:
+            t = t + db
+    return t
+
+
+def _save_backward(ctx, go, x, w, params, mask) -> None:
+    ctx.params = params
+    ctx.mask = mask
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(go, x, w)
+    if _forward_ad._current_level >= 0:
+        ctx.save_for_forward(go, x, w)
 
 
-def _op_backward_backward(ctx, ggi, ggw, ggb):
+def _backward_grads(ctx, needs, ggi, ggw, ggb):
     go, x, w = ctx.saved_tensors
-    grads = _double_backward(go, x, w, ctx.params, ctx.needs_input_grad[:3], ggi, ggw, ggb)
-    return grads + (None,) * 6
+    return _double_backward(go, x, w, ctx.params, needs, ggi, ggw, ggb)
 
 
-_conv_transpose2d_op.register_autograd(_op_forward_backward, setup_context=_op_forward_setup)
-_conv_transpose2d_backward_op.register_autograd(_op_backward_backward, setup_context=_op_backward_setup)
+def _backward_tangent(ctx, dgo, dx, dw):
+    """d(A_w^T go) = A_w^T dgo + A_dw^T go, d B(x, go) = B(x, dgo) + B(dx, go), d sum(go) = sum(dgo)."""
+    go, x, w = ctx.saved_tensors
+    mask, params = ctx.mask, ctx.params
+    gi = gw = gb = None
+    if dgo is not None:
+        gi, gw, gb = _backward(dgo, x, w, params, mask)
+    if dw is not None and mask[0]:
+        gi = _plus(gi, _backward(go, x, dw, params, (True, False, False))[0])
+    if dx is not None and mask[1]:
+        gw = _plus(gw, _backward(go, dx, w, params, (False, True, False))[1])
+    return gi, gw, gb
+
+
+def _double_backward(go, x, w, params, needs, ggi, ggw, ggb):
+    """Gradients of (grad_input, grad_weight, grad_bias) = backward(go, x, w) w.r.t. go, x and w."""
+    need_go, need_x, need_w = needs
+    g_go = g_x = g_w = None
+    if need_go:
+        if ggi is not None:
+            g_go = _forward(ggi, w, None, params)
+        if ggw is not None:
+            g_go = _plus(g_go, _forward(x, ggw, None, params))
+        if ggb is not None:
+            shape = (-1, 1, 1) if go.dim() == 3 else (1, -1, 1, 1)
+            g_go = _plus(g_go, ggb.reshape(shape).expand(go.shape))
+    if need_x and ggw is not None:
+        g_x = _backward(go, x, ggw, params, (True, False, False))[0]
+    if need_w and ggi is not None:
+        g_w = _backward(go, ggi, w, params, (False, True, False))[1]
+    return g_go, g_x, g_w
+
+
+# ----------------------------------------------------------- the operators' autograd
+#
+# The Autograd kernels run the operators' own kernels below autograd and record these
+# nodes, as torch's generated code does for a native operator.
+
+_BelowAutograd = torch._C._AutoDispatchBelowAutograd
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_any_requires_grad = torch._C._any_requires_grad
+
+
+class _ForwardOpNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, keyset, x, w, b, *params):
+        with _BelowAutograd():
+            out = _FORWARD_OP.redispatch(keyset & _AFTER_AUTOGRAD, x, w, b, *params)
+        _save_forward(ctx, x, w, b is not None, _params_from(params), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (None,) + _forward_grads(ctx, grad_output, ctx.needs_input_grad[1:4]) + (None,) * 5
+
+    @staticmethod
+    def jvp(ctx, _keyset, dx, dw, db, *_params):
+        return _forward_tangent(ctx, dx, dw, db)
+
+
+class _BackwardOpNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, keyset, go, x, w, *params_and_mask):
+        with _BelowAutograd():
+            grads = _BACKWARD_OP.redispatch(keyset & _AFTER_AUTOGRAD, go, x, w, *params_and_mask)
+        _save_backward(ctx, go, x, w, _params_from(params_and_mask[:5]), tuple(params_and_mask[5]))
+        return grads
+
+    @staticmethod
+    def backward(ctx, ggi, ggw, ggb):
+        return (None,) + _backward_grads(ctx, ctx.needs_input_grad[1:4], ggi, ggw, ggb) + (None,) * 6
+
+    @staticmethod
+    def jvp(ctx, _keyset, dgo, dx, dw, *_params_and_mask):
+        return _backward_tangent(ctx, dgo, dx, dw)
+
+
+_FunctionBase_apply = torch._C._FunctionBase.__dict__["apply"]
+
+
+def _autograd_kernel(op, node):
+    apply = _FunctionBase_apply.__get__(None, node)
+
+    def kernel(keyset, *args):
+        if _functorch_active():
+            # reached only by calling the operator itself inside grad/jvp transforms; the
+            # public functions carry their own torch.func rules
+            raise NotImplementedError(
+                f"torch.ops.{op._schema.name.replace('::', '.')} supports torch.func.vmap but no other torch.func "
+                f"transform when called directly: use cupyconv.torch.conv_transpose2d, which supports them all")
+        if (_grad_enabled() and _any_requires_grad(*args)) or _forward_ad._current_level >= 0:
+            return apply(keyset, *args)
+        with _BelowAutograd():
+            return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+    return kernel
+
+
+_LIB.impl("conv_transpose2d", _autograd_kernel(_FORWARD_OP, _ForwardOpNode), "Autograd", with_keyset=True)
+_LIB.impl("conv_transpose2d_backward", _autograd_kernel(_BACKWARD_OP, _BackwardOpNode), "Autograd",
+          with_keyset=True)
+
+
+def _forward_op_vmap(info, in_dims, x, w, b, *params):
+    return forward_rule(_op_forward, info.batch_size, in_dims, x, w, b, params)
+
+
+def _backward_op_vmap(info, in_dims, go, x, w, *params_and_mask):
+    return backward_rule(_op_backward, info.batch_size, in_dims, go, x, w, params_and_mask[:5], params_and_mask[5])
+
+
+torch.library.register_vmap("cupyconv::conv_transpose2d", _forward_op_vmap, lib=_LIB)
+torch.library.register_vmap("cupyconv::conv_transpose2d_backward", _backward_op_vmap, lib=_LIB)
 
 
 def _autocast_kernel(device_type: str):
@@ -466,17 +648,15 @@ def _autocast_kernel(device_type: str):
     def kernel(_keyset, input, weight, bias, stride, padding, output_padding, groups, dilation):
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             input, weight, bias = _autocast_cast(device_type, input, weight, bias)
-            return _OPS.conv_transpose2d.default(input, weight, bias, stride, padding, output_padding, groups,
-                                                 dilation)
+            return _FORWARD_OP(input, weight, bias, stride, padding, output_padding, groups, dilation)
     return kernel
 
 
 # The autocast dtype is chosen at run time (float16 or bfloat16), which
 # torch.library.register_autocast cannot express, so the rule is registered by hand.
-_autocast_lib = torch.library.Library("cupyconv", "IMPL")
 for _device_type in ("cuda", "cpu"):
-    _autocast_lib.impl("conv_transpose2d", _autocast_kernel(_device_type),
-                       "Autocast" + torch._C._dispatch_key_for_device(_device_type), with_keyset=True)
+    _LIB.impl("conv_transpose2d", _autocast_kernel(_device_type),
+              "Autocast" + torch._C._dispatch_key_for_device(_device_type), with_keyset=True)
 del _device_type
 
 
@@ -487,7 +667,14 @@ def _autocast_cast(device_type: str, *tensors):
                  and t.dtype is not torch.float64 else t for t in tensors)
 
 
-# ------------------------------------------------------------------- eager fast path
+# ------------------------------------------------------------- the differentiable functions
+#
+# What the public functions run.  Plain eager calls (ordinary tensors, no compile, tracing,
+# dispatch or function mode, torch.func transform) take a fast path: the implementation
+# directly when no derivative is wanted, else the node below applied through the C++ base
+# of autograd.Function.  Under torch.func transforms and forward-mode AD the same node
+# runs through autograd.Function.apply, which gives torch.func its grad, jvp and vmap rules.
+# Everything else (compile, tracing, dispatch modes) calls the operators.
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
@@ -507,58 +694,105 @@ def _plain_eager(a, b, c) -> bool:
 
 
 class _ConvTranspose2dFunction(torch.autograd.Function):
-    """Eager fast path of the forward op (same implementation, lean autograd)."""
+    """The forward with its reverse, forward-mode and vmap rules."""
 
     @staticmethod
-    def forward(ctx, x, w, b, params):
-        ctx.params = params
-        ctx.has_bias = b is not None
-        ctx.save_for_backward(x, w)
-        return _forward_impl(x, w, b, *params)
+    def forward(x, w, b, params):
+        if _plain_eager(x, w, b):
+            return _forward_impl(x, w, b, *params)
+        return _op_forward(x, w, b, params)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, b, params = inputs
+        _save_forward(ctx, x, w, b is not None, params, output)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, w = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        mask = (needs[0], needs[1], ctx.has_bias and needs[2])
-        gi, gw, gb = _backward(grad_output, x, w, ctx.params, mask)
-        return gi, gw, gb, None
+        return _forward_grads(ctx, grad_output, ctx.needs_input_grad[:3]) + (None,)
+
+    @staticmethod
+    def jvp(ctx, dx, dw, db, _params):
+        return _forward_tangent(ctx, dx, dw, db)
+
+    @staticmethod
+    def vmap(info, in_dims, x, w, b, params):
+        return forward_rule(_forward, info.batch_size, in_dims, x, w, b, params)
 
 
 class _ConvTranspose2dBackwardFunction(torch.autograd.Function):
-    """Eager fast path of the backward op, used when the backward itself is differentiated."""
+    """The backward with its reverse (double backward), forward-mode and vmap rules."""
 
     @staticmethod
-    def forward(ctx, go, x, w, params, mask):
-        ctx.params = params
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(go, x, w)
-        return _backward_impl(go, x, w, *params, mask)
+    def forward(go, x, w, params, mask):
+        if _plain_eager(go, x, w):
+            return _backward_impl(go, x, w, *params, mask)
+        return _op_backward(go, x, w, params, mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        go, x, w, params, mask = inputs
+        _save_backward(ctx, go, x, w, params, mask)
 
     @staticmethod
     def backward(ctx, ggi, ggw, ggb):
-        go, x, w = ctx.saved_tensors
-        return _double_backward(go, x, w, ctx.params, ctx.needs_input_grad[:3], ggi, ggw, ggb) + (None, None)
+        return _backward_grads(ctx, ctx.needs_input_grad[:3], ggi, ggw, ggb) + (None, None)
+
+    @staticmethod
+    def jvp(ctx, dgo, dx, dw, _params, _mask):
+        return _backward_tangent(ctx, dgo, dx, dw)
+
+    @staticmethod
+    def vmap(info, in_dims, go, x, w, params, mask):
+        return backward_rule(_backward, info.batch_size, in_dims, go, x, w, params, mask)
 
 
 # Function.apply's Python wrapper re-checks what _plain_eager already established
 # (no functorch transform active) and binds default args we don't have; its C++ base
 # does the actual work.  Calling the base directly saves several microseconds a call.
-_FunctionBase_apply = torch._C._FunctionBase.__dict__["apply"]
 _apply_forward = _FunctionBase_apply.__get__(None, _ConvTranspose2dFunction)
 _apply_backward = _FunctionBase_apply.__get__(None, _ConvTranspose2dBackwardFunction)
 _unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", lambda t: t)
 
 
+def _derivatives_forward_mode() -> bool:
+    """Whether a call may need forward-mode or torch.func rules: a dual level is open or a transform runs."""
+    return _forward_ad._current_level >= 0 or _functorch_active()
+
+
+# torch.compile cannot trace an autograd.Function with a jvp rule, so under compile a call
+# that needs one runs outside the graph (a graph break; fullgraph=True says so).  The
+# wrappers are made on first use: torch.compiler.disable imports the compiler stack.
+_outside_graph = {}
+
+
+def _run_outside_graph(fn, *args):
+    wrapped = _outside_graph.get(fn)
+    if wrapped is None:
+        wrapped = _outside_graph[fn] = torch.compiler.disable(fn)
+    return wrapped(*args)
+
+
+def _apply_forward_function(x, w, b, params):
+    return _ConvTranspose2dFunction.apply(x, w, b, params)
+
+
+def _apply_backward_function(go, x, w, params, mask):
+    return _ConvTranspose2dBackwardFunction.apply(go, x, w, params, mask)
+
+
 def _forward(x, w, b, params) -> Tensor:
-    """Differentiable forward: the fast path in plain eager mode, the op otherwise."""
+    """Differentiable forward: the fast path in plain eager mode, the function or the op otherwise."""
     if _plain_eager(x, w, b):
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        if (_forward_ad._current_level >= 0
+                or (_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))):
             return _apply_forward(x, w, b, params)
         return _forward_impl(x, w, b, *params)
-    s, p, op, d = (_pair(params[i]) for i in (0, 1, 2, 4))
-    g = params[3]
-    return _OPS.conv_transpose2d.default(x, w, b, list(s), list(p), list(op), g, list(d))
+    if _derivatives_forward_mode():
+        if _is_compiling():
+            return _run_outside_graph(_apply_forward_function, x, w, b, params)
+        return _ConvTranspose2dFunction.apply(x, w, b, params)
+    return _op_forward(x, w, b, params)
 
 
 def _backward(go, x, w, params, mask):
@@ -567,38 +801,15 @@ def _backward(go, x, w, params, mask):
         return None, None, None
     mask = (bool(mask[0]), bool(mask[1]), bool(mask[2]))
     if _plain_eager(go, x, w):
-        if torch.is_grad_enabled() and (go.requires_grad or x.requires_grad or w.requires_grad):
+        if (_forward_ad._current_level >= 0
+                or (_grad_enabled() and (go.requires_grad or x.requires_grad or w.requires_grad))):
             return _apply_backward(go, x, w, params, mask)
         return _backward_impl(go, x, w, *params, mask)
-    s, p, op, d = (_pair(params[i]) for i in (0, 1, 2, 4))
-    g = params[3]
-    return _OPS.conv_transpose2d_backward.default(go, x, w, list(s), list(p), list(op), g, list(d), list(mask))
-
-
-def _double_backward(go, x, w, params, needs, ggi, ggw, ggb):
-    """Gradients of (grad_input, grad_weight, grad_bias) = backward(go, x, w) w.r.t. go, x and w.
-
-    grad_input = A_w^T go, grad_weight = B(x, go) and grad_bias = sum(go), where A_w x is
-    the transposed convolution of x with weight w; every piece is the forward or the
-    backward op again, so this is itself differentiable.
-    """
-    need_go, need_x, need_w = needs
-    g_go = g_x = g_w = None
-    if need_go:
-        if ggi is not None:
-            g_go = _forward(ggi, w, None, params)
-        if ggw is not None:
-            term = _forward(x, ggw, None, params)
-            g_go = term if g_go is None else g_go + term
-        if ggb is not None:
-            shape = (-1, 1, 1) if go.dim() == 3 else (1, -1, 1, 1)
-            term = ggb.reshape(shape).expand(go.shape)
-            g_go = term if g_go is None else g_go + term
-    if need_x and ggw is not None:
-        g_x = _backward(go, x, ggw, params, (True, False, False))[0]
-    if need_w and ggi is not None:
-        g_w = _backward(go, ggi, w, params, (False, True, False))[1]
-    return g_go, g_x, g_w
+    if _derivatives_forward_mode():
+        if _is_compiling():
+            return _run_outside_graph(_apply_backward_function, go, x, w, params, mask)
+        return _ConvTranspose2dBackwardFunction.apply(go, x, w, params, mask)
+    return _op_backward(go, x, w, params, mask)
 
 
 def _pair(v):
@@ -628,16 +839,17 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
                   padding if type(padding) is not list else tuple(padding),
                   output_padding if type(output_padding) is not list else tuple(output_padding),
                   groups, dilation if type(dilation) is not list else tuple(dilation))
-        if _grad_enabled() and (input.requires_grad or weight.requires_grad
-                                or (bias is not None and bias.requires_grad)):
+        if (_forward_ad._current_level >= 0
+                or (_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                         or (bias is not None and bias.requires_grad)))):
             return _apply_forward(_unwrap_if_dead(input), _unwrap_if_dead(weight),
                                   None if bias is None else _unwrap_if_dead(bias), params)
         return _forward_impl(input, weight, bias, *params)
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
         if (t is not None or name != "bias") and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return _OPS.conv_transpose2d.default(input, weight, bias, list(_pair(stride)), list(_pair(padding)),
-                                         list(_pair(output_padding)), groups, list(_pair(dilation)))
+    return _forward(input, weight, bias, (_pair(stride), _pair(padding), _pair(output_padding), groups,
+                                          _pair(dilation)))
 
 
 def conv_transpose2d_backward(grad_output: Tensor, input: Tensor, weight: Tensor, stride=1, padding=0,
