@@ -9,9 +9,14 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+import cupyconv  # noqa: E402
 from cupyconv import reference  # noqa: E402
 
 RTOL = 1e-10
+
+# The reference is the CPU backend: whatever NumPy warns about in it, a user sees.  Every
+# test here fails on a RuntimeWarning, and the tests at the end aim at the cases that warned.
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 
 def _case(n, c_in, c_out, hw, k, stride=(1, 1), padding=(0, 0), output_padding=(0, 0),
@@ -204,3 +209,58 @@ def test_low_precision_inputs_are_computed_in_float64(dtype):
     gx, gw, gb = reference.conv_transpose2d_backward(gy, x, w, *_params(c))
     for got, expected in zip((y, gx, gw, gb), (yt, xt.grad, wt.grad, bt.grad)):
         _assert_close(got, expected)  # also asserts the float64 result dtype
+
+
+# ------------------------------------------------------------------------ no warnings
+
+def _planted(shape, seed, value=None):
+    a = np.random.default_rng(seed).standard_normal(shape)   # both signs, so an Inf weight sums to inf - inf
+    if value is not None:
+        a[(0,) * len(shape)] = value
+    return a
+
+
+@pytest.mark.parametrize("where", ["x", "weight", "bias", "grad_output"])
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_non_finite_inputs_give_torchs_result_without_a_warning(where, value):
+    c = _case(2, 4, 6, (5, 6), (3, 2), stride=(2, 1), padding=(1, 0), groups=2)
+    x = _planted((2, 4, 5, 6), 1, value if where == "x" else None)
+    w = _planted((4, 3, 3, 2), 2, value if where == "weight" else None)
+    b = _planted((6,), 3, value if where == "bias" else None)
+    y = reference.conv_transpose2d(x, w, b, *_params(c))
+    go = _planted(y.shape, 4, value if where == "grad_output" else None)
+    grads = reference.conv_transpose2d_backward(go, x, w, *_params(c))
+    xt, wt, bt = (torch.from_numpy(a).requires_grad_() for a in (x, w, b))
+    yt = F.conv_transpose2d(xt, wt, bt, stride=(2, 1), padding=(1, 0), groups=2)
+    yt.backward(torch.from_numpy(go))
+    for got, want in zip((y,) + grads, (yt, xt.grad, wt.grad, bt.grad)):
+        np.testing.assert_allclose(got, want.detach().numpy(), rtol=RTOL, atol=1e-12)   # NaN and Inf where torch has them
+
+
+def test_finite_inputs_that_overflow_still_warn():
+    """Only non-finite inputs silence NumPy: a NaN made from finite numbers would be a fault worth hearing of."""
+    x = np.array([1e300, -1e300]).reshape(1, 2, 1, 1)
+    w = np.full((2, 1, 1, 1), 1e300)
+    with pytest.warns(RuntimeWarning):
+        reference.conv_transpose2d(x, w, None, (1, 1), (0, 0), (0, 0), 1, (1, 1))
+
+
+def test_rounding_to_float16_gives_inf_without_a_warning(monkeypatch):
+    monkeypatch.setenv("CUPYCONV_BACKEND", "numpy")
+    x = np.full((1, 2, 3, 3), 60000, np.float16)
+    w = np.full((2, 1, 2, 2), 2, np.float16)
+    y = cupyconv.conv_transpose2d(x, w)
+    assert y.dtype == np.float16 and np.isposinf(y).all()
+    gi, gw, gb = cupyconv.conv_transpose2d_backward(np.ones_like(y), x, w)
+    assert np.isposinf(gw).all() and np.isfinite(gi).all() and np.isfinite(gb).all()
+
+
+@pytest.mark.parametrize("n, hw", [(0, (5, 6)), (0, (0, 6)), (1, (1, 1))])
+def test_empty_and_tiny_inputs_without_a_warning(n, hw):
+    c = _case(n, 4, 6, hw, (3, 2), stride=(2, 2), groups=2)
+    x, w, b = _planted((n, 4) + hw, 1), _planted((4, 3, 3, 2), 2), _planted((6,), 3)
+    y = reference.conv_transpose2d(x, w, b, *_params(c))
+    gx, gw, gb = reference.conv_transpose2d_backward(np.ones(y.shape), x, w, *_params(c))
+    assert gx.shape == x.shape and not np.isnan(y).any()
+    if n == 0:
+        assert not gw.any() and not gb.any()
