@@ -1,4 +1,4 @@
-"""Shared test set-up: the ``gpu`` marker skips cleanly where no CUDA GPU is usable."""
+"""Shared test set-up: the ``gpu`` marker skips where no CUDA GPU is usable, and the summary says so once."""
 import functools
 import os
 
@@ -10,20 +10,56 @@ import pytest
 os.environ.setdefault("CUPYCONV_AUTOTUNE", "0")
 
 
+GPU_COMMAND = ".venv/bin/python -m pytest -q -m gpu"
+
+
 @functools.lru_cache(maxsize=None)
-def gpu_usable() -> bool:
+def why_no_gpu() -> str:
+    """Why the ``gpu`` tests cannot run here, in a few words; empty when CuPy sees a CUDA GPU."""
     try:
         import cupy
+    except ImportError:
+        return "CuPy is not installed"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, a driver too old for this CuPy, or no device
+        return f"CuPy finds no usable CUDA driver ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    return "" if count > 0 else "CuPy sees no CUDA device"
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+
+def gpu_usable() -> bool:
+    return not why_no_gpu()
+
+
+SKIP_REASON = "needs a CUDA GPU through CuPy"
 
 
 def pytest_collection_modifyitems(config, items):
     if gpu_usable():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (through CuPy)")
+    skip = pytest.mark.skip(reason=f"{SKIP_REASON}: {why_no_gpu()}")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _skipped_for_no_gpu(report) -> bool:
+    # Some GPU files also skip on their own when torch sees no CUDA device, and pytest
+    # applies their skipif before the marker above; the cause is the same missing GPU.
+    return report.skipped and "gpu" in report.keywords and not gpu_usable()
+
+
+def pytest_report_teststatus(report, config):
+    # Without a GPU well over a thousand tests skip for one reason; a letter each only buries
+    # the progress of the tests that ran. They still count as skipped, and the summary says why.
+    if _skipped_for_no_gpu(report):
+        return "skipped", "", "SKIPPED (no GPU)"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    skipped = sum(_skipped_for_no_gpu(r) for r in terminalreporter.stats.get("skipped", []))
+    if skipped:
+        terminalreporter.write_line(
+            f"{skipped} GPU tests (marker gpu) were skipped, not passed: {why_no_gpu()}. "
+            f"On a machine with a CUDA GPU and CuPy, run them with: {GPU_COMMAND}", yellow=True, bold=True)
