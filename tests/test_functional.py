@@ -6,6 +6,7 @@ import pytest
 
 import cupyconv
 from cupyconv import reference
+from cupyconv.core import device
 
 
 def test_backend_can_be_forced_to_the_reference(monkeypatch):
@@ -16,7 +17,15 @@ def test_backend_can_be_forced_to_the_reference(monkeypatch):
         cupyconv.backend()
 
 
-def test_forcing_cupy_without_cupy_says_how_to_install_it(monkeypatch):
+@pytest.fixture
+def gpu_check_redone():
+    """gpu_present() is cached per process; these tests change what it would find, on a GPU machine too."""
+    device.gpu_present.cache_clear()
+    yield
+    device.gpu_present.cache_clear()
+
+
+def test_forcing_cupy_without_cupy_says_how_to_install_it(monkeypatch, gpu_check_redone):
     monkeypatch.setitem(sys.modules, "cupy", None)   # "import cupy" fails as if it were not installed
     monkeypatch.setenv("CUPYCONV_BACKEND", "cupy")
     with pytest.raises(RuntimeError, match="CuPy is not installed") as info:
@@ -31,7 +40,7 @@ def test_forcing_cupy_without_cupy_says_how_to_install_it(monkeypatch):
     assert cupyconv.backend() == "numpy"
 
 
-def test_forcing_cupy_with_a_broken_cupy_passes_the_import_error_on(monkeypatch):
+def test_forcing_cupy_with_a_broken_cupy_passes_the_import_error_on(monkeypatch, gpu_check_redone):
     import builtins
 
     real_import = builtins.__import__
