@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as _np
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
@@ -129,13 +130,33 @@ def _is_channels_last(t: Tensor) -> bool:
 def _channels_last(x: Tensor, w: Tensor) -> bool:
     """torch's convolution memory format: channels_last when the input or the weight is.
 
-    The output, grad_input and grad_weight all take it (grad_output's format does not count).
+    The output, grad_input and grad_weight all take it (grad_output's format does not
+    count).  torch judges an unbatched input as its unsqueezed batch of one, whose batch
+    stride never looks channels_last: there only the weight counts.
     """
-    return x.dim() == 4 and (_is_channels_last(x) or _is_channels_last(w))
+    if x.dim() == 3:
+        return _is_channels_last(w)
+    return _is_channels_last(x) or _is_channels_last(w)
 
 
 def _as_channels_last(t: Tensor) -> Tensor:
+    """channels_last memory; an unbatched (C, H, W) tensor gets that of its batch of one."""
+    if t.dim() == 3:
+        if t.stride() == _unbatched_channels_last_strides(t.shape):
+            return t
+        return _empty_unbatched_channels_last(t.shape, t.dtype, t.device).copy_(t)
     return t.contiguous(memory_format=torch.channels_last)
+
+
+def _unbatched_channels_last_strides(shape):
+    c, _, w = shape
+    return (1, w * c, c)
+
+
+def _empty_unbatched_channels_last(shape, dtype, device) -> Tensor:
+    # allocated with its strides, not as a view of a batch of one: forward-mode AD gives a
+    # view's tangent its base's layout
+    return torch.empty_strided(tuple(shape), _unbatched_channels_last_strides(shape), dtype=dtype, device=device)
 
 
 # Per-configuration state of the hot path: validated geometry, dtype name, device.
@@ -272,12 +293,15 @@ def _layout_for(x: Tensor, w: Tensor) -> str:
 
 
 def _in_layout(t: Tensor, layout: str) -> Tensor:
-    return t.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else t.contiguous()
+    return _as_channels_last(t) if layout == "nhwc" else t.contiguous()
 
 
 def _empty(shape, like: Tensor, device, layout: str) -> Tensor:
-    memory_format = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    return torch.empty(shape, dtype=like.dtype, device=device, memory_format=memory_format)
+    if layout == "nchw":
+        return torch.empty(shape, dtype=like.dtype, device=device)
+    if len(shape) == 3:
+        return _empty_unbatched_channels_last(shape, like.dtype, device)
+    return torch.empty(shape, dtype=like.dtype, device=device, memory_format=torch.channels_last)
 
 
 def _cuda_forward(x, w, b, entry):
@@ -331,7 +355,9 @@ def _to_numpy64(t: Tensor):
 
 
 def _from_numpy(a, like: Tensor, shape) -> Tensor:
-    return torch.from_numpy(a).reshape(shape).to(like.dtype)
+    # reshaped on the NumPy side: an output that is a view of another tensor would confuse
+    # forward-mode AD, which gives a view's tangent its base's layout
+    return torch.from_numpy(_np.ascontiguousarray(a).reshape(shape)).to(like.dtype)
 
 
 def _cpu_forward(x, w, b, entry):
@@ -405,9 +431,16 @@ _BACKWARD_SCHEMA = ("(Tensor grad_output, Tensor input, Tensor weight, int[] str
 _LIB = torch.library.Library("cupyconv", "DEF")
 _LIB.define("conv_transpose2d" + _FORWARD_SCHEMA, tags=_TAGS)
 _LIB.define("conv_transpose2d_backward" + _BACKWARD_SCHEMA, tags=_TAGS)
+# One gradient of the backward (which: 0 input, 1 weight, 2 bias).  torch's legacy vmap
+# (torch.autograd.grad's is_grads_batched, torch.autograd.functional's vectorize=True)
+# loops over operators without a batching rule, but only over those returning plain
+# tensors, which the backward's optional outputs are not.
+_LIB.define("_conv_transpose2d_grad(Tensor grad_output, Tensor input, Tensor weight, int[] stride, int[] padding, "
+            "int[] output_padding, int groups, int[] dilation, int which) -> Tensor", tags=_TAGS)
 _OPS = torch.ops.cupyconv
 _FORWARD_OP = _OPS.conv_transpose2d.default
 _BACKWARD_OP = _OPS.conv_transpose2d_backward.default
+_ONE_GRAD_OP = _OPS._conv_transpose2d_grad.default
 
 
 def _conv_transpose2d_kernel(input, weight, bias, stride, padding, output_padding, groups, dilation):
@@ -445,10 +478,28 @@ def _conv_transpose2d_backward_fake(grad_output, input, weight, stride, padding,
     return gi, gw, gb
 
 
+def _one_hot(which: int):
+    if type(which) is not int or not 0 <= which <= 2:
+        raise ValueError(f"which must be 0 (grad_input), 1 (grad_weight) or 2 (grad_bias), got {which!r}")
+    return [which == 0, which == 1, which == 2]
+
+
+def _one_grad_kernel(grad_output, input, weight, stride, padding, output_padding, groups, dilation, which):
+    return _backward_impl(grad_output, input, weight, stride, padding, output_padding, groups, dilation,
+                          _one_hot(which))[which]
+
+
+def _one_grad_fake(grad_output, input, weight, stride, padding, output_padding, groups, dilation, which):
+    return _conv_transpose2d_backward_fake(grad_output, input, weight, stride, padding, output_padding, groups,
+                                           dilation, _one_hot(which))[which]
+
+
 _LIB.impl("conv_transpose2d", _conv_transpose2d_kernel, "CompositeExplicitAutograd")
 _LIB.impl("conv_transpose2d_backward", _conv_transpose2d_backward_kernel, "CompositeExplicitAutograd")
+_LIB.impl("_conv_transpose2d_grad", _one_grad_kernel, "CompositeExplicitAutograd")
 torch.library.register_fake("cupyconv::conv_transpose2d", _conv_transpose2d_fake, lib=_LIB)
 torch.library.register_fake("cupyconv::conv_transpose2d_backward", _conv_transpose2d_backward_fake, lib=_LIB)
+torch.library.register_fake("cupyconv::_conv_transpose2d_grad", _one_grad_fake, lib=_LIB)
 
 
 def _params_from(inputs):
@@ -480,6 +531,11 @@ def _plus(a, b):
     return b if a is None else a + b
 
 
+def _formula_channels_last(x, w) -> bool:
+    """``_channels_last`` for tensors the legacy vmap may have batched, which have no memory format to ask."""
+    return not (_is_legacy_batched(x) or _is_legacy_batched(w)) and _channels_last(x, w)
+
+
 def _save_forward(ctx, x, w, has_bias, params, output) -> None:
     ctx.params = params
     ctx.has_bias = has_bias
@@ -487,7 +543,7 @@ def _save_forward(ctx, x, w, has_bias, params, output) -> None:
     if _forward_ad._current_level >= 0:  # a dual level is open (eager forward AD or torch.func.jvp)
         ctx.save_for_forward(x, w)
         ctx.output_shape = output.shape
-        ctx.channels_last = _channels_last(x, w)
+        ctx.channels_last = _formula_channels_last(x, w)
 
 
 def _forward_grads(ctx, grad_output, needs):
@@ -539,7 +595,20 @@ def _backward_tangent(ctx, dgo, dx, dw):
         gi = _plus(gi, _backward(go, x, dw, params, (True, False, False))[0])
     if dx is not None and mask[1]:
         gw = _plus(gw, _backward(go, dx, w, params, (False, True, False))[1])
+    # torch's forward AD takes None for a tangent only where the output is None too
+    channels_last = _formula_channels_last(x, w)
+    if mask[0] and gi is None:
+        gi = _zeros(x, channels_last)
+    if mask[1] and gw is None:
+        gw = _zeros(w, channels_last)
+    if mask[2] and gb is None:
+        gb = go.new_zeros((go.shape[-3],))
     return gi, gw, gb
+
+
+def _zeros(like: Tensor, channels_last: bool) -> Tensor:
+    zeros = like.new_zeros(like.shape)
+    return _as_channels_last(zeros) if channels_last else zeros
 
 
 def _double_backward(go, x, w, params, needs, ggi, ggw, ggb):
@@ -605,6 +674,27 @@ class _BackwardOpNode(torch.autograd.Function):
         return _backward_tangent(ctx, dgo, dx, dw)
 
 
+class _OneGradOpNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, keyset, go, x, w, *params_and_which):
+        with _BelowAutograd():
+            grad = _ONE_GRAD_OP.redispatch(keyset & _AFTER_AUTOGRAD, go, x, w, *params_and_which)
+        which = params_and_which[5]
+        _save_backward(ctx, go, x, w, _params_from(params_and_which[:5]), tuple(_one_hot(which)))
+        ctx.which = which
+        return grad
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = [None, None, None]
+        grads[ctx.which] = grad
+        return (None,) + _backward_grads(ctx, ctx.needs_input_grad[1:4], *grads) + (None,) * 6
+
+    @staticmethod
+    def jvp(ctx, _keyset, dgo, dx, dw, *_params_and_which):
+        return _backward_tangent(ctx, dgo, dx, dw)[ctx.which]
+
+
 _FunctionBase_apply = torch._C._FunctionBase.__dict__["apply"]
 
 
@@ -628,6 +718,7 @@ def _autograd_kernel(op, node):
 _LIB.impl("conv_transpose2d", _autograd_kernel(_FORWARD_OP, _ForwardOpNode), "Autograd", with_keyset=True)
 _LIB.impl("conv_transpose2d_backward", _autograd_kernel(_BACKWARD_OP, _BackwardOpNode), "Autograd",
           with_keyset=True)
+_LIB.impl("_conv_transpose2d_grad", _autograd_kernel(_ONE_GRAD_OP, _OneGradOpNode), "Autograd", with_keyset=True)
 
 
 def _forward_op_vmap(info, in_dims, x, w, b, *params):
@@ -693,12 +784,26 @@ def _plain_eager(a, b, c) -> bool:
             and not _functorch_active() and _tracing_state() is None)
 
 
+_is_legacy_batched = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", lambda t: False)
+
+
+def _kernels_can_run(a, b, c) -> bool:
+    """``_plain_eager``, and no tensor batched by the legacy vmap.
+
+    torch.autograd.functional's ``vectorize=True`` and gradcheck's batched checks hand the
+    derivative formulas tangents and grad_outputs batched that way; only the dispatcher
+    can unbatch them.
+    """
+    return _plain_eager(a, b, c) and not (_is_legacy_batched(a) or _is_legacy_batched(b)
+                                          or (c is not None and _is_legacy_batched(c)))
+
+
 class _ConvTranspose2dFunction(torch.autograd.Function):
     """The forward with its reverse, forward-mode and vmap rules."""
 
     @staticmethod
     def forward(x, w, b, params):
-        if _plain_eager(x, w, b):
+        if _kernels_can_run(x, w, b):
             return _forward_impl(x, w, b, *params)
         return _op_forward(x, w, b, params)
 
@@ -725,7 +830,7 @@ class _ConvTranspose2dBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(go, x, w, params, mask):
-        if _plain_eager(go, x, w):
+        if _kernels_can_run(go, x, w):
             return _backward_impl(go, x, w, *params, mask)
         return _op_backward(go, x, w, params, mask)
 
@@ -783,7 +888,7 @@ def _apply_backward_function(go, x, w, params, mask):
 
 def _forward(x, w, b, params) -> Tensor:
     """Differentiable forward: the fast path in plain eager mode, the function or the op otherwise."""
-    if _plain_eager(x, w, b):
+    if _kernels_can_run(x, w, b):
         if (_forward_ad._current_level >= 0
                 or (_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))):
             return _apply_forward(x, w, b, params)
@@ -800,11 +905,14 @@ def _backward(go, x, w, params, mask):
     if not (mask[0] or mask[1] or mask[2]):
         return None, None, None
     mask = (bool(mask[0]), bool(mask[1]), bool(mask[2]))
-    if _plain_eager(go, x, w):
+    if _kernels_can_run(go, x, w):
         if (_forward_ad._current_level >= 0
                 or (_grad_enabled() and (go.requires_grad or x.requires_grad or w.requires_grad))):
             return _apply_backward(go, x, w, params, mask)
         return _backward_impl(go, x, w, *params, mask)
+    if _is_legacy_batched(go) or _is_legacy_batched(x) or _is_legacy_batched(w):
+        op_params = _op_params(params)
+        return tuple(_ONE_GRAD_OP(go, x, w, *op_params, i) if mask[i] else None for i in range(3))
     if _derivatives_forward_mode():
         if _is_compiling():
             return _run_outside_graph(_apply_backward_function, go, x, w, params, mask)

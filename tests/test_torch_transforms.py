@@ -167,5 +167,6 @@ def test_compile_fullgraph_jvp_is_an_error_not_a_zero():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("x_cl,w_cl", list(itertools.product((False, True), repeat=2)),
                          ids=["x_w", "x_wCL", "xCL_w", "xCL_wCL"])
-def test_memory_formats_match_torch(dtype, x_cl, w_cl):
-    checks.check_memory_formats(CPU, dtype, x_cl, w_cl)
+@pytest.mark.parametrize("layer", [checks.LAYERS[0], checks.LAYERS[2]], ids=["batched", "unbatched"])
+def test_memory_formats_match_torch(dtype, x_cl, w_cl, layer):
+    checks.check_memory_formats(CPU, dtype, x_cl, w_cl, layer)

@@ -170,12 +170,18 @@ def memory_format(t):
     return "contiguous" if t.is_contiguous() else f"strides {t.stride()}"
 
 
-def check_memory_formats(device, dtype, x_channels_last, w_channels_last):
+def channels_last(t):
+    """``t`` in channels_last memory; an unbatched (C, H, W) tensor in that of its batch of one."""
+    if t.dim() == 3:
+        return t.unsqueeze(0).contiguous(memory_format=torch.channels_last)[0]
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def check_memory_formats(device, dtype, x_channels_last, w_channels_last, layer=LAYERS[0]):
     """Output, grad_input and grad_weight take torch's memory format (and its values)."""
-    layer = LAYERS[0]
     (x, w, b), _ = tensors(layer, device, dtype)
     if x_channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
+        x = channels_last(x)
     if w_channels_last:
         w = w.contiguous(memory_format=torch.channels_last)
     results = {}
@@ -188,3 +194,6 @@ def check_memory_formats(device, dtype, x_channels_last, w_channels_last):
                                   results["torch"]):
         assert memory_format(ours) == memory_format(theirs), \
             f"{what}: {memory_format(ours)}, torch gives {memory_format(theirs)}"
+        reference = theirs if dtype == torch.float64 else None
+        if reference is not None:
+            torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what}: {m}")
