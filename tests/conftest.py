@@ -46,7 +46,9 @@ def pytest_collection_modifyitems(config, items):
 def _skipped_for_no_gpu(report) -> bool:
     # Some GPU files also skip on their own when torch sees no CUDA device, and pytest
     # applies their skipif before the marker above; the cause is the same missing GPU.
-    return report.skipped and "gpu" in report.keywords and not gpu_usable()
+    # A whole module skipped at collection (say, an importorskip) comes as a CollectReport,
+    # which has no keywords; it is reported as pytest always reports it.
+    return report.skipped and "gpu" in getattr(report, "keywords", {}) and not gpu_usable()
 
 
 def pytest_report_teststatus(report, config):
