@@ -128,15 +128,26 @@ def _is_channels_last(t: Tensor) -> bool:
 
 
 def _channels_last(x: Tensor, w: Tensor) -> bool:
-    """torch's convolution memory format: channels_last when the input or the weight is.
+    """torch's convolution memory format for the output and grad_input (and mostly grad_weight).
 
-    The output, grad_input and grad_weight all take it (grad_output's format does not
-    count).  torch judges an unbatched input as its unsqueezed batch of one, whose batch
-    stride never looks channels_last: there only the weight counts.
+    channels_last when the input or the weight is; grad_output's format does not count.
+    torch judges an unbatched input as its unsqueezed batch of one, whose batch stride
+    never looks channels_last, so there only the weight counts; and on CUDA float64 always
+    stays contiguous (cuDNN's rule).
     """
     if x.dim() == 3:
-        return _is_channels_last(w)
-    return _is_channels_last(x) or _is_channels_last(w)
+        channels_last = _is_channels_last(w)
+    else:
+        channels_last = _is_channels_last(x) or _is_channels_last(w)
+    return channels_last and not (x.dtype is torch.float64 and x.is_cuda)
+
+
+def _grad_weight_channels_last(x: Tensor, w: Tensor) -> bool:
+    """grad_weight's memory format: ``_channels_last``, except that on CUDA torch keeps it
+    contiguous for an unbatched input whose own strides are channels_last."""
+    return _channels_last(x, w) and not (
+        x.dim() == 3 and x.is_cuda and x.stride() == _unbatched_channels_last_strides(x.shape)
+        and not x.is_contiguous())
 
 
 def _as_channels_last(t: Tensor) -> Tensor:
@@ -324,6 +335,7 @@ def _cuda_forward(x, w, b, entry):
 def _cuda_backward(go, x, w, mask, entry):
     g, dt, device, index, = entry
     layout = _layout_for(x, w)
+    gw_channels_last = layout == "nhwc" and _grad_weight_channels_last(x, w)
     precision = _precision(dt)
     go = _in_layout(go, layout)
     gi = gw = gb = None
@@ -343,7 +355,7 @@ def _cuda_backward(go, x, w, mask, entry):
     finally:
         if prev != index:
             _set_device(prev)
-    if gw is not None and layout == "nhwc":
+    if gw is not None and gw_channels_last:
         gw = _as_channels_last(gw)  # the kernels write weights as (C_in, C_out/groups, kH, kW)
     return gi, gw, gb
 
@@ -381,7 +393,7 @@ def _cpu_backward(go, x, w, mask, entry):
     if gi is not None and channels_last:
         gi = _as_channels_last(gi)
     gw = None if gw is None else _from_numpy(gw, w, w.shape)
-    if gw is not None and channels_last:
+    if gw is not None and _grad_weight_channels_last(x, w):
         gw = _as_channels_last(gw)
     gb = None if gb is None else _from_numpy(gb, go, (g.out_channels,))
     return gi, gw, gb
@@ -471,7 +483,7 @@ def _conv_transpose2d_backward_fake(grad_output, input, weight, stride, padding,
             gi = _as_channels_last(gi)
     if output_mask[1]:
         gw = weight.new_empty(weight.shape)
-        if channels_last:
+        if _grad_weight_channels_last(input, weight):
             gw = _as_channels_last(gw)
     if output_mask[2]:
         gb = grad_output.new_empty((g.out_channels,))
@@ -596,11 +608,11 @@ def _backward_tangent(ctx, dgo, dx, dw):
     if dx is not None and mask[1]:
         gw = _plus(gw, _backward(go, dx, w, params, (False, True, False))[1])
     # torch's forward AD takes None for a tangent only where the output is None too
-    channels_last = _formula_channels_last(x, w)
+    batched = _is_legacy_batched(x) or _is_legacy_batched(w)
     if mask[0] and gi is None:
-        gi = _zeros(x, channels_last)
+        gi = _zeros(x, not batched and _channels_last(x, w))
     if mask[1] and gw is None:
-        gw = _zeros(w, channels_last)
+        gw = _zeros(w, not batched and _grad_weight_channels_last(x, w))
     if mask[2] and gb is None:
         gb = go.new_zeros((go.shape[-3],))
     return gi, gw, gb

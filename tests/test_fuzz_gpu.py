@@ -290,9 +290,9 @@ def _dtype_name(case: FuzzCase) -> str:
     return "float32" if case.mode == "tf32" else case.mode
 
 
-def _layout(case: FuzzCase, g, x) -> str:
+def _layout(case: FuzzCase, g, x, w) -> str:
     """The memory layout the engine runs ``x`` in, decided as cupyconv.torch decides it."""
-    return ct._layout_for(x)
+    return ct._layout_for(x, w)
 
 
 def _variants(case: FuzzCase, g, layout: str) -> dict:
@@ -320,7 +320,7 @@ def _specs(case: FuzzCase) -> list:
         return _view(torch.zeros(shape, dtype=torch.float64, device=DEVICE), dtype, kind)
 
     x, go = probe(case.input_shape, case.x_view), probe(case.output_shape, case.go_view)
-    layout = _layout(case, g, x)
+    layout = _layout(case, g, x, probe(case.weight_shape, case.w_view))
     xp, gop = (ct._in_layout(t, layout).data_ptr() for t in (x, go))
     w, out = 1 << 20, 2 << 20
     recorder = Recorder(device.get(0))
@@ -386,7 +386,7 @@ def check_case(case: FuzzCase) -> dict:
                                None if b64 is None else b64.clone(), _round_tf32(go64), case)
                 floor = [0.0 if r is None else _rel_err(a, r) for a, r in zip(rounded, ref)]
         x, w, b, go = data()
-        layout = _layout(case, g, x)
+        layout = _layout(case, g, x, w)
         variants = _variants(case, g, layout)
         result = {"gemm": uses_gemm(g, _dtype_name(case), 0), "layout": layout,
                   "variants": {p: v.name for p, v in variants.items()}, "ratio": {}, "fallback": False}
@@ -404,7 +404,7 @@ def check_case(case: FuzzCase) -> dict:
             x, w, b, go = data()
             ours = _run_ours(case, x, w, b, go, variants, dtype)
 
-    if ct._channels_last(x):
+    if ct._channels_last(x, w):
         assert ours[0].is_contiguous(memory_format=torch.channels_last), f"{case}: output is not channels_last"
     for i, (name, o, r) in enumerate(zip(OUTPUTS, ours, ref)):
         if r is None:

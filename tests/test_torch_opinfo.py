@@ -125,13 +125,16 @@ def test_opinfo_sample_compiled(device, index):
 
 
 def judge(ours, torch_low, truth, dtype, what):
-    """|ours - truth| within twice torch's own error plus two roundings of the result's scale."""
+    """|ours - truth| within twice torch's own error plus a few (four) roundings of the result's scale.
+
+    The roundings allow for a different summation order: grad_bias sums a whole output.
+    """
     truth = truth.double()
     scale = truth.abs().max().item() if truth.numel() else 0.0
     err = (ours.double() - truth).abs().max().item() if truth.numel() else 0.0
     torch_err = (torch_low.double() - truth).abs().max().item() if truth.numel() else 0.0
-    bound = 2 * torch_err + 2 * torch.finfo(dtype).eps * scale
-    assert err <= bound, f"{what}: error {err:.3e} > 2 x torch's {torch_err:.3e} + 2 roundings ({bound:.3e})"
+    bound = 2 * torch_err + 4 * torch.finfo(dtype).eps * scale
+    assert err <= bound, f"{what}: error {err:.3e} > 2 x torch's {torch_err:.3e} + 4 roundings ({bound:.3e})"
 
 
 LOW_PRECISION = [pytest.param("cpu", torch.float32, id="cpu-float32"),
