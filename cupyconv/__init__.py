@@ -1,4 +1,4 @@
-"""cupyconv: fast 2-D transposed convolution (ConvTranspose2d) for CuPy, NumPy and PyTorch.
+"""cupyconv: fast transposed convolution (ConvTranspose2d and ConvTranspose1d) for CuPy, NumPy and PyTorch.
 
 Kernels are CUDA C++ templates compiled at run time with NVRTC (no build step) and
 cached per layer configuration.  Nothing is compiled, and neither CuPy nor torch is
@@ -7,7 +7,8 @@ imported, when this package is imported.
 from .core.geometry import output_size
 from .core.version import VERSION as __version__
 from .explain import explain
-from .functional import backend, conv_transpose2d, conv_transpose2d_backward
+from .functional import (backend, conv_transpose1d, conv_transpose1d_backward, conv_transpose2d,
+                         conv_transpose2d_backward)
 from .jit.compiler import KernelCompileError
 from .tuning.explicit import tune
 
@@ -15,6 +16,8 @@ __all__ = [
     "KernelCompileError",
     "backend",
     "clear_cache",
+    "conv_transpose1d",
+    "conv_transpose1d_backward",
     "conv_transpose2d",
     "conv_transpose2d_backward",
     "explain",

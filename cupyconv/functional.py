@@ -15,6 +15,7 @@ import numpy as np
 from . import engine, reference
 from .core.arrays import common_placement
 from .core.device import gpu_present
+from .core import one_d
 from .core.geometry import ConvParams, Geometry, geometry, output_mask as _output_mask
 from .plans.launch import Launcher, cupy_allocator
 
@@ -162,3 +163,45 @@ def conv_transpose2d_backward(grad_output, input, weight, stride=1, padding=0, o
     if gi is not None:
         gi = gi.reshape(g.user_shape(g.input_shape))
     return gi, gw, gb
+
+
+def _shape(array, name):
+    shape = getattr(array, "shape", None)
+    if shape is None or not hasattr(array, "reshape"):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(array).__name__}")
+    return tuple(shape)
+
+
+def _one_row(array):
+    """(..., L) as (..., 1, L): a view for NumPy and CuPy arrays alike."""
+    return array.reshape(array.shape[:-1] + (1, array.shape[-1]))
+
+
+def _drop_row(array):
+    return None if array is None else array.reshape(array.shape[:-2] + (array.shape[-1],))
+
+
+def conv_transpose1d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    """1-D transposed convolution of NumPy or CuPy arrays, with PyTorch's semantics.
+
+    ``input`` is (N, C_in, L) or unbatched (C_in, L); ``weight`` is (C_in, C_out // groups, k);
+    ``bias`` is (C_out,) or None; the other arguments are ints (or one-element sequences).
+    It runs on the 2-D kernels as a one-row layer.
+    """
+    s, p, op, d = one_d.params_2d(stride, padding, output_padding, dilation)
+    one_d.check_ranks(_shape(input, "input"), _shape(weight, "weight"))
+    return _drop_row(conv_transpose2d(_one_row(input), _one_row(weight), bias, s, p, op, groups, d))
+
+
+def conv_transpose1d_backward(grad_output, input, weight, stride=1, padding=0, output_padding=0, groups=1,
+                              dilation=1, output_mask: Sequence[bool] = (True, True, True)):
+    """Gradients of :func:`conv_transpose1d`: ``(grad_input, grad_weight, grad_bias)``, None where masked."""
+    s, p, op, d = one_d.params_2d(stride, padding, output_padding, dilation)
+    input_shape = _shape(input, "input")
+    one_d.check_ranks(input_shape, _shape(weight, "weight"))
+    if len(_shape(grad_output, "grad_output")) != len(input_shape):
+        raise ValueError(f"grad_output must have the output's rank {len(input_shape)}, got shape "
+                         f"{tuple(grad_output.shape)}")
+    gi, gw, gb = conv_transpose2d_backward(_one_row(grad_output), _one_row(input), _one_row(weight), s, p, op,
+                                           groups, d, output_mask)
+    return _drop_row(gi), _drop_row(gw), gb

@@ -4,11 +4,14 @@ Public API
 ----------
 ``conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1)``
     ``torch.nn.functional.conv_transpose2d``'s signature and semantics.
+``conv_transpose1d(...)``, ``ConvTranspose1d``
+    The same for ``torch.nn.functional.conv_transpose1d`` and ``nn.ConvTranspose1d``,
+    run as one-row 2-D layers.
 ``ConvTranspose2d``
     A subclass of ``torch.nn.ConvTranspose2d`` (same constructor, parameters, state_dict,
     init and repr) whose forward runs cupyconv.
 ``convert(module)``
-    Swaps every ``nn.ConvTranspose2d`` of a model for :class:`ConvTranspose2d`, in place,
+    Swaps every ``nn.ConvTranspose2d`` and ``nn.ConvTranspose1d`` of a model for ours, in place,
     keeping the very same Parameter objects (parametrized and uninitialised lazy modules
     are left alone).
 
@@ -23,11 +26,18 @@ int[] padding, int[] output_padding, int groups, int[] dilation, bool[] output_m
     ``(grad_input, grad_weight, grad_bias)``; an entry is None where ``output_mask`` is
     False, so no kernel runs for a gradient nobody asked for.
 
-Both are ``torch.library.custom_op`` ops with fake (meta) kernels, so ``torch.compile``
-traces them without graph breaks.  The forward op's autograd formula calls the backward
-op; the backward op has an autograd formula of its own built from the two ops, so double
-backward (and higher) works.  Under autocast the forward op casts its floating inputs to
-the autocast dtype, as ``conv_transpose2d`` does in PyTorch.
+Both are ``torch.library`` operators with fake (meta) kernels, so ``torch.compile`` traces
+them without graph breaks.  Their Autograd kernels carry both modes: reverse mode through
+the backward operator (which is differentiable again, so double backward and higher work)
+and forward mode by linearity; ``torch.func.vmap`` has batching rules for both.  Under
+autocast the forward op casts its floating inputs to the autocast dtype, as
+``conv_transpose2d`` does in PyTorch.
+
+Transforms: the public functions also work under torch.func (grad, jvp, jacfwd, jacrev,
+hessian, vmap), torch.autograd.forward_ad and torch.autograd.functional, with their own
+rules (vmap folds batched activations into N and per-sample weights into groups: no
+per-sample loop).  Under torch.compile a call that needs forward mode runs outside the
+graph.  Output and gradient memory formats follow torch's convolution rules.
 
 Execution: CUDA tensors run on :mod:`cupyconv.engine` (raw pointers, launched on
 ``torch.cuda.current_stream(input.device)`` with the input's device current, outputs and
@@ -35,8 +45,8 @@ split-K scratch from torch's caching allocator, no host synchronisation).  CPU t
 run on the float64 NumPy reference and are cast back to the input dtype, so everything
 (gradcheck, opcheck, torch.compile) can be tested without a GPU.
 
-Host cost: the op dispatcher and ``custom_op``'s generic autograd wrapper cost several
-times a cuDNN call's host time.  So plain eager calls (ordinary tensors, no compile,
+Host cost: the op dispatcher and a Python autograd kernel cost several times a cuDNN
+call's host time.  So plain eager calls (ordinary tensors, no compile,
 tracing, dispatch or function mode, functorch transform) take a fast path: the same
 implementation functions behind a lean ``torch.autograd.Function`` (applied through its
 C++ base), or called directly when no gradient is needed.  Everything else goes through
@@ -55,11 +65,13 @@ import torch.autograd.forward_ad as _forward_ad
 from . import engine as _engine
 from . import reference as _reference
 from .core import dtypes as _dtypes
+from .core import one_d as _one_d
 from .core.geometry import ConvParams, geometry as _geometry, output_mask as _output_mask
 from .plans.launch import Launcher as _Launcher
 from .torch_batching import backward_rule, forward_rule
 
-__all__ = ["conv_transpose2d", "conv_transpose2d_backward", "ConvTranspose2d", "convert", "tf32_allowed"]
+__all__ = ["conv_transpose1d", "conv_transpose1d_backward", "conv_transpose2d", "conv_transpose2d_backward",
+           "ConvTranspose1d", "ConvTranspose2d", "convert", "tf32_allowed"]
 
 Tensor = torch.Tensor
 
@@ -989,17 +1001,49 @@ def conv_transpose2d_backward(grad_output: Tensor, input: Tensor, weight: Tensor
     return _backward(grad_output, input, weight, params, tuple(output_mask))
 
 
-class ConvTranspose2d(torch.nn.ConvTranspose2d):
-    """Drop-in ``torch.nn.ConvTranspose2d`` whose forward runs cupyconv.
+def conv_transpose1d(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0,
+                     output_padding=0, groups: int = 1, dilation=1) -> Tensor:
+    """``torch.nn.functional.conv_transpose1d`` computed by cupyconv (differentiable).
 
-    Same constructor, parameters, state_dict keys, initialisation and repr as the torch
-    module (it is a subclass and inherits them); ``padding_mode`` other than 'zeros' is a
-    ValueError, as in torch.
+    ``input`` is (N, C_in, L) or unbatched (C_in, L), ``weight`` (C_in, C_out/groups, k);
+    it runs on the 2-D kernels as a one-row layer, with no copy.
     """
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    s, p, op, d = _one_d.params_2d(stride, padding, output_padding, dilation)
+    _one_d.check_ranks(input.shape, weight.shape)
+    # contiguous first: torch has no channels_last for 1-D layers, and the one-row view of a
+    # transposed (N, L, C) input would look channels_last to the 2-D rules
+    return conv_transpose2d(input.contiguous().unsqueeze(-2), weight.contiguous().unsqueeze(-2), bias, s, p, op,
+                            groups, d).squeeze(-2)
+
+
+def conv_transpose1d_backward(grad_output: Tensor, input: Tensor, weight: Tensor, stride=1, padding=0,
+                              output_padding=0, groups: int = 1, dilation=1,
+                              output_mask: Sequence[bool] = (True, True, True)):
+    """Gradients of :func:`conv_transpose1d`: ``(grad_input, grad_weight, grad_bias)``, None where masked."""
+    for name, t in (("grad_output", grad_output), ("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    s, p, op, d = _one_d.params_2d(stride, padding, output_padding, dilation)
+    _one_d.check_ranks(input.shape, weight.shape)
+    if grad_output.dim() != input.dim():
+        raise ValueError(f"grad_output must have the output's rank {input.dim()}, got shape {tuple(grad_output.shape)}")
+    gi, gw, gb = conv_transpose2d_backward(*(t.contiguous().unsqueeze(-2) for t in (grad_output, input, weight)), s,
+                                           p, op, groups, d, output_mask)
+    return (None if gi is None else gi.squeeze(-2)), (None if gw is None else gw.squeeze(-2)), gb
+
+
+class _CupyconvForward:
+    """What the cupyconv modules share: torch's forward signature and output_size handling."""
+
+    _spatial_dims: int
+    _functional = None
 
     def forward(self, input: Tensor, output_size: Optional[List[int]] = None) -> Tensor:
         if self.padding_mode != "zeros":
-            raise ValueError("Only `zeros` padding mode is supported for ConvTranspose2d")
+            raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
         if output_size is None:
             output_padding = self.output_padding
         else:
@@ -1012,14 +1056,48 @@ class ConvTranspose2d(torch.nn.ConvTranspose2d):
                                     f"{output_size.dtype} and shape {tuple(output_size.shape)}")
                 output_size = output_size.tolist()
             output_padding = self._output_padding(input, output_size, self.stride, self.padding, self.kernel_size,
-                                                  2, self.dilation)
-        return conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, output_padding,
-                                self.groups, self.dilation)
+                                                  self._spatial_dims, self.dilation)
+        return type(self)._functional(input, self.weight, self.bias, self.stride, self.padding, output_padding,
+                                      self.groups, self.dilation)
 
 
-def _converted(old: torch.nn.ConvTranspose2d) -> ConvTranspose2d:
+class ConvTranspose2d(_CupyconvForward, torch.nn.ConvTranspose2d):
+    """Drop-in ``torch.nn.ConvTranspose2d`` whose forward runs cupyconv.
+
+    Same constructor, parameters, state_dict keys, initialisation and repr as the torch
+    module (it is a subclass and inherits them); ``padding_mode`` other than 'zeros' is a
+    ValueError, as in torch.
+    """
+
+    _spatial_dims = 2
+    _functional = staticmethod(conv_transpose2d)
+
+
+class ConvTranspose1d(_CupyconvForward, torch.nn.ConvTranspose1d):
+    """Drop-in ``torch.nn.ConvTranspose1d`` whose forward runs cupyconv (as a one-row 2-D layer).
+
+    Same constructor, parameters, state_dict keys, initialisation and repr as the torch module.
+    """
+
+    _spatial_dims = 1
+    _functional = staticmethod(conv_transpose1d)
+
+
+_REPLACEMENTS = ((ConvTranspose2d, torch.nn.ConvTranspose2d), (ConvTranspose1d, torch.nn.ConvTranspose1d))
+
+
+def _replacement(m):
+    """The cupyconv class that replaces ``m``, or None where ``m`` is left alone."""
+    for ours, theirs in _REPLACEMENTS:
+        if isinstance(m, theirs):
+            return None if isinstance(m, ours) else ours
+    return None
+
+
+def _converted(old: torch.nn.Module) -> torch.nn.Module:
     """A cupyconv module sharing ``old``'s parameters, buffers, hooks, attributes and training mode."""
-    new = ConvTranspose2d.__new__(ConvTranspose2d)
+    cls = _replacement(old)
+    new = cls.__new__(cls)
     state = dict(old.__dict__)
     for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
         if name in state:
@@ -1029,7 +1107,7 @@ def _converted(old: torch.nn.ConvTranspose2d) -> ConvTranspose2d:
 
 
 def _convertible(m) -> bool:
-    if not isinstance(m, torch.nn.ConvTranspose2d) or isinstance(m, ConvTranspose2d):
+    if _replacement(m) is None:
         return False
     lazy = getattr(m, "has_uninitialized_params", None)
     if lazy is not None and lazy():
@@ -1040,7 +1118,8 @@ def _convertible(m) -> bool:
 
 
 def convert(module: torch.nn.Module) -> torch.nn.Module:
-    """Replace every ``nn.ConvTranspose2d`` (or subclass) in ``module`` by :class:`ConvTranspose2d`, in place.
+    """Replace every ``nn.ConvTranspose2d`` and ``nn.ConvTranspose1d`` (or subclass) in ``module`` by
+    :class:`ConvTranspose2d` and :class:`ConvTranspose1d`, in place.
 
     The replacements keep the same Parameter objects (so optimisers and tied weights still
     see them), device, dtype, hooks and training mode; a module used at several places
