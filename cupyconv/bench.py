@@ -42,6 +42,8 @@ class BenchLayer:
 
     ``kernel``, ``stride``, ``padding``, ``dilation``, ``size`` (H, W) and
     ``output_padding`` are pairs; ``in_channels`` and ``out_channels`` are the module's.
+    A ``one_d`` layer is a ``ConvTranspose1d`` along W (its pairs' first entries are 1 for
+    kernel, stride, dilation and size, 0 for the paddings), timed through the 1-D functions.
     """
 
     name: str
@@ -56,11 +58,32 @@ class BenchLayer:
     size: Tuple[int, int] = (8, 8)
     output_padding: Tuple[int, int] = (0, 0)
     bias: bool = True
+    one_d: bool = False
+
+    def __post_init__(self):
+        if self.one_d and (self.kernel[0], self.stride[0], self.padding[0], self.dilation[0], self.size[0],
+                           self.output_padding[0]) != (1, 1, 0, 1, 1, 0):
+            raise ValueError(f"{self.name}: a 1-D layer runs along W, so its pairs must be (1, .) or (0, .) in H")
 
     def kwargs(self):
-        """stride, padding, output_padding, groups and dilation, as keyword arguments of ``conv_transpose2d``."""
-        return dict(stride=self.stride, padding=self.padding, output_padding=self.output_padding,
-                    groups=self.groups, dilation=self.dilation)
+        """stride, padding, output_padding, groups and dilation, as keyword arguments of the layer's functional."""
+        pick = (lambda pair: pair[1]) if self.one_d else (lambda pair: pair)
+        return dict(stride=pick(self.stride), padding=pick(self.padding), output_padding=pick(self.output_padding),
+                    groups=self.groups, dilation=pick(self.dilation))
+
+    def spatial(self, pair) -> tuple:
+        """A tensor's spatial shape: (H, W), or (L,) for a 1-D layer."""
+        return tuple(pair[1:]) if self.one_d else tuple(pair)
+
+    def functionals(self):
+        """(torch's functional, cupyconv's) for this layer."""
+        import torch.nn.functional as F
+
+        from . import torch as cc_torch
+
+        if self.one_d:
+            return F.conv_transpose1d, cc_torch.conv_transpose1d
+        return F.conv_transpose2d, cc_torch.conv_transpose2d
 
     def out_size(self) -> Tuple[int, int]:
         """The output's (H, W)."""
@@ -80,6 +103,9 @@ SUITE = SEED_LAYERS + [
     BenchLayer("depthwise_up", 16, 128, 128, (4, 4), (2, 2), (1, 1), groups=128, size=(64, 64)),
     BenchLayer("outpad_up3x", 8, 64, 32, (3, 3), (3, 3), (1, 1), size=(96, 96), output_padding=(2, 2)),
     BenchLayer("batch1_latency", 1, 64, 64, (4, 4), (2, 2), (1, 1), size=(32, 32)),
+    # audio upsamplers (vocoders): ConvTranspose1d along long sequences
+    BenchLayer("vocoder_up8_1d", 16, 512, 256, (1, 16), (1, 8), (0, 4), size=(1, 8192), one_d=True),
+    BenchLayer("audio_up2_1d", 16, 64, 32, (1, 4), (1, 2), (0, 1), size=(1, 16384), one_d=True),
 ]
 
 # "tf32" is float32 tensors with TF32 allowed in torch (cuDNN and matmul) and in cupyconv;
@@ -213,10 +239,10 @@ def _case_tensors(layer: BenchLayer, dtype: str, layout: str):
     def randn(shape):
         return torch.randn(shape, generator=gen, device="cuda").to(dt)
 
-    x = randn((layer.batch, layer.in_channels) + layer.size)
-    w = randn((layer.in_channels, layer.out_channels // layer.groups) + layer.kernel)
+    x = randn((layer.batch, layer.in_channels) + layer.spatial(layer.size))
+    w = randn((layer.in_channels, layer.out_channels // layer.groups) + layer.spatial(layer.kernel))
     b = randn((layer.out_channels,)) if layer.bias else None
-    go = randn((layer.batch, layer.out_channels) + layer.out_size())
+    go = randn((layer.batch, layer.out_channels) + layer.spatial(layer.out_size()))
     if layout == "channels_last":
         # model.to(memory_format=torch.channels_last) converts the weights too.
         x, w, go = (t.contiguous(memory_format=torch.channels_last) for t in (x, w, go))
@@ -248,24 +274,21 @@ def _pass_fn(conv, layer: BenchLayer, pass_name: str, x, w, b, go) -> Callable[[
 def _torch_ms(layer: BenchLayer, pass_name: str, tensors, repeat: int) -> float:
     """torch's time: the better of cudnn.benchmark off and on."""
     import torch
-    import torch.nn.functional as F
 
     times = []
     for benchmark in (False, True):
         torch.backends.cudnn.benchmark = benchmark
-        times.append(cuda_time_ms(_pass_fn(F.conv_transpose2d, layer, pass_name, *tensors), repeat=repeat))
+        times.append(cuda_time_ms(_pass_fn(layer.functionals()[0], layer, pass_name, *tensors), repeat=repeat))
     return min(times)
 
 
 def _case_timer(layer: BenchLayer, dtype: str, layout: str, repeat: int) -> Callable[[str, str], float]:
-    from . import torch as cc_torch
-
     tensors = _case_tensors(layer, dtype, layout)
 
     def time_pass(impl: str, pass_name: str) -> float:
         if impl == "torch":
             return _torch_ms(layer, pass_name, tensors, repeat)
-        return cuda_time_ms(_pass_fn(cc_torch.conv_transpose2d, layer, pass_name, *tensors), repeat=repeat)
+        return cuda_time_ms(_pass_fn(layer.functionals()[1], layer, pass_name, *tensors), repeat=repeat)
     return time_pass
 
 
@@ -298,7 +321,9 @@ def run(layers: List[BenchLayer], dtype: Union[str, Sequence[str]] = "float32", 
 
     if copy_gbps is None:
         copy_gbps = copy_bandwidth_gbps()
-    cases = list(itertools.product(layers, dtypes, layouts))
+    # 1-D tensors have no channels_last
+    cases = [(layer, dt, layout) for layer, dt, layout in itertools.product(layers, dtypes, layouts)
+             if not (layer.one_d and layout == "channels_last")]
     try:
         from tqdm import tqdm
         iterator = tqdm(cases, desc="bench", unit="case", disable=not progress)

@@ -328,3 +328,17 @@ def test_the_commit_is_the_projects_own_or_none(tmp_path):
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=outer / "vendored",
                            env={**__import__("os").environ, "PYTHONPATH": str(outer / "vendored")})
     assert found.stdout.strip() == "(None, None)", found.stderr
+
+
+def test_one_d_layers_are_1d_calls_with_torch_shapes():
+    torch = pytest.importorskip("torch")
+    import cupyconv.torch as ct
+
+    layer = next(layer for layer in bench.SUITE if layer.name == "vocoder_up8_1d")
+    assert layer.kwargs() == dict(stride=8, padding=4, output_padding=0, groups=1, dilation=1)
+    assert layer.spatial(layer.size) == (8192,) and layer.spatial(layer.out_size()) == (8 * 8192,)
+    assert layer.functionals() == (torch.nn.functional.conv_transpose1d, ct.conv_transpose1d)
+    # FLOP and bytes count the one row once
+    assert bench.layer_flops(layer, "forward") == 2 * 16 * 512 * 256 * 8192 * 16
+    with pytest.raises(ValueError, match="1-D"):
+        BenchLayer("bad", 1, 2, 2, (3, 3), size=(4, 4), one_d=True)
