@@ -15,7 +15,7 @@ import numpy as np
 from . import engine, reference
 from .core.arrays import common_placement
 from .core.device import gpu_present
-from .core import one_d
+from .core import complex_parts, one_d
 from .core.geometry import ConvParams, Geometry, geometry, output_mask as _output_mask
 from .plans.launch import Launcher, cupy_allocator
 
@@ -120,6 +120,8 @@ def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_paddi
     + output_padding + 1, or without N for unbatched input.
     """
     params = ConvParams.from_args(stride, padding, output_padding, groups, dilation)
+    if _complex(input):
+        return _complex_forward(input, weight, bias, params)
     kind, device, dtype = common_placement([("input", input), ("weight", weight), ("bias", bias)])
     g = geometry(input.shape, weight.shape, None if bias is None else bias.shape, params)
     x = input if g.batched else input[None]
@@ -144,6 +146,8 @@ def conv_transpose2d_backward(grad_output, input, weight, stride=1, padding=0, o
     """
     mask = _output_mask(output_mask)
     params = ConvParams.from_args(stride, padding, output_padding, groups, dilation)
+    if _complex(input):
+        return _complex_backward(grad_output, input, weight, params, mask)
     kind, device, dtype = common_placement([("grad_output", grad_output), ("input", input), ("weight", weight)])
     g = geometry(input.shape, weight.shape, None, params)
     expected = g.user_shape(g.output_shape)
@@ -162,6 +166,69 @@ def conv_transpose2d_backward(grad_output, input, weight, stride=1, padding=0, o
         gi, gw, gb = (None if r is None else _rounded(r, input) for r in results)
     if gi is not None:
         gi = gi.reshape(g.user_shape(g.input_shape))
+    return gi, gw, gb
+
+
+# ---------------------------------------------------------------------- complex arrays
+#
+# Three real layers per complex one (core/complex_parts.py), on the arrays' real and
+# imaginary parts (views), assembled into an array of the inputs' complex dtype.
+
+_COMPLEX = ("complex64", "complex128")
+
+
+def _complex(array) -> bool:
+    return str(getattr(array, "dtype", "")) in _COMPLEX
+
+
+def _check_complex(named):
+    """Every array complex, of one dtype, on one device: the real parts then pass the usual checks."""
+    first = None
+    for name, array in named:
+        if array is None:
+            continue
+        dtype = str(getattr(array, "dtype", ""))
+        if first is None:
+            first = (name, dtype)
+        elif dtype != first[1]:
+            raise TypeError(f"all arrays must have the same dtype: {first[0]} is {first[1]} but {name} is {dtype}")
+    common_placement([(name, None if a is None else a.real) for name, a in named])
+
+
+def _assemble(re, im, like):
+    out = re.astype(like.dtype)
+    out.imag = im
+    return out
+
+
+def _complex_forward(input, weight, bias, params: ConvParams):
+    _check_complex((("input", input), ("weight", weight), ("bias", bias)))
+    geometry(input.shape, weight.shape, None if bias is None else bias.shape, params)
+    args = (params.stride, params.padding, params.output_padding, params.groups, params.dilation)
+    re, im = complex_parts.forward(lambda a, c: conv_transpose2d(a, c, None, *args), input.real, input.imag,
+                                   weight.real, weight.imag)
+    if bias is not None:
+        re, im = re + bias.real[:, None, None], im + bias.imag[:, None, None]
+    return _assemble(re, im, input)
+
+
+def _complex_backward(grad_output, input, weight, params: ConvParams, mask):
+    _check_complex((("grad_output", grad_output), ("input", input), ("weight", weight)))
+    args = (params.stride, params.padding, params.output_padding, params.groups, params.dilation)
+    x_re, w_re = input.real, weight.real
+
+    def part(which, go, x, w):
+        only = tuple(i == which for i in range(3))
+        return conv_transpose2d_backward(go, x, w, *args, output_mask=only)[which]
+    gi = gw = gb = None
+    if mask[0]:
+        gi = _assemble(*complex_parts.grad_input(lambda g, c: part(0, g, x_re, c), grad_output.real,
+                                                 grad_output.imag, weight.real, weight.imag), input)
+    if mask[1]:
+        gw = _assemble(*complex_parts.grad_weight(lambda a, g: part(1, g, a, w_re), input.real, input.imag,
+                                                  grad_output.real, grad_output.imag), input)
+    if mask[2]:
+        gb = _assemble(part(2, grad_output.real, x_re, w_re), part(2, grad_output.imag, x_re, w_re), input)
     return gi, gw, gb
 
 

@@ -64,6 +64,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from . import engine as _engine
 from . import reference as _reference
+from .core import complex_parts as _complex_parts
 from .core import dtypes as _dtypes
 from .core import one_d as _one_d
 from .core.geometry import ConvParams, geometry as _geometry, output_mask as _output_mask
@@ -964,6 +965,8 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
     (float16, bfloat16, float32 or float64).  channels_last input gives channels_last output.
     """
     if _plain_eager(input, weight, bias):
+        if input.is_complex():
+            return _complex_forward(input, weight, bias, stride, padding, output_padding, groups, dilation)
         if _any_autocast() and torch.is_autocast_enabled(input.device.type):
             input, weight, bias = _autocast_cast(input.device.type, input, weight, bias)
         # Ints and tuples key the per-configuration cache as they are; lists are not hashable.
@@ -980,6 +983,8 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
         if (t is not None or name != "bias") and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if input.is_complex():
+        return _complex_forward(input, weight, bias, stride, padding, output_padding, groups, dilation)
     return _forward(input, weight, bias, (_pair(stride), _pair(padding), _pair(output_padding), groups,
                                           _pair(dilation)))
 
@@ -998,7 +1003,70 @@ def conv_transpose2d_backward(grad_output: Tensor, input: Tensor, weight: Tensor
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _output_mask(output_mask)
     params = (_pair(stride), _pair(padding), _pair(output_padding), groups, _pair(dilation))
+    if input.is_complex():
+        return _complex_backward(grad_output, input, weight, params, tuple(output_mask))
     return _backward(grad_output, input, weight, params, tuple(output_mask))
+
+
+# ------------------------------------------------------------------------- complex tensors
+#
+# Three real layers per complex one (core/complex_parts.py), composed from torch's own
+# differentiable .real/.imag views and torch.complex: autograd, forward AD, vmap and
+# compile then hold for complex tensors as they do for real ones.
+
+def _check_complex(named) -> None:
+    first = None
+    for name, t in named:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if first is None:
+            first = (name, t.dtype)
+        elif t.dtype != first[1]:
+            raise TypeError(f"all tensors must have the same dtype: {first[0]} is {first[1]} but {name} is {t.dtype}")
+    if first[1] not in (torch.complex64, torch.complex128):
+        raise TypeError(f"{first[0]} must have dtype {_SUPPORTED}, complex64 or complex128, got {first[1]}")
+
+
+def _real_parts(t: Tensor, layout: str):
+    """t's real and imaginary parts, each dense in ``layout`` (a complex tensor's parts are strided views)."""
+    return _in_layout(t.real, layout), _in_layout(t.imag, layout)
+
+
+def _complex_forward(x, w, b, stride, padding, output_padding, groups, dilation) -> Tensor:
+    _check_complex((("input", x), ("weight", w), ("bias", b)))
+    _geometry(x.shape, w.shape, None if b is None else b.shape,
+              ConvParams.from_args(stride, padding, output_padding, groups, dilation))
+    layout = "nhwc" if x.dim() in (3, 4) and w.dim() == 4 and _channels_last(x, w) else "nchw"
+    x_re, x_im = _real_parts(x, layout)
+    w_re, w_im = _real_parts(w, layout)
+
+    def conv(a, c):
+        return conv_transpose2d(a, c, None, stride, padding, output_padding, groups, dilation)
+    re, im = _complex_parts.forward(conv, x_re, x_im, w_re, w_im)
+    if b is not None:
+        shape = (-1, 1, 1) if re.dim() == 3 else (1, -1, 1, 1)
+        re, im = re + b.real.reshape(shape), im + b.imag.reshape(shape)
+    return torch.complex(re, im)
+
+
+def _complex_backward(go, x, w, params, mask):
+    _check_complex((("grad_output", go), ("input", x), ("weight", w)))
+    layout = "nhwc" if x.dim() in (3, 4) and w.dim() == 4 and _channels_last(x, w) else "nchw"
+    go_re, go_im = _real_parts(go, layout)
+    x_re, x_im = _real_parts(x, layout)
+    w_re, w_im = _real_parts(w, layout)
+    gi = gw = gb = None
+    if mask[0]:
+        gi = torch.complex(*_complex_parts.grad_input(
+            lambda g, c: _backward(g, x_re, c, params, (True, False, False))[0], go_re, go_im, w_re, w_im))
+    if mask[1]:
+        gw = torch.complex(*_complex_parts.grad_weight(
+            lambda a, g: _backward(g, a, w_re, params, (False, True, False))[1], x_re, x_im, go_re, go_im))
+    if mask[2]:
+        gb = torch.complex(*(_backward(g, x_re, w_re, params, (False, False, True))[2] for g in (go_re, go_im)))
+    return gi, gw, gb
 
 
 def conv_transpose1d(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0,
