@@ -352,13 +352,20 @@ def _dtype_name(dtype) -> str:
 _LAYOUTS = {"nchw": "nchw", "contiguous": "nchw", "nhwc": "nhwc", "channels_last": "nhwc"}
 
 
-def _layout_name(layout, example) -> str:
-    """The layout asked for, else the example tensor's memory format (channels_last or contiguous)."""
+def _layout_name(layout, example, weight=None) -> str:
+    """The layout asked for, else the one cupyconv.torch runs the example tensors in.
+
+    That is torch's convolution memory format: channels_last where the input or the
+    weight is, except float64 on CUDA (see cupyconv.torch._channels_last).
+    """
     if layout is None:
         torch = sys.modules.get("torch")
-        if torch is not None and isinstance(example, torch.Tensor) and example.dim() == 4 \
-                and not example.is_contiguous() and example.is_contiguous(memory_format=torch.channels_last):
-            return "nhwc"
+        if torch is not None and isinstance(example, torch.Tensor) and example.dim() in (3, 4):
+            from .torch import _layout_for
+
+            if not isinstance(weight, torch.Tensor):  # shapes or a layer without its weight: the input decides
+                weight = torch.empty((1, 1, 1, 1), device="meta")
+            return _layout_for(example, weight)
         return "nchw"
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
@@ -442,7 +449,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
             raise TypeError(f"explain(module, input) reads the layer from the module; do not pass {changed}")
         in_shape, w_shape, has_bias, layer, dtype = _from_module(input_shape, weight_shape, dtype)
         source_kind = f"module {type(input_shape).__name__}"
-        layout = _layout_name(layout, weight_shape)
+        layout = _layout_name(layout, weight_shape, input_shape.weight)
         if precision is None and dtype == "float32":
             precision = "tf32" if sys.modules["torch"].backends.cudnn.allow_tf32 else "strict"
     else:
@@ -456,7 +463,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
                      dilation=dilation)
         has_bias = bias
         source_kind = "arguments"
-        layout = _layout_name(layout, input_shape)
+        layout = _layout_name(layout, input_shape, weight_shape)
     precision = "strict" if precision is None else precision
     dtypes.check_precision(precision)
 

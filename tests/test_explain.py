@@ -335,6 +335,20 @@ def test_cupyconv_torch_module():
     assert e.output_shape == (3, 8, 12, 12) and e.layer["source"] == "module ConvTranspose2d"
 
 
+def test_explain_takes_the_layout_cupyconv_torch_runs():
+    """channels_last when the input or the weight is, as torch's convolution decides."""
+    torch = pytest.importorskip("torch")
+    cct = pytest.importorskip("cupyconv.torch")
+    m = cct.ConvTranspose2d(4, 8, 4, stride=2, padding=1)
+    x = torch.randn(3, 4, 6, 6)
+    assert explain(m, x).layout == "nchw"
+    assert explain(m, x.contiguous(memory_format=torch.channels_last)).layout == "nhwc"
+    m.to(memory_format=torch.channels_last)
+    assert explain(m, x).layout == "nhwc"
+    assert explain(x, m.weight).layout == "nhwc"
+    assert explain(x, (4, 8, 4, 4)).layout == "nchw"
+
+
 @pytest.mark.skipif(GPU, reason="checks the host-only plan for the assumed H100")
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_explain_reports_the_layouts_kernels(layout):
