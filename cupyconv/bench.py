@@ -523,8 +523,24 @@ def select_rows(rows: List[dict], names: Optional[Sequence[str]] = None, dtypes:
             and (layouts is None or r.get("layout", "nchw") in layouts)]
 
 
+def layer_label(name: str) -> str:
+    """A suite layer's name over its shape (input, output channels, kernel, stride); other names alone."""
+    layer = next((layer for layer in SUITE if layer.name == name), None)
+    if layer is None:
+        return name
+
+    def dims(pair):
+        return "×".join(str(v) for v in layer.spatial(pair))
+    groups = f" g{layer.groups}" if layer.groups > 1 else ""
+    return (f"{name}\n{layer.batch}×{layer.in_channels}×{dims(layer.size)} → {layer.out_channels}, "
+            f"k{dims(layer.kernel)} s{dims(layer.stride)}{groups}")
+
+
 def plot_speedups(env: dict, rows: List[dict], path: Path) -> None:
-    """A bar chart of the speedup per layer, one bar per dtype/layout, a panel per pass."""
+    """A bar chart of the speedup per layer, one bar per dtype/layout, a panel per pass.
+
+    The titles give the geometric means, the labels each layer's shape.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -537,6 +553,7 @@ def plot_speedups(env: dict, rows: List[dict], path: Path) -> None:
     colors = {d: f"C{i}" for i, d in enumerate(dict.fromkeys(d for d, _ in series))}
     hatches = {layout: "" if i == 0 else "//" for i, layout in enumerate(dict.fromkeys(lay for _, lay in series))}
 
+    means = geomean_speedups(rows)
     known = [s for s in speedup.values() if s]
     low, high = min(known + [1.0]) / 1.3, max(known + [1.0]) * 1.3
     height = 0.8 / max(len(series), 1)
@@ -560,16 +577,19 @@ def plot_speedups(env: dict, rows: List[dict], path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlim(low, high)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-        ax.set_title(pass_name)
+        mean = means.get(pass_name)
+        ax.set_title(pass_name if mean is None else f"{pass_name}: geomean {mean:.2f}x")
         ax.set_xlabel("speedup over torch (torch ms / cupyconv ms)")
         ax.grid(axis="x", which="major", linewidth=0.3)
     axes[0].set_yticks(range(len(names)))
-    axes[0].set_yticklabels(names)
+    axes[0].set_yticklabels([layer_label(name) for name in names], fontsize=6.5)
     axes[0].invert_yaxis()
     fig.legend(handles=[Patch(facecolor=colors[d], hatch=hatches[lay], edgecolor="white", label=f"{d}, {lay}")
                         for d, lay in series], loc="lower center", ncol=min(len(series), 4), fontsize=8,
                frameon=False)
-    fig.suptitle(f"cupyconv vs torch (cuDNN) on {env.get('device', 'unknown device')}, commit {commit_text(env)}")
+    overall = "" if means["overall"] is None else f": geomean {means['overall']:.2f}x"
+    fig.suptitle(f"cupyconv vs torch (cuDNN){overall}, {env.get('device', 'unknown device')}, "
+                 f"commit {commit_text(env)}")
     # Room in inches for the legend below and the title above, whatever the figure's height.
     fig.tight_layout(rect=(0, (0.1 + 0.2 * legend_rows) / fig_height, 1, 1 - 0.3 / fig_height))
     fig.savefig(path, dpi=150)

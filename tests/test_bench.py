@@ -342,3 +342,10 @@ def test_one_d_layers_are_1d_calls_with_torch_shapes():
     assert bench.layer_flops(layer, "forward") == 2 * 16 * 512 * 256 * 8192 * 16
     with pytest.raises(ValueError, match="1-D"):
         BenchLayer("bad", 1, 2, 2, (3, 3), size=(4, 4), one_d=True)
+
+
+def test_chart_labels_give_layer_shapes():
+    assert bench.layer_label("dcgan_up") == "dcgan_up\n64×512×8×8 → 256, k4×4 s2×2"
+    assert bench.layer_label("depthwise_up").endswith("g128")
+    assert bench.layer_label("vocoder_up8_1d") == "vocoder_up8_1d\n16×512×8192 → 256, k16 s8"
+    assert bench.layer_label("not_in_the_suite") == "not_in_the_suite"
