@@ -46,11 +46,12 @@ run on the float64 NumPy reference and are cast back to the input dtype, so ever
 (gradcheck, opcheck, torch.compile) can be tested without a GPU.
 
 Host cost: the op dispatcher and a Python autograd kernel cost several times a cuDNN
-call's host time.  So plain eager calls (ordinary tensors, no compile,
-tracing, dispatch or function mode, functorch transform) take a fast path: the same
-implementation functions behind a lean ``torch.autograd.Function`` (applied through its
-C++ base), or called directly when no gradient is needed.  Everything else goes through
-the registered ops.  Both paths run identical kernels and give bitwise-identical
+call's host time.  So plain eager calls (ordinary tensors, no compile, tracing, dispatch
+or function mode, functorch transform) take a fast path: the same implementation
+functions behind a lean ``torch.autograd.Function`` (applied through its C++ base), or
+called directly when no derivative is needed.  torch.func transforms and forward-mode AD
+run that Function through ``Function.apply``; everything else goes through the
+registered operators.  Both paths run identical kernels and give bitwise-identical
 results.  Per configuration (shapes, dtypes, devices, parameters) the validated
 geometry is cached, so a repeated call does no validation.
 """
