@@ -60,7 +60,14 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as _np
-import torch
+
+try:
+    import torch
+except ImportError as _exc:
+    if _exc.name != "torch":
+        raise
+    raise ImportError('cupyconv.torch needs PyTorch, which is not installed: pip install "cupyconv[torch]" '
+                      '(from a checkout: pip install ".[torch]"), or see https://pytorch.org for a CUDA build') from None
 import torch.autograd.forward_ad as _forward_ad
 
 from . import engine as _engine

@@ -609,6 +609,16 @@ def test_importing_cupyconv_torch_does_not_break_the_package():
     assert isinstance(y, np.ndarray) and y.shape == (1, 2, 6, 6)
 
 
+def test_importing_cupyconv_torch_without_torch_names_the_install():
+    import subprocess
+
+    code = "import sys; sys.modules['torch'] = None; import cupyconv.torch"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError") and 'pip install "cupyconv[torch]"' in last, done.stderr
+
+
 def test_tf32_hook_reads_cudnn_flag():
     old = torch.backends.cudnn.allow_tf32
     try:
