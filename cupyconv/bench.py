@@ -430,15 +430,35 @@ def project_commit() -> Tuple[Optional[str], Optional[bool]]:
         return None, None
 
 
+def run_commit() -> Tuple[Optional[str], Optional[bool]]:
+    """``CUPYCONV_COMMIT`` if set (a copy of the project without its git history), else :func:`project_commit`."""
+    given = os.environ.get("CUPYCONV_COMMIT") or None
+    return (given, None) if given else project_commit()
+
+
+def where_this_runs() -> str:
+    """One line naming the GPU (or its absence) and the commit, for outputs a reader keeps.
+
+    Needs neither torch nor a GPU.
+    """
+    if gpu_present():
+        from .core import device as _device
+
+        dev = _device.get(0)
+        where = f"{dev.name} (sm_{dev.arch})"
+    else:
+        where = "no CUDA GPU: the float64 NumPy reference"
+    commit, dirty = run_commit()
+    return f"ran on {where}, cupyconv {VERSION} at commit {commit_text(dict(commit=commit, dirty=dirty))}"
+
+
 def environment() -> dict:
     """The device name, torch, CuPy and cuDNN versions, and the commit of this run: ``CUPYCONV_COMMIT``
     if set, else the project's own checkout (with ``dirty`` for uncommitted changes), else none."""
     import cupy
     import torch
 
-    commit, dirty = os.environ.get("CUPYCONV_COMMIT") or None, None
-    if commit is None:
-        commit, dirty = project_commit()
+    commit, dirty = run_commit()
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cupy=cupy.__version__,
                 cudnn=torch.backends.cudnn.version(), commit=commit, dirty=dirty)
 

@@ -31,8 +31,10 @@ there is one and on the float64 NumPy reference otherwise; CuPy arrays always ru
 
 import cupyconv
 from cupyconv import reference
+from cupyconv.bench import where_this_runs
 from cupyconv.explain import explain
 
+print(where_this_runs())   # the GPU and the commit these outputs come from
 backend = cupyconv.backend()
 print(f"cupyconv {cupyconv.__version__}; NumPy arrays run on backend {backend!r}")
 if backend == "numpy":
@@ -105,7 +107,9 @@ import torch.nn as nn
 
 import cupyconv
 import cupyconv.torch as cct
+from cupyconv.bench import where_this_runs
 
+print(where_this_runs())   # the GPU and the commit these outputs come from
 device = "cuda" if cupyconv.backend() == "cupy" and torch.cuda.is_available() else "cpu"
 torch.backends.cudnn.allow_tf32 = False   # strict float32 on both sides: cupyconv follows this flag too
 print("device:", device)
@@ -171,8 +175,10 @@ import importlib.util
 import matplotlib.pyplot as plt
 
 import cupyconv
-from cupyconv.bench import BenchLayer, format_table, run
+from cupyconv.bench import BenchLayer, format_table, run, where_this_runs
 from cupyconv.explain import explain
+
+print(where_this_runs())   # the GPU and the commit these outputs come from
 
 # Your layer: ConvTranspose2d(64, 32, kernel_size=4, stride=2, padding=1) on 32x32 inputs.
 my_layer = BenchLayer("my_layer", batch=8, in_channels=64, out_channels=32, kernel=(4, 4), stride=(2, 2),

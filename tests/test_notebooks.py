@@ -66,6 +66,9 @@ def test_notebook_is_valid_and_clean_or_from_a_gpu_run(path):
     assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1)), \
         "stored outputs must come from one run, top to bottom"
     assert not [o for cell in code for o in cell.outputs if o.output_type == "error"]
+    # and a reader sees where they come from: the first output names the GPU and the commit
+    first = "".join(o.get("text", "") for o in code[0].outputs if o.output_type == "stream")
+    assert f"ran on {executed['device']}" in first and f"at commit {executed['commit']}" in first, first
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -105,9 +108,9 @@ def test_notebook_runs(path, kernel_dir, tmp_path, monkeypatch):
 
 # What each notebook must print, so that a notebook that silently does nothing fails.
 EXPECTED = {
-    "01_numpy_cupy_arrays": ["NumPy arrays run on backend", "grad_weight", "max error", "floor"],
-    "02_torch_convert": ["layers converted", "Same losses up to float32 rounding", "grad_weight"],
-    "03_benchmark_your_layer": ["-bound, floor"],
+    "01_numpy_cupy_arrays": ["ran on", "NumPy arrays run on backend", "grad_weight", "max error", "floor"],
+    "02_torch_convert": ["ran on", "layers converted", "Same losses up to float32 rounding", "grad_weight"],
+    "03_benchmark_your_layer": ["ran on", "-bound, floor"],
 }
 EXPECTED_WITHOUT_GPU = {
     "01_numpy_cupy_arrays": ["REFERENCE backend", "skipping the CuPy-array part"],
