@@ -629,11 +629,10 @@ def _backward_tangent(ctx, dgo, dx, dw):
     if dx is not None and mask[1]:
         gw = _plus(gw, _backward(go, dx, w, params, (False, True, False))[1])
     # torch's forward AD takes None for a tangent only where the output is None too
-    batched = _is_legacy_batched(x) or _is_legacy_batched(w)
     if mask[0] and gi is None:
-        gi = _zeros(x, not batched and _channels_last(x, w))
+        gi = _zeros(x, _formula_channels_last(x, w))
     if mask[1] and gw is None:
-        gw = _zeros(w, not batched and _grad_weight_channels_last(x, w))
+        gw = _zeros(w, _formula_channels_last(x, w) and _grad_weight_channels_last(x, w))
     if mask[2] and gb is None:
         gb = go.new_zeros((go.shape[-3],))
     return gi, gw, gb
@@ -673,11 +672,16 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _any_requires_grad = torch._C._any_requires_grad
 
 
+def _below_autograd(op, keyset, *args):
+    """The operator's own kernel (CPU, CUDA, fake...), past the Autograd key."""
+    with _BelowAutograd():
+        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+
+
 class _ForwardOpNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, x, w, b, *params):
-        with _BelowAutograd():
-            out = _FORWARD_OP.redispatch(keyset & _AFTER_AUTOGRAD, x, w, b, *params)
+        out = _below_autograd(_FORWARD_OP, keyset, x, w, b, *params)
         _save_forward(ctx, x, w, b is not None, _params_from(params), out)
         return out
 
@@ -693,8 +697,7 @@ class _ForwardOpNode(torch.autograd.Function):
 class _BackwardOpNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, go, x, w, *params_and_mask):
-        with _BelowAutograd():
-            grads = _BACKWARD_OP.redispatch(keyset & _AFTER_AUTOGRAD, go, x, w, *params_and_mask)
+        grads = _below_autograd(_BACKWARD_OP, keyset, go, x, w, *params_and_mask)
         _save_backward(ctx, go, x, w, _params_from(params_and_mask[:5]), tuple(params_and_mask[5]))
         return grads
 
@@ -710,8 +713,7 @@ class _BackwardOpNode(torch.autograd.Function):
 class _OneGradOpNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, go, x, w, *params_and_which):
-        with _BelowAutograd():
-            grad = _ONE_GRAD_OP.redispatch(keyset & _AFTER_AUTOGRAD, go, x, w, *params_and_which)
+        grad = _below_autograd(_ONE_GRAD_OP, keyset, go, x, w, *params_and_which)
         which = params_and_which[5]
         _save_backward(ctx, go, x, w, _params_from(params_and_which[:5]), tuple(_one_hot(which)))
         ctx.which = which
@@ -743,8 +745,7 @@ def _autograd_kernel(op, node):
                 f"transform when called directly: use cupyconv.torch.conv_transpose2d, which supports them all")
         if (_grad_enabled() and _any_requires_grad(*args)) or _forward_ad._current_level >= 0:
             return apply(keyset, *args)
-        with _BelowAutograd():
-            return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        return _below_autograd(op, keyset, *args)
     return kernel
 
 
@@ -1046,7 +1047,7 @@ def _complex_forward(x, w, b, stride, padding, output_padding, groups, dilation)
     _check_complex((("input", x), ("weight", w), ("bias", b)))
     _geometry(x.shape, w.shape, None if b is None else b.shape,
               ConvParams.from_args(stride, padding, output_padding, groups, dilation))
-    layout = "nhwc" if x.dim() in (3, 4) and w.dim() == 4 and _channels_last(x, w) else "nchw"
+    layout = _layout_for(x, w)
     x_re, x_im = _real_parts(x, layout)
     w_re, w_im = _real_parts(w, layout)
 
@@ -1061,7 +1062,7 @@ def _complex_forward(x, w, b, stride, padding, output_padding, groups, dilation)
 
 def _complex_backward(go, x, w, params, mask):
     _check_complex((("grad_output", go), ("input", x), ("weight", w)))
-    layout = "nhwc" if x.dim() in (3, 4) and w.dim() == 4 and _channels_last(x, w) else "nchw"
+    layout = _layout_for(x, w)
     go_re, go_im = _real_parts(go, layout)
     x_re, x_im = _real_parts(x, layout)
     w_re, w_im = _real_parts(w, layout)
