@@ -1,7 +1,7 @@
 // grad_bias = grad_out.sum((0, 2, 3)), first pass of a deterministic split-K:
 // blockIdx.x takes a fixed chunk of the (n, oh) rows of one channel (NCHW) or of
 // the pixels of a tile of channels (channels_last) and writes one partial per channel;
-// reduce_partials.cu adds the chunks in a fixed order.
+// reduce_partials.cu adds the chunks in a fixed order.  A single chunk writes grad_bias itself.
 #include "common.cuh"
 
 typedef {{SCALAR_T}} scalar_t;
@@ -13,9 +13,11 @@ constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
 constexpr int BLOCK = {{BLOCK}};
 constexpr int CHANNEL_TILE = {{CHANNEL_TILE}};  // channels_last: channels of a block, at most BLOCK
 constexpr int WARPS = BLOCK / 32;
+constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};
+typedef PartialOut<SINGLE_CHUNK, scalar_t, acc_t>::type partial_t;
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
-conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, acc_t* __restrict__ partial,
+conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partial_t* __restrict__ partial,
                                    index_t N, index_t H_out, index_t W_out, index_t rows_per_chunk) {
     if constexpr (CHANNELS_LAST) {
         // Threads are (pixel lane, channel) with the channel fastest: a warp reads
@@ -46,7 +48,7 @@ conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, acc_t*
             if (pixel_lane == 0 && c < COUT) {
                 acc_t s = lane_sums[0][lane_c];
                 for (int l = 1; l < PIXEL_LANES; ++l) s += lane_sums[l][lane_c];
-                partial[static_cast<index_t>(blockIdx.x) * COUT + c] = s;
+                store(partial + static_cast<index_t>(blockIdx.x) * COUT + c, s);
             }
             __syncthreads();
         }
@@ -73,7 +75,7 @@ conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, acc_t*
             acc_t s = acc_t(0);
 #pragma unroll
             for (int k = 0; k < WARPS; ++k) s += warp_partials[k];
-            partial[static_cast<index_t>(blockIdx.x) * COUT + oc] = s;
+            store(partial + static_cast<index_t>(blockIdx.x) * COUT + oc, s);
         }
         __syncthreads();
     }

@@ -23,12 +23,14 @@ constexpr int BLOCK = {{BLOCK}};
 constexpr int IC_BLOCKS = (CIN_G + IC_BLOCK - 1) / IC_BLOCK;
 constexpr int OC_BLOCKS = (COUT_G + OC_BLOCK - 1) / OC_BLOCK;
 constexpr int WARPS = BLOCK / 32;
+constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};  // one chunk: write grad_weight itself
+typedef PartialOut<SINGLE_CHUNK, scalar_t, acc_t>::type partial_t;
 constexpr int VALUES = IC_BLOCK * OC_BLOCK * KH_BLOCK * KW;
 constexpr int RW = (CELLS - 1) * SW + (KW - 1) * DW + 1;  // grad_output columns the CELLS pixels read
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_weight_partial(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
-                                     acc_t* __restrict__ partial,
+                                     partial_t* __restrict__ partial,
                                      index_t N, index_t H, index_t W, index_t H_out, index_t W_out,
                                      index_t cells_w, index_t rows_per_chunk) {
     __shared__ acc_t warp_partials[WARPS][VALUES];
@@ -95,7 +97,7 @@ conv_transpose2d_grad_weight_partial(const scalar_t* __restrict__ x, const scala
 #pragma unroll
                 for (int k = 0; k < WARPS; ++k) s += warp_partials[k][v];
                 const index_t e = weight_index(g * CIN_G + icg0 + i, ocg0 + o, kh, kw);
-                partial[static_cast<index_t>(blockIdx.x) * (static_cast<index_t>(CIN) * COUT_G * KH * KW) + e] = s;
+                store(partial + static_cast<index_t>(blockIdx.x) * (static_cast<index_t>(CIN) * COUT_G * KH * KW) + e, s);
             }
         }
         __syncthreads();

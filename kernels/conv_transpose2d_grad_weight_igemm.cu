@@ -6,7 +6,7 @@
 //       x[n, ic, i, j] * grad_out[n, oc, SH*i - PH + kh*DH, SW*j - PW + kw*DW]
 // blockIdx.z picks a fixed range of K; each block writes its partial product (no
 // atomics) and reduce_partials.cu adds the ranges in a fixed order, so the result
-// is bitwise reproducible.  The taps of one group run side by side (blockIdx.x is
+// is bitwise reproducible.  With a single range (SINGLE_CHUNK) it writes grad_weight itself.  The taps of one group run side by side (blockIdx.x is
 // fastest), so they share the same stretch of x and grad_out through L2.
 //
 // VEC (16-bit types, channels_last, whole 16-byte channel runs): each K row of a
@@ -22,6 +22,8 @@
 constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
 constexpr bool VEC = {{VEC}};
 constexpr int STAGES = {{STAGES}};
+constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};
+typedef PartialOut<SINGLE_CHUNK, scalar_t, float>::type partial_t;
 constexpr bool A_L1 = {{A_L1}};       // activation copies through L1 (see cp_async_16_l1)
 
 constexpr int M_TILES = (CIN_G + BM - 1) / BM;
@@ -51,7 +53,7 @@ struct Pixel { int n, i, j; };
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
-                                   float* __restrict__ partial, index_t N, index_t H, index_t W,
+                                   partial_t* __restrict__ partial, index_t N, index_t H, index_t W,
                                    index_t H_out, index_t W_out, index_t k_tiles_per_split) {
     extern __shared__ __align__(16) unsigned stage_smem[];  // STAGES x (A tile, B tile)
     __shared__ Pixel pixels[2][BK];
@@ -184,7 +186,7 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
     }
 
     // partial[split][g*CIN_G + ic][oc][t]: the weight's own layout, one copy per split
-    float* out = partial + static_cast<index_t>(blockIdx.z) * CIN * COUT_G * TAPS
+    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * CIN * COUT_G * TAPS
                  + static_cast<index_t>(g) * CIN_G * COUT_G * TAPS + t;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
@@ -198,7 +200,7 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
                 for (int q = 0; q < 2; ++q) {
                     const int oc = n0 + warp_col + ni * 8 + (lane & 3) * 2 + q;
                     if (oc < COUT_G)
-                        out[(static_cast<index_t>(ic) * COUT_G + oc) * TAPS] = pick_result<KIND>(acc, total)[mi][ni][h * 2 + q];
+                        store(out + (static_cast<index_t>(ic) * COUT_G + oc) * TAPS, pick_result<KIND>(acc, total)[mi][ni][h * 2 + q]);
                 }
         }
 }

@@ -20,11 +20,13 @@ constexpr int BLOCK = OC_TILE * RUNS;
 constexpr int IC_BLOCKS = (CIN_G + IC_BLOCK - 1) / IC_BLOCK;
 constexpr int OC_TILES = (COUT_G * GROUPS + OC_TILE - 1) / OC_TILE;
 constexpr int VALUES = IC_BLOCK * KH_BLOCK * KW;
+constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};  // one chunk: write grad_weight itself
+typedef PartialOut<SINGLE_CHUNK, scalar_t, acc_t>::type partial_t;
 constexpr int RW = (CELLS - 1) * SW + (KW - 1) * DW + 1;  // grad_output columns the CELLS pixels read
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_weight_nhwc_partial(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
-                                          acc_t* __restrict__ partial,
+                                          partial_t* __restrict__ partial,
                                           index_t N, index_t H, index_t W, index_t H_out, index_t W_out,
                                           index_t cells_w, index_t rows_per_chunk) {
     __shared__ acc_t stream_sums[RUNS][VALUES][OC_TILE];
@@ -83,7 +85,7 @@ conv_transpose2d_grad_weight_nhwc_partial(const scalar_t* __restrict__ x, const 
 #pragma unroll
                 for (int k = 0; k < RUNS; ++k) s += stream_sums[k][value][v % OC_TILE];
                 const index_t e = weight_index((o / COUT_G) * CIN_G + icg0 + i, o % COUT_G, kh, kw);
-                partial[static_cast<index_t>(blockIdx.x) * (static_cast<index_t>(CIN) * COUT_G * KH * KW) + e] = s;
+                store(partial + static_cast<index_t>(blockIdx.x) * (static_cast<index_t>(CIN) * COUT_G * KH * KW) + e, s);
             }
         }
         __syncthreads();

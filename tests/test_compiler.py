@@ -67,7 +67,7 @@ def _gemm_plans():
         g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
         for (dtype, precision), layout in itertools.product(GEMM_CASES, launch.LAYOUTS):
             plans = table.all_plans(g, dtype, True, layout, precision, families_named=("gemm",))
-            plans += reduction.plan_grad_bias(g, dtype, 132, layout)
+            plans += [p for p in reduction.plan_grad_bias(g, dtype, 132, layout) if p is not None]
             for plan in plans:
                 seen.setdefault(plan.spec, f"{layer}-{dtype}-{precision}-{layout}-{plan.spec.function}-{plan.index_t}")
     g = geometry(*GEMM_LAYERS["gemm_dense_3x5"][:2], None, ConvParams.from_args())

@@ -102,6 +102,10 @@ def _close(actual, expected, tol, what, dtype):
 def _split_k(partial_plan, reduce_plan, inputs, out_shape, dtype):
     ctype, acc = C_TYPE[dtype], ACC_TYPE[dtype]
     chunks = partial_plan.grid[0]
+    if reduce_plan is None:  # one chunk writes the result itself
+        assert chunks == 1 and partial_plan.scratch_bytes == 0
+        *_, out = cuda_emulator.run(partial_plan, list(inputs) + [_empty(out_shape, dtype)], [ctype] * (len(inputs) + 1))
+        return out, chunks
     partials = np.full(chunks * int(np.prod(out_shape)), np.nan, ACC_DTYPE[acc])
     *_, partials = cuda_emulator.run(partial_plan, list(inputs) + [partials], [ctype] * len(inputs) + [acc])
     _, out = cuda_emulator.run(reduce_plan, [partials, _empty(out_shape, dtype)], [acc, ctype])
@@ -155,6 +159,12 @@ def test_the_layers_reach_the_planners_branches():
     assert direct.plan_grad_weight(depthwise, "float64", 4)[0].grid[0] > 1  # several split-K chunks
     kh_blocks = {direct.plan_grad_weight(_layer(n)[0], "float64", 4)[0].grid[2] for n in LAYERS}
     assert max(kh_blocks) > 1
+    # both ends of each split-K pass run here: one chunk written directly, and chunks with their reduce
+    for layout in ("nchw", "nhwc"):
+        for planner in (lambda g: direct.plan_grad_weight(g, "float64", 4, layout),
+                        lambda g: reduction.plan_grad_bias(g, "float64", 4, layout)):
+            reduces = {planner(_layer(n)[0])[1] is None for n in LAYERS}
+            assert reduces == {True, False}, layout
 
 
 def test_a_wrong_kernel_is_caught(monkeypatch):

@@ -8,7 +8,7 @@ grad_weight is a deterministic split-K reduction (see :class:`~.sequences.SplitK
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Optional, Tuple
 
 from ..core import dtypes
 from ..core.geometry import Geometry
@@ -16,7 +16,7 @@ from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, check_layout, even_block, index_type, layer_constants, numel, split_rows
-from .reduction import plan_reduce
+from .reduction import finishing_reduce, split_k_scratch
 from .sequences import OneKernel, PassPlan, SplitK
 
 # Below this many channels per group the direct kernels can beat the tensor cores, whose
@@ -143,8 +143,8 @@ _GRAD_WEIGHT_ACCUMULATORS = 64
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_grad_weight(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Plan]:
-    """The split-K partial pass and the fixed-order reduction that finishes it."""
+def plan_grad_weight(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Optional[Plan]]:
+    """The split-K partial pass and the fixed-order reduction that finishes it (None for one chunk)."""
     dtypes.get(dtype)
     check_layout(layout)
     if layout == "nhwc":
@@ -166,7 +166,8 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw
 
 
 def _split_k_partial(g: Geometry, dtype: str, sm_count: int, template: str, function: str, tiling: dict,
-                     cells: int, yblocks: int, kh_blocks: int, threads: int, row_threads: int) -> Tuple[Plan, Plan]:
+                     cells: int, yblocks: int, kh_blocks: int, threads: int,
+                     row_threads: int) -> Tuple[Plan, Optional[Plan]]:
     """A direct grad_weight kernel's partial pass over fixed chunks of input rows, and its reduce.
 
     ``row_threads`` threads share the steps of one chunk's rows.
@@ -180,12 +181,12 @@ def _split_k_partial(g: Geometry, dtype: str, sm_count: int, template: str, func
     partial_elems = chunks * weight_elems
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), partial_elems)
     constants = layer_constants(g, dtype, index_t)
-    constants.update(tiling, CELLS=cells)
+    constants.update(tiling, CELLS=cells, SINGLE_CHUNK=chunks == 1)
     spec = KernelSpec.make(template, function, constants)
     partial = Plan(spec, (chunks, min(yblocks, GRID_YZ_LIMIT), kh_blocks), (threads, 1, 1),
                    (g.batch, h, w) + g.out_size + (cells_w, rows_per_chunk), index_t,
-                   scratch_bytes=partial_elems * _acc_bytes(dtype))
-    return partial, plan_reduce(dtype, weight_elems, chunks, index_t)
+                   scratch_bytes=split_k_scratch(chunks, weight_elems, _acc_bytes(dtype)))
+    return partial, finishing_reduce(dtype, weight_elems, chunks, index_t)
 
 
 # channels_last direct kernels: lanes run along channels, a block holds a tile of at most
@@ -271,7 +272,7 @@ def _plan_grad_input_nhwc(g: Geometry, dtype: str) -> Plan:
 _NHWC_REDUCE_SMEM = 32 * 1024
 
 
-def _plan_grad_weight_nhwc(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Plan]:
+def _plan_grad_weight_nhwc(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan, Optional[Plan]]:
     kh, kw = g.kernel
     acc = _acc_bytes(dtype)
     ic_block = even_block(g.in_per_group, max(1, min(8, _GRAD_WEIGHT_ACCUMULATORS // kw)))

@@ -20,7 +20,7 @@ from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, check_layout, index_type, layer_constants, numel
-from .reduction import ELEMENTWISE_BLOCK, plan_reduce
+from .reduction import ELEMENTWISE_BLOCK, finishing_reduce, split_k_scratch
 from .sequences import PackedGemm, PassPlan, SplitK
 
 # CUPYCONV_TENSOR_CORES=0 keeps every layer on the direct kernels.
@@ -236,7 +236,7 @@ def plan_grad_weight_sources(g: Geometry, dtype: str) -> Tuple[Plan, Plan]:
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw", precision: str = "strict",
                           tile: Optional[Tile] = None, aligned: bool = True,
-                          stages: Optional[int] = None) -> Tuple[Plan, Plan]:
+                          stages: Optional[int] = None) -> Tuple[Plan, Optional[Plan]]:
     """grad_weight as a split-K implicit GEMM per (group, tap), and the fixed-order reduction.
 
     When :func:`grad_weight_vectors` says the sources must be copied into
@@ -259,16 +259,17 @@ def plan_grad_weight_gemm(g: Geometry, dtype: str, sm_count: int, layout: str = 
     weight_elems = numel(g.weight_shape)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
     constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
-    constants.update(CHANNELS_LAST=layout == "nhwc" or transpose, VEC=vec, STAGES=stages, A_L1=A_CACHE_L1)
+    constants.update(CHANNELS_LAST=layout == "nhwc" or transpose, VEC=vec, STAGES=stages, A_L1=A_CACHE_L1,
+                     SINGLE_CHUNK=splits == 1)
     spec = KernelSpec.make("conv_transpose2d_grad_weight_igemm.cu", "conv_transpose2d_grad_weight_igemm", constants)
     # Taps fastest: blocks reading the same K range of x and grad_out run together.
     grid = (g.groups * taps, cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn), splits)
     bk = _bk(dtype)
     smem = stages * (bk * (tile.bm + tile.bn) * 2 + 2 * bk * 16) if vec else 2 * stage_bytes(tile)
     partial = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1),
-                   (g.batch, h, w) + g.out_size + (per_split,), index_t, scratch_bytes=splits * weight_elems * 4,
-                   smem_bytes=smem)
-    return partial, plan_reduce(dtype, weight_elems, splits, index_t)
+                   (g.batch, h, w) + g.out_size + (per_split,), index_t,
+                   scratch_bytes=split_k_scratch(splits, weight_elems, 4), smem_bytes=smem)
+    return partial, finishing_reduce(dtype, weight_elems, splits, index_t)
 
 
 def gemm_fits(g: Geometry, dtype: str) -> bool:

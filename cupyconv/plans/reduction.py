@@ -2,12 +2,13 @@
 
 grad_bias = grad_output.sum((0, 2, 3)) is summed in fixed chunks of rows into fp32 (fp64
 for float64) partials, which one more kernel adds up in chunk order: no atomics, so the
-result is bitwise reproducible.
+result is bitwise reproducible.  Every split-K pass that needs one chunk only writes its
+result directly instead (``SINGLE_CHUNK``): no scratch and no reduce launch.
 """
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Optional, Tuple
 
 from ..core import dtypes
 from ..core.geometry import Geometry
@@ -19,10 +20,13 @@ from .sequences import PassPlan, SplitK
 
 # threads per block of the reduce, the weight repack and other elementwise kernels
 ELEMENTWISE_BLOCK = 256
+# A block sums up to this many grad_output elements in one chunk (64 per thread): below it,
+# a second launch to add chunks costs more than the parallelism it buys.
+_ONE_CHUNK_ELEMENTS = 64 * 256
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Plan]:
+def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Optional[Plan]]:
     dtypes.get(dtype)
     check_layout(layout)
     block = 256
@@ -31,20 +35,35 @@ def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw")
     if layout == "nhwc":
         # A block is (pixel lane, channel): few channels leave room for many pixel lanes.
         channel_blocks = cdiv(g.out_channels, channel_tile)
-        chunks, rows_per_chunk = split_rows(g.batch * h_out * w_out, channel_blocks, 64 * (block // channel_tile),
-                                            sm_count)
+        rows, per_block = g.batch * h_out * w_out, channel_tile
+        chunks, rows_per_chunk = split_rows(rows, channel_blocks, 64 * (block // channel_tile), sm_count)
         grid_y = min(channel_blocks, GRID_YZ_LIMIT)
     else:
-        chunks, rows_per_chunk = split_rows(g.batch * h_out, g.out_channels, block // 32, sm_count)
+        rows, per_block = g.batch * h_out, w_out
+        chunks, rows_per_chunk = split_rows(rows, g.out_channels, block // 32, sm_count)
         grid_y = min(g.out_channels, GRID_YZ_LIMIT)
+    if rows * per_block <= _ONE_CHUNK_ELEMENTS:
+        chunks, rows_per_chunk = 1, rows
     index_t = index_type(numel(g.output_shape), chunks * g.out_channels)
     constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block,
-                     CHANNELS_LAST=layout == "nhwc", CHANNEL_TILE=channel_tile if layout == "nhwc" else 1)
+                     CHANNELS_LAST=layout == "nhwc", CHANNEL_TILE=channel_tile if layout == "nhwc" else 1,
+                     SINGLE_CHUNK=chunks == 1)
     spec = KernelSpec.make("conv_transpose2d_grad_bias.cu", "conv_transpose2d_grad_bias_partial", constants)
     partial = Plan(spec, (chunks, grid_y, 1), (block, 1, 1),
                    (g.batch, h_out, w_out, rows_per_chunk), index_t,
-                   scratch_bytes=chunks * g.out_channels * dtypes.get(dtype).accumulator_bytes)
-    return partial, plan_reduce(dtype, g.out_channels, chunks, index_t)
+                   scratch_bytes=split_k_scratch(chunks, g.out_channels, dtypes.get(dtype).accumulator_bytes))
+    return partial, finishing_reduce(dtype, g.out_channels, chunks, index_t)
+
+
+def split_k_scratch(chunks: int, elements: int, partial_bytes: int) -> int:
+    """Bytes of the partials a split-K pass of ``chunks`` chunks writes: none for one chunk,
+    which writes its result directly (the kernel's ``SINGLE_CHUNK``)."""
+    return 0 if chunks == 1 else chunks * elements * partial_bytes
+
+
+def finishing_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Optional[Plan]:
+    """The reduce that adds a split-K pass's ``chunks`` partials in order; None for a single chunk."""
+    return None if chunks == 1 else plan_reduce(dtype, elements, chunks, index_t)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -44,35 +44,44 @@ class OneKernel(PassPlan):
 class SplitK(PassPlan):
     """Partial sums over fixed chunks into scratch, then their fixed-order reduction into the output.
 
-    The order never depends on timing, so the result is bitwise reproducible.  ``sources``
-    are channels_last copies (of x, then of grad_output) that the partial pass reads
-    instead of NCHW sources; grad_output's copy is shared through ``launcher.copies``.
+    The order never depends on timing, so the result is bitwise reproducible.  Without a
+    ``reduce`` the partial pass has a single chunk and writes the output itself (launched
+    as the pass's "main" kernel).  ``sources`` are channels_last copies (of x, then of
+    grad_output) that the partial pass reads instead of NCHW sources; grad_output's copy
+    is shared through ``launcher.copies``.
     """
 
     partial: Plan
-    reduce: Plan
+    reduce: Optional[Plan]
     sources: Optional[Tuple[Plan, Plan]] = None
 
     def plans(self) -> List[Plan]:
-        return [self.partial, self.reduce] + list(self.sources or ())
+        return [p for p in (self.partial, self.reduce) if p is not None] + list(self.sources or ())
 
     def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
         *inputs, out = pointers
-        if self.sources is None:
-            keep, scratch = launcher.alloc(self.partial.scratch_bytes)
-        else:
+        partial_bytes = [] if self.reduce is None else [self.partial.scratch_bytes]
+        copies = []
+        if self.sources is not None:
             (x, grad_out), (x_plan, go_plan) = inputs, self.sources
-            if launcher.copies is None:
-                keep, (scratch, x_cl, go_cl) = launcher.scratch(
-                    [self.partial.scratch_bytes, x_plan.scratch_bytes, go_plan.scratch_bytes])
+            own_go = launcher.copies is None
+            copies = [x_plan.scratch_bytes] + ([go_plan.scratch_bytes] if own_go else [])
+        keep, buffers = launcher.scratch(partial_bytes + copies) if partial_bytes or copies else (None, [])
+        scratch = buffers[0] if partial_bytes else out
+        if self.sources is not None:
+            x_cl = buffers[len(partial_bytes)]
+            if own_go:
+                go_cl = buffers[len(partial_bytes) + 1]
                 launcher.launch("to_channels_last", go_plan, (grad_out, go_cl))
             else:
-                keep, (scratch, x_cl) = launcher.scratch([self.partial.scratch_bytes, x_plan.scratch_bytes])
                 go_cl = launcher.copies.get(go_plan, grad_out, launcher)
             launcher.launch("to_channels_last", x_plan, (x, x_cl))
             inputs = [x_cl, go_cl]
-        launcher.launch("partial", self.partial, tuple(inputs) + (scratch,))
-        launcher.launch("reduce", self.reduce, (scratch, out))
+        if self.reduce is None:
+            launcher.launch("main", self.partial, tuple(inputs) + (out,))
+        else:
+            launcher.launch("partial", self.partial, tuple(inputs) + (scratch,))
+            launcher.launch("reduce", self.reduce, (scratch, out))
         del keep
 
 

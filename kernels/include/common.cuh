@@ -48,6 +48,12 @@ __device__ __forceinline__ void store(bf16_t* p, float v) {
     reinterpret_cast<unsigned short*>(p)[0] = bits;
 }
 
+// What a split-K partial pass writes: acc_t partials that reduce_partials.cu adds up,
+// or, when the pass has one chunk (SINGLE_CHUNK), the result itself in the storage
+// type, which saves the reduce launch and the scratch.
+template <bool SINGLE, typename Storage, typename Acc> struct PartialOut { typedef Acc type; };
+template <typename Storage, typename Acc> struct PartialOut<true, Storage, Acc> { typedef Storage type; };
+
 // Fixed-order warp reduction: the result is bitwise reproducible, which is what
 // the deterministic grad_weight / grad_bias paths are built on.
 template <typename T>
