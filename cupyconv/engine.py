@@ -18,6 +18,7 @@ from typing import Dict, Optional, Sequence
 
 from .core import dtypes
 from .core.geometry import Geometry
+from .jit import compiler
 from .plans import table
 from .plans.gemm import enabled as gemm_enabled
 from .plans.launch import Launcher, SourceCopies
@@ -38,6 +39,7 @@ _PREPARED_LIMIT = 4096
 def clear() -> None:
     """Forget the prepared passes (after the plans or the tuner's choices were forgotten)."""
     _prepared.clear()
+    _prefetched.clear()
 
 
 def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, has_bias: bool, aligned: bool,
@@ -50,6 +52,10 @@ def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str,
         if len(cands) == 1:
             prepared = (cands[0], table.plan(pass_, cands[0], g, dtype, layout, precision, has_bias, aligned,
                                              device.sm_count))
+            specs = [p.spec for p in prepared[1].plans()]
+            if launcher.timing and len(specs) > 1:
+                # A pass of several kernels (split-K, packed GEMMs) builds them side by side.
+                compiler.compile_many(specs, device.index)
         else:
             prepared = (None, cands)
         if len(_prepared) >= _PREPARED_LIMIT:
@@ -79,18 +85,46 @@ def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str,
 
 
 def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], out: int, launcher: Launcher,
-            layout: str = "nchw", precision: str = "strict") -> None:
+            layout: str = "nchw", precision: str = "strict", backward_mask: Optional[Sequence[bool]] = None) -> None:
     """out = conv_transpose2d(x, weight, bias).
 
     The first call of a configuration may time the candidates on the launcher's stream,
-    writing each into ``out`` before the winner.
+    writing each into ``out`` before the winner.  ``backward_mask`` (grad_input,
+    grad_weight, grad_bias) says which gradients a backward will likely ask for: their
+    kernels start compiling in the background on a configuration's first forward.
     """
     if g.batch == 0:
         launcher.enter(table.FORWARD, None)
         return
     pointers = (x, weight, bias or 0, out)
+    if backward_mask is not None and launcher.timing:
+        _prefetch_backward(g, dtype, layout, precision, launcher.device, tuple(backward_mask))
     _pass_plan(table.FORWARD, g, dtype, layout, precision, bias is not None, _aligned(x, out), launcher,
                pointers).run(launcher, pointers)
+
+
+# (geometry, dtype, layout, precision, device, mask) whose backward kernels were handed to the compiler
+_prefetched: set = set()
+
+
+def _prefetch_backward(g: Geometry, dtype: str, layout: str, precision: str, device, mask: tuple) -> None:
+    key = (g, dtype, layout, precision, device.index, mask)
+    if key in _prefetched:
+        return
+    if len(_prefetched) >= _PREPARED_LIMIT:
+        _prefetched.clear()
+    _prefetched.add(key)
+    specs = []
+    for pass_, wanted in zip((table.GRAD_INPUT, table.GRAD_WEIGHT, table.GRAD_BIAS), mask):
+        if not wanted:
+            continue
+        pass_precision = "strict" if pass_ == table.GRAD_BIAS else precision
+        cands = table.candidates(pass_, g, dtype, layout, pass_precision, device)
+        # A first call that times its candidates builds them all; otherwise the heuristic runs.
+        for v in cands if decide.enabled() else cands[:1]:
+            plan = table.plan(pass_, v, g, dtype, layout, pass_precision, False, True, device.sm_count)
+            specs += [p.spec for p in plan.plans()]
+    compiler.compile_in_background(specs, device.index)
 
 
 def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, launcher: Launcher,

@@ -338,6 +338,8 @@ def _empty(shape, like: Tensor, device, layout: str) -> Tensor:
 
 def _cuda_forward(x, w, b, entry):
     g, dt, device, index, out_shape = entry
+    # Tensors that want gradients let a configuration's first forward start compiling the backward.
+    wants = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
     layout = _layout_for(x, w)
     x, w = _in_layout(x, layout), w.contiguous()
     if b is not None:
@@ -346,7 +348,8 @@ def _cuda_forward(x, w, b, entry):
     prev = _enter_device(index)
     try:
         _engine.forward(g, dt, x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                        _Launcher(index, _raw_stream(index), _scratch_allocator(device)), layout, _precision(dt))
+                        _Launcher(index, _raw_stream(index), _scratch_allocator(device)), layout, _precision(dt),
+                        wants if wants[0] or wants[1] or wants[2] else None)
     finally:
         if prev != index:
             _set_device(prev)

@@ -157,7 +157,7 @@ def get_function(spec: KernelSpec, device_id: int, arch: Optional[str] = None):
     global _compile_count
     if arch is None:
         arch = device_arch(device_id)
-    key = (spec.template, templates.content_hash(spec.template), spec.function, spec.constants, device_id, arch)
+    key = _key(spec, device_id, arch)
     entry = _entries.get(key)
     if entry is not None and entry.function is not None:
         return entry.function
@@ -176,6 +176,48 @@ def device_arch(device_id: int) -> str:
     return _device.get(device_id).arch
 
 
+_background = None
+_background_lock = threading.Lock()
+
+
+def compile_in_background(specs, device_id: int) -> None:
+    """Start building the kernels of ``specs`` that are not built yet, without waiting for them.
+
+    A layer's first forward under autograd hands over its backward's kernels here, so they
+    compile while the forward's own kernel does.  A launch that needs one of them waits for
+    its build (the per-kernel lock in :func:`get_function`); a build that fails here is
+    simply tried again there, where the error reaches the caller.
+    """
+    global _background
+    arch = device_arch(device_id)
+    todo = [s for s in dict.fromkeys(specs) if not _is_built(s, device_id, arch)]
+    if not todo:
+        return
+    with _background_lock:
+        if _background is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="cupyconv-compile")
+        for spec in todo:
+            _background.submit(_build_quietly, spec, device_id, arch)
+
+
+def _build_quietly(spec: KernelSpec, device_id: int, arch: str) -> None:
+    try:
+        get_function(spec, device_id, arch)
+    except Exception:  # noqa: BLE001 - the launch that needs the kernel builds it again and raises
+        pass
+
+
+def _is_built(spec: KernelSpec, device_id: int, arch: str) -> bool:
+    entry = _entries.get(_key(spec, device_id, arch))
+    return entry is not None and entry.function is not None
+
+
+def _key(spec: KernelSpec, device_id: int, arch: str) -> tuple:
+    return (spec.template, templates.content_hash(spec.template), spec.function, spec.constants, device_id, arch)
+
+
 def compile_many(specs, device_id: int, workers: int = 8) -> int:
     """Build many kernels for ``device_id`` on a thread pool (NVRTC runs without the GIL).
 
@@ -186,7 +228,11 @@ def compile_many(specs, device_id: int, workers: int = 8) -> int:
 
     unique = list(dict.fromkeys(specs))
     arch = device_arch(device_id)
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for _ in pool.map(lambda s: get_function(s, device_id, arch), unique):
-            pass
+    todo = [s for s in unique if not _is_built(s, device_id, arch)]
+    if len(todo) == 1:
+        get_function(todo[0], device_id, arch)
+    elif todo:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for _ in pool.map(lambda s: get_function(s, device_id, arch), todo):
+                pass
     return len(unique)

@@ -1,0 +1,82 @@
+"""The engine without a GPU: what a configuration's first forward hands the compiler ahead of its backward.
+
+The engine runs on a recording launcher of a fake device, and the compiler's background
+entry point is replaced by one that writes down what it was given.
+"""
+import pytest
+
+from cupyconv import engine, tuning
+from cupyconv.core import device
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.jit import compiler
+from cupyconv.plans import gemm, table
+from cupyconv.plans.launch import Recorder
+
+DEV = device.fake(0, name="Fake GPU 80GB", arch="90")
+# Eight channels: the direct kernels only, so every pass has a single candidate.
+SMALL = geometry((1, 8, 8, 8), (8, 8, 3, 3), None, ConvParams.from_args(stride=2))
+THIN = geometry((2, 32, 9, 11), (32, 48, 3, 3), None, ConvParams.from_args(stride=2, padding=1))
+_X, _W, _B, _Y = ((i + 1) << 32 for i in range(4))
+
+
+class TimingRecorder(Recorder):
+    """A recorder that counts as a real launcher: the engine may compile and time for it."""
+
+    timing = True
+
+
+@pytest.fixture
+def handed(monkeypatch, tmp_path):
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(gemm.TENSOR_CORES_ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(compiler, "compile_in_background", lambda specs, device_id: calls.append((list(specs),
+                                                                                                   device_id)))
+    engine.clear()
+    tuning.clear()
+    yield calls
+    engine.clear()
+    tuning.clear()
+
+
+def _heuristic_specs(pass_, g, dtype="float32", layout="nchw"):
+    precision = "strict"
+    v = table.candidates(pass_, g, dtype, layout, precision, DEV)[0]
+    return [p.spec for p in table.plan(pass_, v, g, dtype, layout, precision, False, True, DEV.sm_count).plans()]
+
+
+def test_a_first_forward_under_autograd_hands_over_the_backward_kernels_once(handed):
+    mask = (True, True, True)
+    engine.forward(SMALL, "float32", _X, _W, _B, _Y, TimingRecorder(DEV), backward_mask=mask)
+    assert len(handed) == 1
+    specs, device_id = handed[0]
+    assert device_id == 0
+    assert specs == (_heuristic_specs("grad_input", SMALL) + _heuristic_specs("grad_weight", SMALL)
+                     + _heuristic_specs("grad_bias", SMALL))
+    assert all(s.function != "conv_transpose2d_forward" for s in specs)
+    engine.forward(SMALL, "float32", _X, _W, _B, _Y, TimingRecorder(DEV), backward_mask=mask)
+    assert len(handed) == 1, "a configuration's backward is handed over on its first forward only"
+
+
+def test_only_the_gradients_asked_for_are_handed_over(handed):
+    engine.forward(SMALL, "float32", _X, _W, None, _Y, TimingRecorder(DEV), backward_mask=(False, True, False))
+    (specs, _), = handed
+    assert specs == _heuristic_specs("grad_weight", SMALL)
+
+
+def test_no_backward_expected_or_no_gpu_hands_over_nothing(handed):
+    engine.forward(SMALL, "float32", _X, _W, _B, _Y, TimingRecorder(DEV))
+    engine.forward(SMALL, "float32", _X, _W, _B, _Y, Recorder(DEV), backward_mask=(True, True, True))
+    assert handed == []
+
+
+def test_with_autotuning_every_candidate_the_backward_may_time_is_handed_over(handed, monkeypatch):
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
+    cands = table.candidates("grad_weight", THIN, "float16", "nchw", "strict", DEV)
+    assert len(cands) > 1
+    engine._prefetch_backward(THIN, "float16", "nchw", "strict", DEV, (False, True, False))
+    (specs, _), = handed
+    for v in cands:
+        plan = table.plan("grad_weight", v, THIN, "float16", "nchw", "strict", False, True, DEV.sm_count)
+        assert {p.spec for p in plan.plans()} <= set(specs)
