@@ -346,12 +346,13 @@ def run(layers: List[BenchLayer], dtype: Union[str, Sequence[str]] = "float32", 
     return rows
 
 
-def host_cost(calls: int = 2000) -> List[dict]:
+def host_cost(calls: int = 1000, rounds: int = 7) -> List[dict]:
     """Per-call host time (µs) of cupyconv.torch against F.conv_transpose2d on a tiny layer.
 
     The layer is small enough that the GPU finishes each kernel faster than the host can
     issue the next, so wall time over many unsynchronised calls measures the host path.
-    RuntimeError without a CUDA GPU.
+    The two take turns for ``rounds`` rounds of ``calls`` calls, and each keeps its median
+    round, so a busy moment of the host weighs on both alike.  RuntimeError without a CUDA GPU.
     """
     require_gpu()
     import time
@@ -379,19 +380,20 @@ def host_cost(calls: int = 2000) -> List[dict]:
     rows = []
     for label, mode in (("forward, no_grad", "nograd"), ("forward, autograd", "grad"),
                         ("forward+backward", "backward")):
-        timings = {}
-        for name, conv in (("torch", F.conv_transpose2d), ("cupyconv", cc_torch.conv_transpose2d)):
-            def call(conv=conv):
-                if mode == "nograd":
-                    with torch.no_grad():
+        timings: Dict[str, List[float]] = {"torch": [], "cupyconv": []}
+        for _ in range(rounds):
+            for name, conv in (("torch", F.conv_transpose2d), ("cupyconv", cc_torch.conv_transpose2d)):
+                def call(conv=conv):
+                    if mode == "nograd":
+                        with torch.no_grad():
+                            conv(x, w, b, stride=2)
+                    elif mode == "grad":
                         conv(x, w, b, stride=2)
-                elif mode == "grad":
-                    conv(x, w, b, stride=2)
-                else:
-                    conv(x, w, b, stride=2).backward(go)
-            timings[name] = per_call_us(call)
-        rows.append(dict(call=label, torch_us=timings["torch"], cupyconv_us=timings["cupyconv"],
-                         ratio=timings["cupyconv"] / timings["torch"]))
+                    else:
+                        conv(x, w, b, stride=2).backward(go)
+                timings[name].append(per_call_us(call))
+        torch_us, ours_us = statistics.median(timings["torch"]), statistics.median(timings["cupyconv"])
+        rows.append(dict(call=label, torch_us=torch_us, cupyconv_us=ours_us, ratio=ours_us / torch_us))
     return rows
 
 
@@ -685,8 +687,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         env = environment()
         print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {commit_text(env)}")
         print(f"{'call (tiny layer)':<20} {'torch us':>9} {'cupyconv us':>12} {'ratio':>6}")
-        for r in host_cost():
+        rows = host_cost()
+        for r in rows:
             print(f"{r['call']:<20} {r['torch_us']:>9.1f} {r['cupyconv_us']:>12.1f} {r['ratio']:>6.2f}")
+        if args.json:
+            write_results(args.json, env, rows)
         return
     if args.from_json:
         try:

@@ -349,3 +349,19 @@ def test_chart_labels_give_layer_shapes():
     assert bench.layer_label("depthwise_up").endswith("g128")
     assert bench.layer_label("vocoder_up8_1d") == "vocoder_up8_1d\n16×512×8192 → 256, k16 s8"
     assert bench.layer_label("not_in_the_suite") == "not_in_the_suite"
+
+
+def test_host_cost_json_holds_the_device_the_commit_and_the_rows(tmp_path, monkeypatch, capsys):
+    rows = [dict(call="forward, no_grad", torch_us=20.0, cupyconv_us=21.0, ratio=1.05),
+            dict(call="forward+backward", torch_us=200.0, cupyconv_us=260.0, ratio=1.3)]
+    monkeypatch.setattr(bench, "require_gpu", lambda: None)
+    monkeypatch.setattr(bench, "host_cost", lambda: rows)
+    monkeypatch.setattr(bench, "environment", lambda: dict(device="Some GPU", torch="2.x", cupy="14.x", cudnn=1,
+                                                           commit="abc1234", dirty=False))
+    out = tmp_path / "host.json"
+    bench.main(["--host-cost", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["device"] == "Some GPU" and saved["commit"] == "abc1234"
+    assert saved["rows"] == rows
+    assert set(saved["rows"][0]) == {"call", "torch_us", "cupyconv_us", "ratio"}
+    assert "forward+backward" in capsys.readouterr().out
