@@ -43,9 +43,11 @@ def clear() -> None:
 
 
 def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, has_bias: bool, aligned: bool,
-               launcher: Launcher, pointers: Sequence[int]) -> PassPlan:
+               launcher: Launcher, pointers: Sequence[int], tensor_cores: Optional[bool] = None) -> PassPlan:
     device = launcher.device
-    key = (pass_, g, dtype, layout, precision, has_bias, aligned, device, gemm_enabled())
+    # The switch is read once per call of the engine (the backward hands it to its passes).
+    key = (pass_, g, dtype, layout, precision, has_bias, aligned, device,
+           gemm_enabled() if tensor_cores is None else tensor_cores)
     prepared = _prepared.get(key)
     if prepared is None:
         cands = table.candidates(pass_, g, dtype, layout, precision, device)
@@ -128,18 +130,18 @@ def _prefetch_backward(g: Geometry, dtype: str, layout: str, precision: str, dev
 
 
 def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, launcher: Launcher,
-               layout: str = "nchw", precision: str = "strict") -> None:
+               layout: str = "nchw", precision: str = "strict", tensor_cores: Optional[bool] = None) -> None:
     """out = grad_input (a strided conv2d of grad_output)."""
     if g.batch == 0:
         launcher.enter(table.GRAD_INPUT, None)
         return
     pointers = (grad_out, weight, out)
     _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False, _aligned(grad_out, out), launcher,
-               pointers).run(launcher, pointers)
+               pointers, tensor_cores).run(launcher, pointers)
 
 
 def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, launcher: Launcher,
-                layout: str = "nchw", precision: str = "strict") -> None:
+                layout: str = "nchw", precision: str = "strict", tensor_cores: Optional[bool] = None) -> None:
     """out = grad_weight, in the weight's dtype, reduced in a fixed order."""
     if g.batch == 0:
         launcher.enter(table.GRAD_WEIGHT, None)
@@ -147,17 +149,19 @@ def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, launch
         return
     pointers = (x, grad_out, out)
     _pass_plan(table.GRAD_WEIGHT, g, dtype, layout, precision, False, _aligned(x, grad_out), launcher,
-               pointers).run(launcher, pointers)
+               pointers, tensor_cores).run(launcher, pointers)
 
 
-def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, launcher: Launcher, layout: str = "nchw") -> None:
+def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, launcher: Launcher, layout: str = "nchw",
+              tensor_cores: Optional[bool] = None) -> None:
     """out = grad_output.sum((0, 2, 3)), reduced in a fixed order."""
     if g.batch == 0:
         launcher.enter(table.GRAD_BIAS, None)
         launcher.zero(out, g.out_channels * dtypes.get(dtype).itemsize)
         return
     pointers = (grad_out, out)
-    _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True, launcher, pointers).run(launcher, pointers)
+    _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True, launcher, pointers,
+               tensor_cores).run(launcher, pointers)
 
 
 def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_input_out: Optional[int],
@@ -170,12 +174,13 @@ def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_i
     """
     both = grad_input_out is not None and grad_weight_out is not None
     launcher.copies = SourceCopies() if both and layout == "nchw" else None
+    tensor_cores = gemm_enabled()
     try:
         if grad_input_out is not None:
-            grad_input(g, dtype, grad_out, weight, grad_input_out, launcher, layout, precision)
+            grad_input(g, dtype, grad_out, weight, grad_input_out, launcher, layout, precision, tensor_cores)
         if grad_weight_out is not None:
-            grad_weight(g, dtype, x, grad_out, grad_weight_out, launcher, layout, precision)
+            grad_weight(g, dtype, x, grad_out, grad_weight_out, launcher, layout, precision, tensor_cores)
         if grad_bias_out is not None:
-            grad_bias(g, dtype, grad_out, grad_bias_out, launcher, layout)
+            grad_bias(g, dtype, grad_out, grad_bias_out, launcher, layout, tensor_cores)
     finally:
         launcher.copies = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -91,7 +90,9 @@ class Plan:
     smem_bytes: int = 0        # dynamic shared memory per block
     # device -> (compiler generation, CUfunction handle, the kernel object that keeps its module loaded)
     _functions: Dict[int, tuple] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    _params: Dict[int, "_ParamBlock"] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # (device, pointer count) -> (compiler generation, parameter block, the driver's launch arguments):
+    # everything but the pointers and the stream, so a launch only fills those in
+    _ready: Dict[Tuple[int, int], tuple] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def function(self, device_id: int) -> int:
         """The CUfunction handle of this plan's kernel on ``device_id``."""
@@ -105,10 +106,13 @@ class Plan:
         return held[1]
 
     def run(self, device_id: int, stream_ptr: int, pointers: Sequence[int]) -> None:
-        block = self._params.get(len(pointers))
-        if block is None:
-            block = self._params[len(pointers)] = _ParamBlock(len(pointers), self.scalars, self.index_t)
-        block.launch(self.function(device_id), self.grid, self.block, self.smem_bytes, pointers, stream_ptr)
+        ready = self._ready.get((device_id, len(pointers)))
+        if ready is None or ready[0] != compiler._generation:
+            block = _ParamBlock(len(pointers), self.scalars, self.index_t)
+            function = self.function(device_id)
+            ready = self._ready[device_id, len(pointers)] = (
+                compiler._generation, block, (function,) + tuple(self.grid) + tuple(self.block) + (self.smem_bytes,))
+        ready[1].launch(ready[2], pointers, stream_ptr)
 
 
 class _ParamBlock:
@@ -126,19 +130,25 @@ class _ParamBlock:
         self.address = ctypes.addressof(self.array)
         self.lock = threading.Lock()
 
-    def launch(self, function: int, grid, block, smem_bytes: int, pointers: Sequence[int], stream_ptr: int) -> None:
+    def launch(self, args: tuple, pointers: Sequence[int], stream_ptr: int) -> None:
+        """Launch with ``args`` = (function, grid x, y, z, block x, y, z, dynamic shared memory)."""
+        launch_kernel = _launch_kernel or _bind_driver()
         with self.lock:
             for slot, ptr in zip(self.pointers, pointers):
                 slot.value = ptr
-            _driver().launchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                   smem_bytes, stream_ptr, self.address, 0)
+            launch_kernel(*args, stream_ptr, self.address, 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _driver():
+_launch_kernel = None
+
+
+def _bind_driver():
+    """CuPy's cuLaunchKernel, imported on the first launch (planning needs no CuPy)."""
+    global _launch_kernel
     from cupy.cuda import driver
 
-    return driver
+    _launch_kernel = driver.launchKernel
+    return _launch_kernel
 
 
 Allocator = Callable[[int], Tuple[object, int]]
