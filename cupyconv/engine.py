@@ -14,16 +14,17 @@ accuracy for float32) or "tf32"; it only matters for float32.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 from .core import dtypes
 from .core.geometry import Geometry
 from .jit import compiler
 from .plans import table
 from .plans.gemm import enabled as gemm_enabled
-from .plans.launch import Launcher, SourceCopies
+from .plans.launch import Arena, Launcher, SourceCopies
 from .plans.sequences import PassPlan
 from .tuning import decide
+from .tuning.variants import Variant
 
 
 def _aligned(a: int, b: int) -> bool:
@@ -43,7 +44,10 @@ def clear() -> None:
 
 
 def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, has_bias: bool, aligned: bool,
-               launcher: Launcher, pointers: Sequence[int], tensor_cores: Optional[bool] = None) -> PassPlan:
+               launcher: Launcher, pointers: Sequence[int],
+               tensor_cores: Optional[bool] = None) -> Tuple[Variant, PassPlan]:
+    """The variant that runs this pass of the configuration and its launches (a first call may time the
+    candidates on ``launcher`` to choose it)."""
     device = launcher.device
     # The switch is read once per call of the engine (the backward hands it to its passes).
     key = (pass_, g, dtype, layout, precision, has_bias, aligned, device,
@@ -65,8 +69,7 @@ def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str,
         _prepared[key] = prepared
     variant, found = prepared
     if variant is not None:
-        launcher.enter(pass_, variant)
-        return found
+        return variant, found
     variant = decide.chosen(pass_, g, dtype, layout, precision, device.index)
     if variant is None:
         def plan(v):
@@ -82,8 +85,12 @@ def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str,
 
         variant = decide.choose(pass_, g, dtype, layout, precision, device, launcher.stream_ptr, found, run,
                                 lambda v: plan(v).plans(), timing=launcher.timing)
-    launcher.enter(pass_, variant)
-    return table.plan(pass_, variant, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
+    return variant, table.plan(pass_, variant, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
+
+
+def _run(pass_: str, chosen: Tuple[Variant, PassPlan], launcher: Launcher, pointers: Sequence[int]) -> None:
+    launcher.enter(pass_, chosen[0])
+    chosen[1].run(launcher, pointers)
 
 
 def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], out: int, launcher: Launcher,
@@ -101,8 +108,8 @@ def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], o
     pointers = (x, weight, bias or 0, out)
     if backward_mask is not None and launcher.timing:
         _prefetch_backward(g, dtype, layout, precision, launcher.device, tuple(backward_mask))
-    _pass_plan(table.FORWARD, g, dtype, layout, precision, bias is not None, _aligned(x, out), launcher,
-               pointers).run(launcher, pointers)
+    _run(table.FORWARD, _pass_plan(table.FORWARD, g, dtype, layout, precision, bias is not None, _aligned(x, out),
+                                   launcher, pointers), launcher, pointers)
 
 
 # (geometry, dtype, layout, precision, device, mask) whose backward kernels were handed to the compiler
@@ -136,8 +143,8 @@ def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, la
         launcher.enter(table.GRAD_INPUT, None)
         return
     pointers = (grad_out, weight, out)
-    _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False, _aligned(grad_out, out), launcher,
-               pointers, tensor_cores).run(launcher, pointers)
+    _run(table.GRAD_INPUT, _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False,
+                                      _aligned(grad_out, out), launcher, pointers, tensor_cores), launcher, pointers)
 
 
 def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, launcher: Launcher,
@@ -148,8 +155,8 @@ def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, launch
         launcher.zero(out, math.prod(g.weight_shape) * dtypes.get(dtype).itemsize)
         return
     pointers = (x, grad_out, out)
-    _pass_plan(table.GRAD_WEIGHT, g, dtype, layout, precision, False, _aligned(x, grad_out), launcher,
-               pointers, tensor_cores).run(launcher, pointers)
+    _run(table.GRAD_WEIGHT, _pass_plan(table.GRAD_WEIGHT, g, dtype, layout, precision, False,
+                                       _aligned(x, grad_out), launcher, pointers, tensor_cores), launcher, pointers)
 
 
 def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, launcher: Launcher, layout: str = "nchw",
@@ -160,8 +167,8 @@ def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, launcher: Launch
         launcher.zero(out, g.out_channels * dtypes.get(dtype).itemsize)
         return
     pointers = (grad_out, out)
-    _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True, launcher, pointers,
-               tensor_cores).run(launcher, pointers)
+    _run(table.GRAD_BIAS, _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True, launcher, pointers,
+                                     tensor_cores), launcher, pointers)
 
 
 def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_input_out: Optional[int],
@@ -170,17 +177,42 @@ def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_i
     """Each gradient whose output pointer is given, in the order grad_input, grad_weight, grad_bias.
 
     When grad_input and grad_weight both read an NCHW grad_output through a channels_last
-    copy, they share one.
+    copy, they share one.  The passes' scratch comes from one allocation.
     """
-    both = grad_input_out is not None and grad_weight_out is not None
-    launcher.copies = SourceCopies() if both and layout == "nchw" else None
     tensor_cores = gemm_enabled()
-    try:
+    if g.batch == 0:
         if grad_input_out is not None:
             grad_input(g, dtype, grad_out, weight, grad_input_out, launcher, layout, precision, tensor_cores)
         if grad_weight_out is not None:
             grad_weight(g, dtype, x, grad_out, grad_weight_out, launcher, layout, precision, tensor_cores)
         if grad_bias_out is not None:
             grad_bias(g, dtype, grad_out, grad_bias_out, launcher, layout, tensor_cores)
+        return
+    both = grad_input_out is not None and grad_weight_out is not None
+    launcher.copies = SourceCopies() if both and layout == "nchw" else None
+    alloc = launcher.alloc
+    try:
+        # Chosen first (a first call may time candidates, with scratch of their own), then run.
+        runs = []
+        if grad_input_out is not None:
+            pointers = (grad_out, weight, grad_input_out)
+            runs.append((table.GRAD_INPUT, _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False,
+                                                      _aligned(grad_out, grad_input_out), launcher, pointers,
+                                                      tensor_cores), pointers))
+        if grad_weight_out is not None:
+            pointers = (x, grad_out, grad_weight_out)
+            runs.append((table.GRAD_WEIGHT, _pass_plan(table.GRAD_WEIGHT, g, dtype, layout, precision, False,
+                                                       _aligned(x, grad_out), launcher, pointers, tensor_cores),
+                         pointers))
+        if grad_bias_out is not None:
+            pointers = (grad_out, grad_bias_out)
+            runs.append((table.GRAD_BIAS, _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True,
+                                                     launcher, pointers, tensor_cores), pointers))
+        scratch = sum(chosen[1].scratch_bound() for _, chosen, _ in runs)
+        if scratch:
+            launcher.alloc = Arena(alloc, scratch).alloc
+        for pass_, chosen, pointers in runs:
+            _run(pass_, chosen, launcher, pointers)
     finally:
         launcher.copies = None
+        launcher.alloc = alloc

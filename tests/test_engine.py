@@ -80,3 +80,38 @@ def test_with_autotuning_every_candidate_the_backward_may_time_is_handed_over(ha
     for v in cands:
         plan = table.plan("grad_weight", v, THIN, "float16", "nchw", "strict", False, True, DEV.sm_count)
         assert {p.spec for p in plan.plans()} <= set(specs)
+
+
+class CountingRecorder(Recorder):
+    """A recorder that counts the allocations the engine asks its caller for."""
+
+    def __init__(self, dev):
+        super().__init__(dev)
+        self.requests = []
+        record = self.alloc
+
+        def alloc(nbytes):
+            self.requests.append(nbytes)
+            return record(nbytes)
+        self.alloc = alloc
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_a_backward_takes_its_scratch_in_one_allocation(handed, layout):
+    big = geometry((16, 8, 32, 32), (8, 8, 3, 3), None, ConvParams.from_args(stride=2))
+    rec = CountingRecorder(DEV)
+    callers_alloc = rec.alloc
+    engine.backward(big, "float32", _Y, _X, _W, 1 << 44, 2 << 44, 3 << 44, rec, layout)
+    split = [p for p in rec.passes if any(stage == "reduce" for stage, _ in p.launches)]
+    assert [p.name for p in split] == ["grad_weight", "grad_bias"], "both reductions need scratch here"
+    needed = sum(plan.scratch_bytes for p in split for _, plan in p.launches)
+    assert len(rec.requests) == 1 and rec.requests[0] >= needed
+    assert rec.alloc is callers_alloc and rec.copies is None, "the caller's allocator is given back"
+
+
+def test_a_small_backward_allocates_no_scratch(handed):
+    rec = CountingRecorder(DEV)
+    engine.backward(SMALL, "float32", _Y, _X, _W, 1 << 44, 2 << 44, 3 << 44, rec)
+    assert rec.requests == []
+    assert [(p.name, [stage for stage, _ in p.launches]) for p in rec.passes] == [
+        ("grad_input", ["main"]), ("grad_weight", ["main"]), ("grad_bias", ["main"])]

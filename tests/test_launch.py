@@ -183,3 +183,22 @@ def test_channels_last_grad_bias_tiles_channels_and_fills_the_rest_with_pixel_la
     tile = min(channels, 256)
     assert c["CHANNEL_TILE"] == tile and partial.grid[1] == -(-channels // tile)
     assert partial.block[0] == 256 and reduce.scalars == (channels, partial.grid[0])
+
+
+def test_an_arena_hands_out_aligned_pieces_in_turn_and_overflows_to_the_caller():
+    taken = []
+
+    def alloc(nbytes):
+        taken.append(nbytes)
+        return f"buffer{len(taken)}", 4096 * len(taken) ** 3
+
+    arena = launch.Arena(alloc, 1024)
+    assert taken == [1024]
+    keep, first = arena.alloc(100)
+    _, second = arena.alloc(256)
+    _, third = arena.alloc(1)
+    assert keep == "buffer1" and (first, second, third) == (4096, 4096 + 256, 4096 + 512)
+    _, fourth = arena.alloc(512)          # 256 bytes left: past the end goes to the caller's allocator
+    assert taken == [1024, 512] and fourth == 4096 * 8
+    _, last = arena.alloc(200)            # what is left still serves smaller pieces
+    assert last == 4096 + 768

@@ -166,9 +166,36 @@ def carve(alloc: Allocator, sizes: Sequence[int]) -> Tuple[object, List[int]]:
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
-        total += cdiv(size, _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        total += aligned_size(size)
     keep, base = alloc(total)
     return keep, [base + o for o in offsets]
+
+
+def aligned_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to the 256-byte alignment every scratch piece starts at."""
+    return cdiv(nbytes, _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+
+
+class Arena:
+    """One scratch allocation that a call's passes take their pieces from in turn.
+
+    A backward whose passes each need scratch (split-K partials, channels_last copies,
+    packed weights) pays the allocator once.  Pieces are never reused within the call, so
+    nothing waits on anything; a request past the end (the bound was short) goes to the
+    caller's allocator instead.
+    """
+
+    def __init__(self, alloc: Allocator, nbytes: int):
+        self.fallback = alloc
+        self.keep, self.next = alloc(nbytes)
+        self.end = self.next + nbytes
+
+    def alloc(self, nbytes: int):
+        size = aligned_size(max(nbytes, 1))
+        if self.next + size > self.end:
+            return self.fallback(nbytes)
+        ptr, self.next = self.next, self.next + size
+        return self.keep, ptr
 
 
 def cupy_allocator() -> Allocator:

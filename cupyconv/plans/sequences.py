@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .launch import Launcher, Plan
+from .launch import Launcher, Plan, aligned_size
 
 
 class PassPlan:
@@ -22,6 +22,11 @@ class PassPlan:
     def plans(self) -> List[Plan]:
         """Every plan this pass may launch (a shared channels_last copy too)."""
         raise NotImplementedError
+
+    def scratch_bound(self) -> int:
+        """At most how many bytes of scratch a run asks for, each piece rounded up as
+        :func:`~cupyconv.plans.launch.carve` rounds it (a shared copy counted as its own)."""
+        return sum(aligned_size(p.scratch_bytes) for p in self.plans() if p.scratch_bytes)
 
     def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
         raise NotImplementedError
