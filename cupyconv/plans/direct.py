@@ -11,6 +11,7 @@ import functools
 from typing import Optional, Tuple
 
 from ..core import dtypes
+from ..core.device import Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
@@ -79,6 +80,23 @@ def _staged_block(g: Geometry, dtype: str, channels: int) -> Tuple[int, int]:
             f"kernel_size {g.kernel} is too large for the direct kernels: one channel's weights need "
             f"{per_channel} bytes of shared memory, over {_DIRECT_WEIGHT_LIMIT}")
     return block, per_channel
+
+
+def fits(g: Geometry, dtype: str, layout: str = "nchw") -> bool:
+    """Whether the direct kernels can run this layer: one channel's KH x KW weights must fit the
+    shared memory that ``_staged_block`` and ``_nhwc_tile`` stage them in (the large_kernel family
+    runs the rest)."""
+    check_layout(layout)
+    try:
+        if layout == "nhwc":
+            _nhwc_tile(g, dtype, g.out_channels, g.out_per_group)
+            _nhwc_tile(g, dtype, g.in_channels, g.in_per_group)
+        else:
+            _staged_block(g, dtype, g.out_per_group)
+            _staged_block(g, dtype, g.in_per_group)
+    except ValueError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -298,6 +316,9 @@ def _plan_grad_weight_nhwc(g: Geometry, dtype: str, sm_count: int) -> Tuple[Plan
 class DirectFamily(Family):
     name = "direct"
     passes = ("forward", "grad_input", "grad_weight")
+
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
+        return fits(g, dtype, layout)
 
     def races(self, pass_: str, g: Geometry, dtype: str) -> bool:
         return min(g.in_per_group, g.out_per_group) < RACE_BELOW_CHANNELS
