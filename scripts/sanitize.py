@@ -85,6 +85,13 @@ DIRECT_LAYERS = {
     "k5s4": ((1, 3, 4, 3), (3, 2, 5, 5), _kw(stride=4, padding=2, output_padding=3)),
     "depthwise": ((2, 6, 5, 5), (6, 1, 4, 4), _kw(stride=2, padding=1, groups=6)),
     "wide_rows": ((1, 24, 4, 6), (24, 8, 5, 9), _kw(stride=(1, 2), padding=(2, 4), dilation=(1, 3))),
+    # enough rows that grad_weight and grad_bias split into several chunks and a reduce
+    # (the others fit one chunk, which writes its gradient directly)
+    "many_rows": ((16, 1, 16, 16), (1, 2, 3, 11), _kw(stride=3, dilation=(1, 3))),
+}
+# Kernels too large for the direct kernels run on the large_kernel family.
+LARGE_KERNEL_LAYERS = {
+    "k101": ((8, 2, 9, 6), (2, 1, 101, 101), _kw(stride=(2, 1), padding=(3, 50), groups=2)),
 }
 # Layers wide enough for the tensor cores: 16 and 32 channels per group; 20 input
 # channels per group (rows of 40 bytes in fp16: the element-gathering load path); and
@@ -108,6 +115,10 @@ def base_cases() -> List[Case]:
     for name, (xs, ws, kw) in DIRECT_LAYERS.items():
         for dtype in ("float32", "float16"):
             cases.append(Case(f"direct-{name}-{dtype}-nhwc", xs, ws, kw, name != "depthwise", dtype, layout="nhwc"))
+    for name, (xs, ws, kw) in LARGE_KERNEL_LAYERS.items():
+        for dtype in ("float32", "float64", "float16", "bfloat16"):
+            for layout in ("nchw", "nhwc"):
+                cases.append(Case(f"large-{name}-{dtype}-{layout}", xs, ws, kw, True, dtype, layout=layout))
     for name, (xs, ws, kw) in GEMM_LAYERS.items():
         for dtype, precision in GEMM_CASES:
             tag = "tf32" if precision == "tf32" else dtype

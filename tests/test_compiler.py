@@ -33,6 +33,8 @@ VARIANT_LAYERS = {
     "stride_17": ((1, 3, 3, 4), (3, 2, 3, 2), dict(stride=(17, 18), padding=(1, 2), output_padding=(5, 3))),
     # weights staged in several chunks
     "chunked_weights": ((2, 40, 5, 6), (40, 12, 5, 9), dict(stride=(1, 2), padding=(2, 4), dilation=(1, 3))),
+    # too large for the direct kernels: the large_kernel family
+    "kernel_101": ((2, 4, 5, 6), (4, 3, 101, 101), dict(stride=(2, 1), dilation=(1, 2), padding=3, groups=2)),
 }
 
 
@@ -43,7 +45,8 @@ def _plans():
         for dtype in DTYPES:
             for bias in (False, True):
                 for layout in launch.LAYOUTS:
-                    for plan in table.all_plans(g, dtype, bias, layout, families_named=("direct", "reduction")):
+                    for plan in table.all_plans(g, dtype, bias, layout,
+                                                families_named=("direct", "large_kernel", "reduction")):
                         seen.setdefault(plan.spec, f"{layer}-{dtype}-{layout}-{plan.spec.function}-{plan.index_t}")
     return seen
 

@@ -17,10 +17,12 @@ EXPECTED = {
 }
 GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
 DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu"}
+LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_large_kernel_grad_input.cu",
+                "conv_transpose2d_large_kernel_grad_weight.cu"}
 
 
 def test_every_template_is_found():
-    assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT
+    assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
 
