@@ -27,7 +27,17 @@ HUGE = [  # (dtype, kernel) that no direct kernel can stage
     ("float32", (101, 101)), ("float16", (101, 101)), ("bfloat16", (101, 101)), ("float64", (101, 101)),
     ("float32", (88, 88)), ("float64", (62, 64)), ("bfloat16", (2, 4000)), ("float32", (3, 2600)),
 ]
-SMALL = [("float32", (3, 3)), ("float64", (7, 5)), ("float32", (87, 87)), ("float16", (1, 31))]
+SMALL = [("float32", (3, 3)), ("float64", (7, 5)), ("float16", (1, 31))]
+# (dtype, kernel, dilation) on either side of the span the direct kernels unroll without spilling
+# (see direct._MAX_SPAN_COLUMNS; a dilated kernel spans the rows and columns its taps reach): weights
+# that fit shared memory, but past the span the layer runs on large_kernel.
+INSIDE_SPAN = [("float32", (8, 8), 1), ("float64", (1, 32), 1), ("float16", (2, 32), 1), ("bfloat16", (3, 21), 1),
+               ("float32", (4, 16), 1), ("bfloat16", (8, 1), 1), ("float16", (4, 4), 2), ("float64", (1, 16), 2)]
+OUTSIDE_SPAN = [("float32", (9, 9), 1), ("float64", (1, 33), 1), ("float16", (2, 33), 1), ("bfloat16", (3, 22), 1),
+                ("float32", (5, 13), 1), ("bfloat16", (9, 1), 1), ("float64", (64, 1), 1), ("float32", (16, 4), 1),
+                ("float16", (5, 5), 2), ("float64", (1, 17), 2), ("float32", (11, 11), 1), ("float32", (87, 87), 1),
+                ("float32", (3, 100), 1)]
+SPAN_CASES = [(d, k, 1) for d, k in HUGE + SMALL] + INSIDE_SPAN + OUTSIDE_SPAN
 
 
 def _geometry(kernel, in_channels=4, out_per_group=3, groups=2, size=(6, 5), batch=2, **kwargs):
@@ -64,10 +74,43 @@ def test_kernels_the_direct_kernels_stage_stay_on_them(dtype, kernel, layout):
         assert table.candidates(pass_, g, dtype, layout)[0].family == "direct"
 
 
-@pytest.mark.parametrize("dtype,kernel", HUGE + SMALL)
-def test_fits_is_the_direct_planners_own_limit(dtype, kernel):
-    """Eligibility and the direct planners' refusal are one check, so no layer falls between them."""
-    g = _geometry(kernel)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype,kernel,dilation", INSIDE_SPAN)
+def test_kernels_within_the_unrolled_span_stay_on_the_direct_kernels(dtype, kernel, dilation, layout):
+    g = _geometry(kernel, dilation=dilation)
+    assert direct.fits(g, dtype, layout)
+    for pass_ in ("forward", "grad_input", "grad_weight"):
+        assert [f.name for f in table.eligible(pass_, g, dtype, layout)] == ["direct"]
+        assert table.candidates(pass_, g, dtype, layout)[0].family == "direct"
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype,kernel,dilation", OUTSIDE_SPAN)
+def test_kernels_past_the_unrolled_span_go_to_large_kernel(dtype, kernel, dilation, layout):
+    """Past the span the direct kernels' unrolled loops spill, though one channel's weights may fit shared memory."""
+    g = _geometry(kernel, dilation=dilation)
+    assert not direct.fits(g, dtype, layout)
+    for pass_ in ("forward", "grad_input", "grad_weight"):
+        assert [f.name for f in table.eligible(pass_, g, dtype, layout)] == ["large_kernel"]
+        assert [v.name for v in table.candidates(pass_, g, dtype, layout)] == ["large_kernel"]
+
+
+def test_the_span_counts_the_rows_and_columns_dilated_taps_reach():
+    for kernel, dilation, fits in [((1, 32), 1, True), ((1, 33), 1, False), ((1, 16), 2, True), ((1, 17), 2, False),
+                                   ((1, 11), 3, True), ((1, 12), 3, False), ((8, 8), 1, True), ((9, 8), 1, False),
+                                   ((8, 9), 1, False), ((4, 5), 2, True), ((4, 6), 2, False), ((8, 1), 1, True),
+                                   ((9, 1), 1, False), ((4, 1), 2, True), ((5, 1), 2, False), ((3, 21), 1, True),
+                                   ((3, 22), 1, False), ((2, 2), (7, 1), True), ((2, 2), (8, 1), False),
+                                   ((2, 2), (1, 31), True), ((2, 2), (1, 32), False)]:
+        for dtype in dtypes.NAMES:
+            assert direct.fits(_geometry(kernel, dilation=dilation), dtype) is fits, (kernel, dilation, dtype)
+
+
+@pytest.mark.parametrize("dtype,kernel,dilation", SPAN_CASES)
+def test_fits_admits_only_layers_the_direct_planners_take(dtype, kernel, dilation):
+    """Every layer the direct planners refuse is ineligible, so no layer falls between the families;
+    past the unrolled span, layers they would still plan are ineligible too."""
+    g = _geometry(kernel, dilation=dilation)
     for layout in ("nchw", "nhwc"):
         try:
             direct.plan_forward(g, dtype, False, layout)
@@ -76,13 +119,14 @@ def test_fits_is_the_direct_planners_own_limit(dtype, kernel):
         except ValueError as exc:
             assert "is too large for the direct kernels" in str(exc)
             planned = False
-        assert direct.fits(g, dtype, layout) is planned
+        inside = (dtype, kernel, dilation) not in OUTSIDE_SPAN
+        assert direct.fits(g, dtype, layout) is (planned and inside)
 
 
 def test_no_layer_the_reference_accepts_is_left_without_a_family():
-    for dtype, kernel in HUGE + SMALL:
+    for dtype, kernel, dilation in SPAN_CASES:
         for layout in ("nchw", "nhwc"):
-            g = _geometry(kernel)
+            g = _geometry(kernel, dilation=dilation)
             for pass_ in table.PASSES:
                 assert table.eligible(pass_, g, dtype, layout), (dtype, kernel, layout, pass_)
 
@@ -189,11 +233,9 @@ def _compile_cases():
 COMPILE_CASES = _compile_cases()
 
 
-@pytest.mark.parametrize("name", sorted(COMPILE_CASES))
-def test_kernels_compile_without_spilling(name):
-    """NVRTC builds each kernel for sm_90 and ptxas reports its registers: none spill to local memory."""
+def _ptxas_report(spec):
+    """(spill stores and loads, registers, log) that ptxas reports for the kernel built for sm_90."""
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    spec = COMPILE_CASES[name]
     program = nvrtc.createProgram(spec.source(), f"{spec.function}.cu", (), ())
     try:
         nvrtc.compileProgram(program, ["--std=c++17", "--gpu-architecture=sm_90", "--ptxas-options=-v"])
@@ -202,8 +244,54 @@ def test_kernels_compile_without_spilling(name):
         nvrtc.destroyProgram(program)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills, log
-    assert spills.groups() == ("0", "0"), log
-    assert int(re.search(r"Used (\d+) registers", log).group(1)) <= 128, log
+    return spills.groups(), int(re.search(r"Used (\d+) registers", log).group(1)), log
+
+
+@pytest.mark.parametrize("name", sorted(COMPILE_CASES))
+def test_kernels_compile_without_spilling(name):
+    """NVRTC builds each kernel for sm_90 and ptxas reports its registers: none spill to local memory."""
+    spills, registers, log = _ptxas_report(COMPILE_CASES[name])
+    assert spills == ("0", "0"), log
+    assert registers <= 128, log
+
+
+# Layers at the edge of the span the direct kernels unroll, each in a configuration whose kernels
+# come close to spilling there, and the layer one column or row past it:
+# (kernel, kernel past the edge, dilation, stride, channels per group, groups, dtype, layout).
+SPAN_EDGE = [
+    ((1, 32), (1, 33), 1, 1, 16, 1, "float64", "nhwc"),  # the NHWC forward spills at 33 columns
+    ((8, 8), (8, 9), 1, 1, 16, 1, "float32", "nchw"),
+    ((2, 32), (2, 33), 1, 1, 4, 1, "float16", "nchw"),
+    ((3, 21), (3, 22), 1, 2, 16, 1, "bfloat16", "nchw"),
+    ((4, 4), (5, 4), 2, 1, 1, 16, "float16", "nhwc"),  # a 7x7 span; 9 rows past it
+    ((8, 2), (9, 2), 1, 2, 1, 16, "float32", "nchw"),  # grad_input spills at 9 rows
+]
+
+
+def _edge_geometry(kernel, dilation, stride, per_group, groups):
+    channels = per_group * groups
+    return geometry((2, channels, 16, 16), (channels, per_group) + kernel, None,
+                    ConvParams.from_args(groups=groups, stride=stride, dilation=dilation))
+
+
+@pytest.mark.parametrize("edge", SPAN_EDGE, ids=lambda e: f"{e[0][0]}x{e[0][1]}-d{e[2]}-s{e[3]}-{e[6]}-{e[7]}")
+def test_direct_kernels_at_the_edge_of_the_span_compile_without_spilling(edge):
+    """At the edge of the span ptxas keeps the direct kernels in registers; one step past it, the
+    layer goes to large_kernel."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    kernel, past, dilation, stride, per_group, groups, dtype, layout = edge
+    g = _edge_geometry(kernel, dilation, stride, per_group, groups)
+    assert direct.fits(g, dtype, layout)
+    plans = [direct.plan_forward(g, dtype, True, layout), direct.plan_grad_input(g, dtype, layout),
+             direct.plan_grad_weight(g, dtype, 132, layout)[0]]
+    with ThreadPoolExecutor(len(plans)) as pool:
+        for spills, _, log in pool.map(lambda plan: _ptxas_report(plan.spec), plans):
+            assert spills == ("0", "0"), log
+    g = _edge_geometry(past, dilation, stride, per_group, groups)
+    assert not direct.fits(g, dtype, layout)
+    for pass_ in ("forward", "grad_input", "grad_weight"):
+        names = [f.name for f in table.eligible(pass_, g, dtype, layout)]
+        assert "direct" not in names and "large_kernel" in names  # wide layers may take the GEMMs first
 
 
 # ------------------------------------------------------------------ emulated on the CPU

@@ -82,11 +82,40 @@ def _staged_block(g: Geometry, dtype: str, channels: int) -> Tuple[int, int]:
     return block, per_channel
 
 
+# The direct kernels unroll every tap and keep register windows that grow with the kernel's
+# span, the rows and columns one pixel's dilated taps reach ((KH-1)*DH+1 by (KW-1)*DW+1), so a
+# kernel whose weights still fit shared memory can outgrow the registers.  ptxas -v (NVRTC 12.9,
+# sm_90) over the forward, grad_input and grad_weight kernels, NCHW and NHWC, every dtype, strides
+# and dilations 1 and 2, 1 to 64 channels per group and depthwise, puts the edge at:
+#   columns: 32.  At 33 the float64 NHWC forward spills; from 43 to 47 on (by dtype) it spills
+#            at 255 registers, and 1x128 to 1x256 spill hundreds to thousands of bytes.
+#   rows:    8.  At 9 the NCHW grad_input (depthwise, stride 2) and float64 forward spill at
+#            255 registers; 64x1 does in half of the configurations.
+#   taps:    64 (8x8, 2x32, 3x21).  9x9, 7x7 dilated by 2, and 11x11 with 16 channels
+#            (116-456 bytes in forward and grad_input) spill at 255 registers.
+# Inside the edge only float64 grad_weight reaches 255 registers (4-12 bytes of spill, at any
+# size: its accumulator block, not the span).  ptxas also spills up to tens of bytes, at every
+# size down to 1x1, where it settles for 64 to 168 registers; no size rule removes those.
+# Layers past the edge run on the large_kernel family, whose registers do not grow with the kernel.
+_MAX_SPAN_COLUMNS = 32
+_MAX_SPAN_ROWS = 8
+_MAX_SPAN_TAPS = 64
+
+
+def _span_fits_registers(g: Geometry) -> bool:
+    """Whether the kernel's span stays within what the direct kernels unroll without spilling."""
+    (kh, kw), (dh, dw) = g.kernel, g.params.dilation
+    rows, cols = (kh - 1) * dh + 1, (kw - 1) * dw + 1
+    return cols <= _MAX_SPAN_COLUMNS and rows <= _MAX_SPAN_ROWS and rows * cols <= _MAX_SPAN_TAPS
+
+
 def fits(g: Geometry, dtype: str, layout: str = "nchw") -> bool:
     """Whether the direct kernels can run this layer: one channel's KH x KW weights must fit the
-    shared memory that ``_staged_block`` and ``_nhwc_tile`` stage them in (the large_kernel family
-    runs the rest)."""
+    shared memory that ``_staged_block`` and ``_nhwc_tile`` stage them in, and the kernel's span
+    the registers of their unrolled windows (the large_kernel family runs the rest)."""
     check_layout(layout)
+    if not _span_fits_registers(g):
+        return False
     try:
         if layout == "nhwc":
             _nhwc_tile(g, dtype, g.out_channels, g.out_per_group)
