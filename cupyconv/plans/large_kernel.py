@@ -1,9 +1,8 @@
 """The large-kernel family: CUDA-core kernels for layers whose kernels the direct family cannot run.
 
 The direct kernels stage a whole channel's KH x KW weights in shared memory and unroll
-their tap loops and register windows over the kernel, so past some size they spill
-registers (an 11x11 kernel) or cannot run a layer at all (101x101), though the reference
-can.  These kernels
+their tap loops and register windows over the kernel, so past some size (a 101x101
+kernel, say) they cannot run a layer at all, though the reference can.  These kernels
 run any kernel size, every dtype and both layouts: their tap loops run at run time and
 their weights pass through shared memory a fixed-size tile of taps at a time, so neither
 shared memory nor registers grow with the kernel.
@@ -12,8 +11,7 @@ The forward gathers by stride phase, one phase per block, so every tap a thread 
 contributes; grad_input is the strided convolution of grad_output as the same gather;
 grad_weight is a deterministic split-K whose threads each own taps and sum their pixels
 in a fixed order (see :class:`~.sequences.SplitK`).  The pass table consults the family
-exactly where :func:`~.direct.fits` says the direct kernels cannot stage the weights or
-would spill.
+exactly where :func:`~.direct.fits` says the direct kernels cannot stage the weights.
 """
 from __future__ import annotations
 
