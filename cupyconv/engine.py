@@ -88,7 +88,7 @@ def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str,
     return variant, table.plan(pass_, variant, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
 
 
-def _run(pass_: str, chosen: Tuple[Variant, PassPlan], launcher: Launcher, pointers: Sequence[int]) -> None:
+def _run(pass_: str, chosen: Tuple[Variant, PassPlan], pointers: Sequence[int], launcher: Launcher) -> None:
     launcher.enter(pass_, chosen[0])
     chosen[1].run(launcher, pointers)
 
@@ -109,7 +109,7 @@ def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], o
     if backward_mask is not None and launcher.timing:
         _prefetch_backward(g, dtype, layout, precision, launcher.device, tuple(backward_mask))
     _run(table.FORWARD, _pass_plan(table.FORWARD, g, dtype, layout, precision, bias is not None, _aligned(x, out),
-                                   launcher, pointers), launcher, pointers)
+                                   launcher, pointers), pointers, launcher)
 
 
 # (geometry, dtype, layout, precision, device, mask) whose backward kernels were handed to the compiler
@@ -136,15 +136,31 @@ def _prefetch_backward(g: Geometry, dtype: str, layout: str, precision: str, dev
     compiler.compile_in_background(specs, device.index)
 
 
+def _grad_input_pass(g, dtype, grad_out, weight, out, launcher, layout, precision, tensor_cores):
+    pointers = (grad_out, weight, out)
+    return table.GRAD_INPUT, _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False, _aligned(grad_out, out),
+                                        launcher, pointers, tensor_cores), pointers
+
+
+def _grad_weight_pass(g, dtype, x, grad_out, out, launcher, layout, precision, tensor_cores):
+    pointers = (x, grad_out, out)
+    return table.GRAD_WEIGHT, _pass_plan(table.GRAD_WEIGHT, g, dtype, layout, precision, False, _aligned(x, grad_out),
+                                         launcher, pointers, tensor_cores), pointers
+
+
+def _grad_bias_pass(g, dtype, grad_out, out, launcher, layout, tensor_cores):
+    pointers = (grad_out, out)
+    return table.GRAD_BIAS, _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True, launcher, pointers,
+                                       tensor_cores), pointers
+
+
 def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, launcher: Launcher,
                layout: str = "nchw", precision: str = "strict", tensor_cores: Optional[bool] = None) -> None:
     """out = grad_input (a strided conv2d of grad_output)."""
     if g.batch == 0:
         launcher.enter(table.GRAD_INPUT, None)
         return
-    pointers = (grad_out, weight, out)
-    _run(table.GRAD_INPUT, _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False,
-                                      _aligned(grad_out, out), launcher, pointers, tensor_cores), launcher, pointers)
+    _run(*_grad_input_pass(g, dtype, grad_out, weight, out, launcher, layout, precision, tensor_cores), launcher)
 
 
 def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, launcher: Launcher,
@@ -154,9 +170,7 @@ def grad_weight(g: Geometry, dtype: str, x: int, grad_out: int, out: int, launch
         launcher.enter(table.GRAD_WEIGHT, None)
         launcher.zero(out, math.prod(g.weight_shape) * dtypes.get(dtype).itemsize)
         return
-    pointers = (x, grad_out, out)
-    _run(table.GRAD_WEIGHT, _pass_plan(table.GRAD_WEIGHT, g, dtype, layout, precision, False,
-                                       _aligned(x, grad_out), launcher, pointers, tensor_cores), launcher, pointers)
+    _run(*_grad_weight_pass(g, dtype, x, grad_out, out, launcher, layout, precision, tensor_cores), launcher)
 
 
 def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, launcher: Launcher, layout: str = "nchw",
@@ -166,9 +180,7 @@ def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, launcher: Launch
         launcher.enter(table.GRAD_BIAS, None)
         launcher.zero(out, g.out_channels * dtypes.get(dtype).itemsize)
         return
-    pointers = (grad_out, out)
-    _run(table.GRAD_BIAS, _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True, launcher, pointers,
-                                     tensor_cores), launcher, pointers)
+    _run(*_grad_bias_pass(g, dtype, grad_out, out, launcher, layout, tensor_cores), launcher)
 
 
 def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_input_out: Optional[int],
@@ -195,24 +207,18 @@ def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_i
         # Chosen first (a first call may time candidates, with scratch of their own), then run.
         runs = []
         if grad_input_out is not None:
-            pointers = (grad_out, weight, grad_input_out)
-            runs.append((table.GRAD_INPUT, _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False,
-                                                      _aligned(grad_out, grad_input_out), launcher, pointers,
-                                                      tensor_cores), pointers))
+            runs.append(_grad_input_pass(g, dtype, grad_out, weight, grad_input_out, launcher, layout, precision,
+                                         tensor_cores))
         if grad_weight_out is not None:
-            pointers = (x, grad_out, grad_weight_out)
-            runs.append((table.GRAD_WEIGHT, _pass_plan(table.GRAD_WEIGHT, g, dtype, layout, precision, False,
-                                                       _aligned(x, grad_out), launcher, pointers, tensor_cores),
-                         pointers))
+            runs.append(_grad_weight_pass(g, dtype, x, grad_out, grad_weight_out, launcher, layout, precision,
+                                          tensor_cores))
         if grad_bias_out is not None:
-            pointers = (grad_out, grad_bias_out)
-            runs.append((table.GRAD_BIAS, _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True,
-                                                     launcher, pointers, tensor_cores), pointers))
-        scratch = sum(chosen[1].scratch_bound() for _, chosen, _ in runs)
+            runs.append(_grad_bias_pass(g, dtype, grad_out, grad_bias_out, launcher, layout, tensor_cores))
+        scratch = sum(chosen[1].scratch_bound for _, chosen, _ in runs)
         if scratch:
             launcher.alloc = Arena(alloc, scratch).alloc
-        for pass_, chosen, pointers in runs:
-            _run(pass_, chosen, launcher, pointers)
+        for run in runs:
+            _run(*run, launcher)
     finally:
         launcher.copies = None
         launcher.alloc = alloc

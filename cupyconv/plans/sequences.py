@@ -10,6 +10,7 @@ A sequence lists its plans (to compile ahead and to show) and runs them on a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -23,9 +24,11 @@ class PassPlan:
         """Every plan this pass may launch (a shared channels_last copy too)."""
         raise NotImplementedError
 
+    @functools.cached_property
     def scratch_bound(self) -> int:
         """At most how many bytes of scratch a run asks for, each piece rounded up as
-        :func:`~cupyconv.plans.launch.carve` rounds it (a shared copy counted as its own)."""
+        :func:`~cupyconv.plans.launch.carve` rounds it (a shared copy counted as its own).
+        Worked out once per plan: a backward asks on every call."""
         return sum(aligned_size(p.scratch_bytes) for p in self.plans() if p.scratch_bytes)
 
     def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
