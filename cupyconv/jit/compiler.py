@@ -73,11 +73,20 @@ class KernelSpec:
     template: str
     function: str
     constants: Tuple[Tuple[str, object], ...]
+    # "" builds for the device's own architecture; an architecture-specific target such as
+    # "sm_90a" (wgmma, setmaxnreg) builds for exactly that and loads only on such a device.
+    target: str = ""
 
     @classmethod
-    def make(cls, template: str, function: str, constants: Mapping[str, object]) -> "KernelSpec":
+    def make(cls, template: str, function: str, constants: Mapping[str, object], target: str = "") -> "KernelSpec":
         """A hashable spec; the constants are sorted by name, so their order does not matter."""
-        return cls(template, function, tuple(sorted(constants.items())))
+        return cls(template, function, tuple(sorted(constants.items())), target)
+
+    @property
+    def options(self) -> Tuple[str, ...]:
+        """NVRTC options: CuPy adds the device's ``-arch=sm_XY``, and NVRTC keeps the
+        architecture-specific target when both are given."""
+        return COMPILE_OPTIONS + ((f"-arch={self.target}",) if self.target else ())
 
     def source(self) -> str:
         """The template rendered with these constants: the CUDA source NVRTC compiles."""
@@ -116,7 +125,7 @@ def compiled_devices() -> set:
 def compiled_specs() -> set:
     """(KernelSpec, device id) of every kernel this process holds compiled."""
     with _entries_lock:
-        return {(KernelSpec(key[0], key[2], key[3]), key[4]) for key, entry in _entries.items()
+        return {(KernelSpec(key[0], key[2], key[3], key[6]), key[4]) for key, entry in _entries.items()
                 if entry.function is not None}
 
 
@@ -137,17 +146,18 @@ def _build(spec: KernelSpec, device_id: int):
     import cupy
 
     source = spec.source()
+    options = spec.options
     with cupy.cuda.Device(device_id):
         try:
-            kernel = cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
+            kernel = cupy.RawModule(code=source, options=options).get_function(spec.function)
             kernel.kernel  # compile and load now, under this device, not at the first launch
         except cupy.cuda.compiler.CompileException as exc:
-            raise KernelCompileError(spec.function, COMPILE_OPTIONS, str(exc), source) from None
+            raise KernelCompileError(spec.function, options, str(exc), source) from None
         except (OSError, cupy.cuda.driver.CUDADriverError):
             # A read-only or full CUPY_CACHE_DIR, or a cached binary the driver rejects:
             # keep working, compiling in memory without the disk cache.
             os.environ["CUPY_CACHE_IN_MEMORY"] = "1"
-            kernel = cupy.RawModule(code=source, options=COMPILE_OPTIONS).get_function(spec.function)
+            kernel = cupy.RawModule(code=source, options=options).get_function(spec.function)
             kernel.kernel
     return kernel
 
@@ -215,7 +225,8 @@ def _is_built(spec: KernelSpec, device_id: int, arch: str) -> bool:
 
 
 def _key(spec: KernelSpec, device_id: int, arch: str) -> tuple:
-    return (spec.template, templates.content_hash(spec.template), spec.function, spec.constants, device_id, arch)
+    return (spec.template, templates.content_hash(spec.template), spec.function, spec.constants, device_id, arch,
+            spec.target)
 
 
 def compile_many(specs, device_id: int, workers: int = 8) -> int:

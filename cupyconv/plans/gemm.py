@@ -132,8 +132,12 @@ def _bk(dtype: str) -> int:
 def plan_pack_weight(g: Geometry, dtype: str, mode: int, tile: Tile) -> Plan:
     """Repack the weight into the B-operand layout of a GEMM plan (see pack_weight.cu)."""
     cg_n, cg_k = (g.out_per_group, g.in_per_group) if mode == 0 else (g.in_per_group, g.out_per_group)
+    return plan_pack_weight_padded(g, dtype, mode, cdiv(cg_n, tile.bn) * tile.bn, cdiv(cg_k, _bk(dtype)) * _bk(dtype))
+
+
+def plan_pack_weight_padded(g: Geometry, dtype: str, mode: int, n_pad: int, k_pad: int) -> Plan:
+    """Repack the weight as [group][tap][n_pad][k_pad], zero-padded (see pack_weight.cu)."""
     taps = g.kernel[0] * g.kernel[1]
-    n_pad, k_pad = cdiv(cg_n, tile.bn) * tile.bn, cdiv(cg_k, _bk(dtype)) * _bk(dtype)
     total = g.groups * taps * n_pad * k_pad
     element = _itemsize(dtype)
     constants = dict(INDEX_T=index_type(total, numel(g.weight_shape)), MODE=mode, ELEMENT_BYTES=element,

@@ -1,0 +1,236 @@
+"""Hopper tensor-core kernels (``wgmma``, sm_90a) that read each input pixel once per block.
+
+The forward runs per stride phase on a halo tile: a block copies the input pixels its
+output patch needs into shared memory once per channel chunk, and every tap's MMA reads
+that one tile from a shifted origin (``kernels/conv_transpose2d_wgmma_forward.cu``).
+The weight is repacked per tap as for the ``mma.sync`` GEMMs, and NCHW inputs are copied
+into channels_last scratch first, as there.  Built for exactly sm_90 (``sm_90a`` code
+runs on no other architecture); other GPUs keep the ``gemm`` family.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ..core import dtypes
+from ..core.device import WGMMA, Device
+from ..core.geometry import Geometry
+from ..jit.compiler import KernelSpec
+from ..tuning.variants import Variant
+from . import gemm
+from .family import Family
+from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
+from .sequences import PackedGemm, PassPlan
+
+TARGET = "sm_90a"
+# wgmma kinds, as mma.cuh numbers them; float32 (TF32 and 3xTF32) is not built yet.
+_KINDS = {"float16": 0, "bfloat16": 1}
+# Dynamic shared memory a block may use on an H100 (227 KB), less the kernel's static tap table.
+SMEM_LIMIT = 227 * 1024 - 4096
+B_STAGES = 4
+_GRID_X_LIMIT = 2 ** 31 - 1
+
+
+@dataclass(frozen=True)
+class HaloTile:
+    """A block's output patch: ``images`` images x ``tile_h`` x ``tile_w`` pixels of one stride phase's
+    grid, and ``bn`` output channels.
+
+    The patch is split among the warpgroups in 64-pixel MMA blocks; each thread holds
+    :attr:`accumulators` fp32 values.
+    """
+
+    images: int
+    tile_h: int
+    tile_w: int
+    bn: int
+
+    @property
+    def name(self) -> str:
+        return (f"{self.images}i" if self.images > 1 else "") + f"{self.tile_h}x{self.tile_w}x{self.bn}"
+
+    @property
+    def pixels(self) -> int:
+        return self.images * self.tile_h * self.tile_w
+
+    @property
+    def warpgroups(self) -> int:
+        return 2 if self.pixels >= 128 else 1
+
+    @property
+    def accumulators(self) -> int:
+        return self.pixels // (64 * self.warpgroups) * self.bn // 2
+
+
+# At most 128 accumulators a thread; a single warpgroup's 64 x 256 leave it too few
+# registers besides (it spilled), so there is no 8x8x256.
+TILES = {t.name: t for t in (HaloTile(1, 16, 16, 128), HaloTile(1, 32, 8, 128), HaloTile(1, 8, 16, 256),
+                             HaloTile(1, 16, 8, 256), HaloTile(1, 16, 16, 64), HaloTile(1, 8, 16, 128),
+                             HaloTile(1, 16, 8, 128), HaloTile(1, 8, 8, 128), HaloTile(1, 8, 8, 64),
+                             HaloTile(4, 8, 8, 128), HaloTile(2, 8, 8, 256), HaloTile(4, 8, 8, 64),
+                             HaloTile(2, 8, 8, 128), HaloTile(1, 32, 16, 64), HaloTile(1, 16, 16, 32),
+                             HaloTile(1, 32, 16, 32), HaloTile(4, 8, 8, 32))}
+
+
+def phase_offsets(g: Geometry) -> List[Tuple[List[int], List[int]]]:
+    """For each stride phase (rh, rw), row-major: the input-row and input-column offsets of its taps."""
+    (kh, kw), (sh, sw) = g.kernel, g.params.stride
+    (ph, pw), (dh, dw) = g.params.padding, g.params.dilation
+    found = []
+    for rh in range(sh):
+        rows = [(rh + ph - k * dh) // sh for k in range(kh) if (rh + ph - k * dh) % sh == 0]
+        for rw in range(sw):
+            cols = [(rw + pw - k * dw) // sw for k in range(kw) if (rw + pw - k * dw) % sw == 0]
+            found.append((rows, cols))
+    return found
+
+
+def halo_extent(g: Geometry, tile: HaloTile) -> Tuple[int, int]:
+    """The halo (rows, columns) of one image for the widest phase."""
+    spans = [(max(r) - min(r), max(c) - min(c)) for r, c in phase_offsets(g) if r and c]
+    if not spans:
+        return tile.tile_h, tile.tile_w
+    return tile.tile_h + max(s[0] for s in spans), tile.tile_w + max(s[1] for s in spans)
+
+
+def fewest_taps(g: Geometry) -> int:
+    """Taps of the phase with the fewest (phases with none store the bias alone)."""
+    counts = [len(r) * len(c) for r, c in phase_offsets(g)]
+    return min((c for c in counts if c), default=1)
+
+
+def _itemsize(dtype: str) -> int:
+    return dtypes.get(dtype).itemsize
+
+
+def chunk_channels(g: Geometry, dtype: str) -> int:
+    """Input channels per chunk: 128 bytes of each pixel, or all of them when fewer."""
+    step = 32 // _itemsize(dtype)
+    return min(128 // _itemsize(dtype), cdiv(g.in_per_group, step) * step)
+
+
+def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int) -> Tuple[int, int]:
+    """(dynamic shared memory, halo stages) of a forward plan."""
+    halo_h, halo_w = halo_extent(g, tile)
+    groups = ck * _itemsize(dtype) // 16
+    halo = groups * ((tile.images * halo_h * halo_w) | 1) * 16
+    b = groups * (tile.bn + 1) * 16
+    halo_stages = 1 + cdiv(B_STAGES - 1, fewest_taps(g))
+    pipeline = halo_stages * halo + B_STAGES * b
+    staging = (tile.pixels + 16) * (tile.bn + 16) * _itemsize(dtype)   # the epilogue's, in the same buffers
+    return max(pipeline, staging), halo_stages
+
+
+def forward_tile(g: Geometry) -> HaloTile:
+    """Heuristic tile: 256 output pixels a block where the phase grid has them (several images of
+    a small grid), the channel side covering the output channels up to 128 (256 with 128 pixels)."""
+    sh, sw = g.params.stride
+    grid_h, grid_w = cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
+    bn = 32 if g.out_per_group <= 32 else 64 if g.out_per_group <= 64 else 128
+    if grid_h <= 8 and grid_w <= 8:
+        return TILES[f"4i8x8x{bn}"] if g.batch >= 4 or bn == 32 else TILES[f"8x8x{bn}"]
+    return TILES[f"32x8x{bn}"] if grid_w <= 8 and bn == 128 else TILES[f"16x16x{bn}"]
+
+
+def eligible(g: Geometry, dtype: str) -> bool:
+    """Whether the forward kernel can run this layer: fp16/bf16, whole 16-byte channel groups,
+    a halo that fits shared memory with the smallest tile, and grid limits."""
+    if dtype not in _KINDS or g.in_per_group % (16 // _itemsize(dtype)) or min(g.in_per_group, g.out_per_group) < 16:
+        return False
+    if not gemm.gemm_fits(g, dtype):
+        return False
+    sh, sw = g.params.stride
+    if sh * sw > GRID_YZ_LIMIT:
+        return False
+    tile = TILES["8x8x64"]
+    if smem_bytes(g, dtype, tile, chunk_channels(g, dtype))[0] > SMEM_LIMIT:
+        return False
+    return g.groups * cdiv(g.out_per_group, 64) <= GRID_YZ_LIMIT
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw",
+                 tile: Optional[HaloTile] = None) -> PackedGemm:
+    """The forward as one halo-tile wgmma kernel per stride phase (grid z), after the weight repack
+    and, for NCHW input, the channels_last copy."""
+    tile = tile or forward_tile(g)
+    ck = chunk_channels(g, dtype)
+    smem, halo_stages = smem_bytes(g, dtype, tile, ck)
+    while smem > SMEM_LIMIT and ck > 32 // _itemsize(dtype):
+        ck //= 2
+        smem, halo_stages = smem_bytes(g, dtype, tile, ck)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"the halo of tile {tile.name} does not fit shared memory")
+    halo_h, halo_w = halo_extent(g, tile)
+    sh, sw = g.params.stride
+    h_out, w_out = g.out_size
+    tiles = cdiv(g.batch, tile.images) * cdiv(cdiv(h_out, sh), tile.tile_h) * cdiv(cdiv(w_out, sw), tile.tile_w)
+    if tiles > _GRID_X_LIMIT:
+        raise ValueError("too many output tiles for one launch")
+    n_pad = cdiv(g.out_per_group, tile.bn) * tile.bn
+    k_pad = cdiv(g.in_per_group, ck) * ck
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(MMA_KIND=_KINDS[dtype], TILE_IMAGES=tile.images, TILE_H=tile.tile_h, TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups,
+                     BN=tile.bn, CK=ck, B_STAGES=B_STAGES, HALO_STAGES=halo_stages, HALO_H=halo_h, HALO_W=halo_w,
+                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias))
+    spec = KernelSpec.make("conv_transpose2d_wgmma_forward.cu", "conv_transpose2d_wgmma_forward", constants, TARGET)
+    main = Plan(spec, (tiles, g.groups * cdiv(g.out_per_group, tile.bn), sh * sw), (128 * tile.warpgroups, 1, 1),
+                (g.batch,) + g.in_size + g.out_size, index_t, smem_bytes=smem)
+    pack = gemm.plan_pack_weight_padded(g, dtype, 0, n_pad, k_pad)
+    to_cl = gemm.plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype) \
+        if layout == "nchw" else None
+    return PackedGemm(pack, main, to_cl)
+
+
+def options(g: Geometry) -> List[Dict[str, object]]:
+    """Tiles worth timing: the heuristic, then those whose N side fits the channels and whose
+    patch fits the phase grid."""
+    sh, sw = g.params.stride
+    grid_h, grid_w = cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
+    found: List[Dict[str, object]] = [{}]
+    for tile in TILES.values():
+        if tile.bn > 32 and g.out_per_group <= tile.bn // 2:
+            continue
+        if tile.tile_h > 8 * cdiv(grid_h, 8) or tile.tile_w > 8 * cdiv(grid_w, 8):
+            continue
+        if tile.images > 1 and (grid_h > tile.tile_h or grid_w > tile.tile_w or g.batch < tile.images):
+            continue
+        found.append({"tile": tile.name})
+    return found
+
+
+class WgmmaFamily(Family):
+    name = "wgmma"
+    passes = ("forward",)
+    max_variants = 6
+
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
+        """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
+        return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
+                and _eligible(g, dtype))
+
+    def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
+        return [Variant.make(self.name, **opts) for opts in options(g)]
+
+    def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
+             has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        kwargs = dict(variant.kwargs)
+        tile = TILES[kwargs["tile"]] if "tile" in kwargs else None
+        if layout == "nhwc" and not aligned:
+            # The halo copies need 16-byte aligned channel groups; an offset view takes the mma.sync GEMM.
+            return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False)
+        return plan_forward(g, dtype, has_bias, layout, tile)
+
+    def clear(self) -> None:
+        plan_forward.cache_clear()
+        _eligible.cache_clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def _eligible(g: Geometry, dtype: str) -> bool:
+    return eligible(g, dtype)
+
+
+FAMILY = WgmmaFamily()
