@@ -21,6 +21,7 @@
 #include "mma.cuh"
 #include "wgmma.cuh"
 #include "cp_async_pipeline.cuh"
+#include "cluster_copy.cuh"
 
 constexpr int KIND = {{MMA_KIND}};
 constexpr int TILE_IMAGES = {{TILE_IMAGES}}, TILE_H = {{TILE_H}}, TILE_W = {{TILE_W}};
@@ -31,6 +32,12 @@ constexpr int B_STAGES = {{B_STAGES}}, HALO_STAGES = {{HALO_STAGES}};
 constexpr int HALO_H = {{HALO_H}}, HALO_W = {{HALO_W}};   // the widest phase's halo
 constexpr bool DST_CL = {{DST_CL}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}};
+// CTAs per cluster along the tiles.  With more than one, the CTAs of a cluster share each
+// weight tile: each copies 1/CLUSTER of it and the copy engine multicasts it to all, which
+// divides the weights' L2 traffic (the kernel's limit) by CLUSTER.  The weight is then
+// packed tile by tile ([group][n tile][chunk][tap][16-byte group][n]) so a share is one
+// contiguous bulk copy.
+constexpr int CLUSTER = {{CLUSTER}};
 
 constexpr int THREADS = 128 * WARPGROUPS;
 constexpr int VEC = 16 / sizeof(scalar_t);     // channels in one 16-byte core-matrix row
@@ -49,7 +56,7 @@ constexpr int IMAGE_HALO = HALO_H * HALO_W;
 constexpr int HALO_PIXELS = TILE_IMAGES * IMAGE_HALO;
 constexpr int HALO_PLANE = (HALO_PIXELS | 1) * 16;
 constexpr int HALO_BYTES = CHUNK_GROUPS * HALO_PLANE;
-constexpr int B_PLANE = (BN + 1) * 16;
+constexpr int B_PLANE = CLUSTER > 1 ? BN * 16 : (BN + 1) * 16;   // cp.async stores: padded against bank conflicts
 constexpr int B_BYTES = CHUNK_GROUPS * B_PLANE;
 constexpr int HALO_VECS = CHUNK_GROUPS * HALO_PIXELS;
 constexpr int B_VECS = CHUNK_GROUPS * BN;
@@ -68,17 +75,19 @@ __device__ __forceinline__ int staged_at(int row, int channel) {
 }
 static_assert(CK % K_STEP == 0 && CIN_G % VEC == 0, "chunks of whole MMA steps, channels in whole 16-byte groups");
 static_assert(B_STAGES >= 3 && HALO_STAGES >= 1, "pipeline depths");
+static_assert(CHUNK_GROUPS % CLUSTER == 0 && CLUSTER <= 8, "whole 16-byte groups per CTA's share of a weight tile");
 static_assert(HALO_STAGES * HALO_BYTES + B_STAGES * B_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
 
 struct Tap { int offset, w; };   // byte offset of the tap's origin in a halo plane; weight tap
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)
 conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t* __restrict__ packed_weight,
                                const scalar_t* __restrict__ bias, scalar_t* __restrict__ dst,
                                index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST) {
     extern __shared__ __align__(128) unsigned char smem[];   // HALO_STAGES halos, then B_STAGES weight tiles
     __shared__ Tap taps[TAPS];
     __shared__ int tap_count, min_dh, min_dw;
+    __shared__ __align__(8) unsigned long long b_full[B_STAGES];   // weight tiles landed (CLUSTER > 1)
 
     const int tid = threadIdx.x;
     const int rh = static_cast<int>(blockIdx.z) / SW, rw = static_cast<int>(blockIdx.z) % SW;
@@ -89,7 +98,9 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
     const index_t tile = blockIdx.x;
     const index_t n0_image = tile / (tiles_w * tiles_h) * TILE_IMAGES;   // the tile's first image
     const index_t i0 = (tile / tiles_w % tiles_h) * TILE_H, j0 = tile % tiles_w * TILE_W;
-    if (n0_image >= N || i0 >= MH || j0 >= MW) return;
+    // A tile past the grid stores nothing; in a cluster it still runs, since its partners
+    // copy weights into its shared memory and wait at its barriers.
+    if (CLUSTER == 1 && (n0_image >= N || i0 >= MH || j0 >= MW)) return;
     const int g = blockIdx.y / N_TILES;
     const int n0 = (blockIdx.y % N_TILES) * BN;
 
@@ -117,8 +128,17 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
         }
         min_dh = lo_h;
         min_dw = lo_w;
+        if constexpr (CLUSTER > 1) {
+            for (int s = 0; s < B_STAGES; ++s) mbarrier_init(smem_addr(&b_full[s]), 1);
+            fence_mbarrier_init();
+        }
     }
-    __syncthreads();
+    if constexpr (CLUSTER > 1) {
+        cluster_arrive();   // every CTA's barriers exist before any copy lands on them
+        cluster_wait();
+    } else {
+        __syncthreads();
+    }
     const int tap_n = tap_count;
     const int steps = CHUNKS * tap_n;
     const index_t halo_i0 = i0 + min_dh, halo_j0 = j0 + min_dw;
@@ -130,6 +150,8 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
     const index_t src_batch = H_SRC * W_SRC * CIN;
     const scalar_t* src_group = src + n0_image * src_batch + static_cast<index_t>(g) * CIN_G;
     const scalar_t* w_group = packed_weight + (static_cast<index_t>(g) * TAPS * N_PAD + n0) * K_PAD;
+    const unsigned rank = CLUSTER > 1 ? cluster_rank() : 0;
+    const scalar_t* w_tiles = packed_weight + (static_cast<index_t>(g) * N_PAD + n0) * TAPS * K_PAD;   // tiled packing
 
     // Step s multiplies tap s % tap_n of chunk s / tap_n; its copies are one commit group,
     // the chunk's halo riding with the chunk's first tap.
@@ -150,10 +172,21 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
                 }
             }
             const unsigned b = b_slot(s);
-            const scalar_t* w_tap = w_group + static_cast<index_t>(taps[t].w) * N_PAD * K_PAD + c * CK;
-            for (int v = tid; v < B_VECS; v += THREADS) {
-                const int group = v % CHUNK_GROUPS, row = v / CHUNK_GROUPS;
-                cp_async_16(b + group * B_PLANE + row * 16, w_tap + row * K_PAD + group * VEC, true);
+            if constexpr (CLUSTER > 1) {
+                if (tid == 0) {
+                    constexpr unsigned SHARE = B_BYTES / CLUSTER;
+                    const unsigned bar = smem_addr(&b_full[s % B_STAGES]);
+                    const scalar_t* tile = w_tiles + (static_cast<index_t>(c) * TAPS + taps[t].w) * CK * BN;
+                    mbarrier_expect_bytes(bar, B_BYTES);
+                    bulk_copy_multicast(b + rank * SHARE, reinterpret_cast<const char*>(tile) + rank * SHARE, SHARE,
+                                        bar, static_cast<unsigned short>((1u << CLUSTER) - 1));
+                }
+            } else {
+                const scalar_t* w_tap = w_group + static_cast<index_t>(taps[t].w) * N_PAD * K_PAD + c * CK;
+                for (int v = tid; v < B_VECS; v += THREADS) {
+                    const int group = v % CHUNK_GROUPS, row = v / CHUNK_GROUPS;
+                    cp_async_16(b + group * B_PLANE + row * 16, w_tap + row * K_PAD + group * VEC, true);
+                }
             }
         }
         cp_async_commit();   // empty groups keep the wait count uniform
@@ -176,12 +209,17 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
 
 #pragma unroll
     for (int s = 0; s < LOOKAHEAD; ++s) issue(s);
+    if constexpr (CLUSTER > 1) cluster_arrive();   // pairs with the first step's wait
     for (int s = 0; s < steps; ++s) {
         cp_async_wait<LOOKAHEAD - 1>();
         fence_async_shared();
         // Step s has landed for every thread, and every warpgroup has finished the MMAs of
         // step s - 2, whose buffers the next issue overwrites.
         __syncthreads();
+        if constexpr (CLUSTER > 1) {
+            mbarrier_wait(smem_addr(&b_full[s % B_STAGES]), (s / B_STAGES) & 1);
+            cluster_wait();   // ... in every CTA of the cluster, whose buffers the next copies fill too
+        }
         issue(s + LOOKAHEAD);
         const int c = s / tap_n, t = s % tap_n;
         const unsigned a_origin = halo_slot(c) + taps[t].offset, b_origin = b_slot(s);
@@ -202,7 +240,9 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
         wgmma_wait<1>();
+        if constexpr (CLUSTER > 1) cluster_arrive();   // this CTA is done with step s - 1
     }
+    if constexpr (CLUSTER > 1) cluster_wait();
     wgmma_wait<0>();
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);

@@ -135,14 +135,16 @@ def plan_pack_weight(g: Geometry, dtype: str, mode: int, tile: Tile) -> Plan:
     return plan_pack_weight_padded(g, dtype, mode, cdiv(cg_n, tile.bn) * tile.bn, cdiv(cg_k, _bk(dtype)) * _bk(dtype))
 
 
-def plan_pack_weight_padded(g: Geometry, dtype: str, mode: int, n_pad: int, k_pad: int) -> Plan:
-    """Repack the weight as [group][tap][n_pad][k_pad], zero-padded (see pack_weight.cu)."""
+def plan_pack_weight_padded(g: Geometry, dtype: str, mode: int, n_pad: int, k_pad: int,
+                            tile: Tuple[int, int] = (0, 0)) -> Plan:
+    """Repack the weight as [group][tap][n_pad][k_pad], zero-padded, or with ``tile`` = (n, k) as
+    contiguous n x k tiles, one per (n tile, k chunk, tap) (see pack_weight.cu)."""
     taps = g.kernel[0] * g.kernel[1]
     total = g.groups * taps * n_pad * k_pad
     element = _itemsize(dtype)
     constants = dict(INDEX_T=index_type(total, numel(g.weight_shape)), MODE=mode, ELEMENT_BYTES=element,
                      TAPS=taps, GROUPS=g.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group, N_PAD=n_pad,
-                     K_PAD=k_pad, BLOCK=ELEMENTWISE_BLOCK)
+                     K_PAD=k_pad, BLOCK=ELEMENTWISE_BLOCK, TILE_N=tile[0], TILE_K=tile[1])
     spec = KernelSpec.make("pack_weight.cu", "pack_weight", constants)
     return Plan(spec, (min(cdiv(total, ELEMENTWISE_BLOCK), 8192), 1, 1), (ELEMENTWISE_BLOCK, 1, 1), (),
                 constants["INDEX_T"], scratch_bytes=total * element)

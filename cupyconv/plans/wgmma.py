@@ -149,11 +149,31 @@ def eligible(g: Geometry, dtype: str) -> bool:
     return g.groups * cdiv(g.out_per_group, 64) <= GRID_YZ_LIMIT
 
 
+CLUSTERS = (1, 2, 4)
+
+
+def default_cluster(g: Geometry, tile: HaloTile, ck: int, dtype: str) -> int:
+    """CTAs sharing each weight tile; one.  Multicasting the weights cut asym_kernel's L2 reads from 166 M
+    to 60 M sectors but made it slower (1.92 -> 2.14 ms, H100): the kernel waits on its barriers, not on
+    L2 (benchmarks/NOTES.md, v10), so clusters are left to the tuner."""
+    return 1
+
+
+def _tile_count(g: Geometry, tile: HaloTile) -> int:
+    sh, sw = g.params.stride
+    h_out, w_out = g.out_size
+    return cdiv(g.batch, tile.images) * cdiv(cdiv(h_out, sh), tile.tile_h) * cdiv(cdiv(w_out, sw), tile.tile_w)
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw",
-                 tile: Optional[HaloTile] = None) -> PackedGemm:
+                 tile: Optional[HaloTile] = None, cluster: Optional[int] = None) -> PackedGemm:
     """The forward as one halo-tile wgmma kernel per stride phase (grid z), after the weight repack
-    and, for NCHW input, the channels_last copy."""
+    and, for NCHW input, the channels_last copy.
+
+    ``cluster``: CTAs (one of :data:`CLUSTERS`) that share each weight tile through multicast
+    copies; the default is :func:`default_cluster`.
+    """
     tile = tile or forward_tile(g)
     ck = chunk_channels(g, dtype)
     smem, halo_stages = smem_bytes(g, dtype, tile, ck)
@@ -164,8 +184,10 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw",
         raise ValueError(f"the halo of tile {tile.name} does not fit shared memory")
     halo_h, halo_w = halo_extent(g, tile)
     sh, sw = g.params.stride
-    h_out, w_out = g.out_size
-    tiles = cdiv(g.batch, tile.images) * cdiv(cdiv(h_out, sh), tile.tile_h) * cdiv(cdiv(w_out, sw), tile.tile_w)
+    cluster = cluster or default_cluster(g, tile, ck, dtype)
+    if cluster not in CLUSTERS or (ck * _itemsize(dtype) // 16) % cluster:
+        raise ValueError(f"cluster must be one of {CLUSTERS} and split the chunk's 16-byte groups, got {cluster}")
+    tiles = cdiv(_tile_count(g, tile), cluster) * cluster
     if tiles > _GRID_X_LIMIT:
         raise ValueError("too many output tiles for one launch")
     n_pad = cdiv(g.out_per_group, tile.bn) * tile.bn
@@ -174,23 +196,24 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw",
     constants = layer_constants(g, dtype, index_t)
     constants.update(MMA_KIND=_KINDS[dtype], TILE_IMAGES=tile.images, TILE_H=tile.tile_h, TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups,
                      BN=tile.bn, CK=ck, B_STAGES=B_STAGES, HALO_STAGES=halo_stages, HALO_H=halo_h, HALO_W=halo_w,
-                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias))
+                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias), CLUSTER=cluster)
     spec = KernelSpec.make("conv_transpose2d_wgmma_forward.cu", "conv_transpose2d_wgmma_forward", constants, TARGET)
     main = Plan(spec, (tiles, g.groups * cdiv(g.out_per_group, tile.bn), sh * sw), (128 * tile.warpgroups, 1, 1),
                 (g.batch,) + g.in_size + g.out_size, index_t, smem_bytes=smem)
-    pack = gemm.plan_pack_weight_padded(g, dtype, 0, n_pad, k_pad)
+    pack = gemm.plan_pack_weight_padded(g, dtype, 0, n_pad, k_pad, (tile.bn, ck) if cluster > 1 else (0, 0))
     to_cl = gemm.plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype) \
         if layout == "nchw" else None
     return PackedGemm(pack, main, to_cl)
 
 
 def options(g: Geometry) -> List[Dict[str, object]]:
-    """Tiles worth timing: the heuristic, then those whose N side fits the channels and whose
-    patch fits the phase grid."""
+    """Planner options worth timing: the heuristic, the other cluster sizes with the heuristic
+    tile, then tiles whose N side fits the channels and whose patch fits the phase grid."""
     sh, sw = g.params.stride
     grid_h, grid_w = cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
-    found: List[Dict[str, object]] = [{}]
-    for tile in TILES.values():
+    found: List[Dict[str, object]] = [{}] + [{"cluster": c} for c in CLUSTERS if c != 1]
+    # Larger patches first: they read the weights fewer times.
+    for tile in sorted(TILES.values(), key=lambda t: -t.pixels * t.bn):
         if tile.bn > 32 and g.out_per_group <= tile.bn // 2:
             continue
         if tile.tile_h > 8 * cdiv(grid_h, 8) or tile.tile_w > 8 * cdiv(grid_w, 8):
@@ -204,7 +227,7 @@ def options(g: Geometry) -> List[Dict[str, object]]:
 class WgmmaFamily(Family):
     name = "wgmma"
     passes = ("forward",)
-    max_variants = 6
+    max_variants = 8
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
         """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
@@ -221,7 +244,7 @@ class WgmmaFamily(Family):
         if layout == "nhwc" and not aligned:
             # The halo copies need 16-byte aligned channel groups; an offset view takes the mma.sync GEMM.
             return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False)
-        return plan_forward(g, dtype, has_bias, layout, tile)
+        return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("cluster"))
 
     def clear(self) -> None:
         plan_forward.cache_clear()
