@@ -29,7 +29,6 @@ _KINDS = {"float16": 0, "bfloat16": 1}
 # Dynamic shared memory a block may use on an H100 (227 KB), less the kernel's static tap table.
 SMEM_LIMIT = 227 * 1024 - 4096
 B_STAGES = 4
-_GRID_X_LIMIT = 2 ** 31 - 1
 
 
 @dataclass(frozen=True)
@@ -110,16 +109,18 @@ def chunk_channels(g: Geometry, dtype: str) -> int:
     return min(128 // _itemsize(dtype), cdiv(g.in_per_group, step) * step)
 
 
-def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int) -> Tuple[int, int]:
-    """(dynamic shared memory, halo stages) of a forward plan."""
+def halo_stages(g: Geometry, b_stages: int) -> int:
+    """Halo buffers: two, so the next chunk's (or tile's) halo lands while this one is read, and more
+    where chunks have few taps, so the halos keep up with the weight buffers."""
+    return max(2, min(b_stages, cdiv(b_stages, fewest_taps(g)) + 1))
+
+
+def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int) -> int:
+    """Dynamic shared memory of a forward plan: its halo and weight buffers."""
     halo_h, halo_w = halo_extent(g, tile)
     groups = ck * _itemsize(dtype) // 16
     halo = groups * ((tile.images * halo_h * halo_w) | 1) * 16
-    b = groups * (tile.bn + 1) * 16
-    halo_stages = 1 + cdiv(B_STAGES - 1, fewest_taps(g))
-    pipeline = halo_stages * halo + B_STAGES * b
-    staging = (tile.pixels + 16) * (tile.bn + 16) * _itemsize(dtype)   # the epilogue's, in the same buffers
-    return max(pipeline, staging), halo_stages
+    return halo_stages(g, b_stages) * halo + b_stages * groups * tile.bn * 16
 
 
 def forward_tile(g: Geometry) -> HaloTile:
@@ -143,20 +144,9 @@ def eligible(g: Geometry, dtype: str) -> bool:
     sh, sw = g.params.stride
     if sh * sw > GRID_YZ_LIMIT:
         return False
-    tile = TILES["8x8x64"]
-    if smem_bytes(g, dtype, tile, chunk_channels(g, dtype))[0] > SMEM_LIMIT:
+    if smem_bytes(g, dtype, HaloTile(1, 8, 8, 32), 32 // _itemsize(dtype), 2) > SMEM_LIMIT:
         return False
     return g.groups * cdiv(g.out_per_group, 64) <= GRID_YZ_LIMIT
-
-
-CLUSTERS = (1, 2, 4)
-
-
-def default_cluster(g: Geometry, tile: HaloTile, ck: int, dtype: str) -> int:
-    """CTAs sharing each weight tile; one.  Multicasting the weights cut asym_kernel's L2 reads from 166 M
-    to 60 M sectors but made it slower (1.92 -> 2.14 ms, H100): the kernel waits on its barriers, not on
-    L2 (benchmarks/NOTES.md, v10), so clusters are left to the tuner."""
-    return 1
 
 
 def _tile_count(g: Geometry, tile: HaloTile) -> int:
@@ -165,53 +155,62 @@ def _tile_count(g: Geometry, tile: HaloTile) -> int:
     return cdiv(g.batch, tile.images) * cdiv(cdiv(h_out, sh), tile.tile_h) * cdiv(cdiv(w_out, sw), tile.tile_w)
 
 
+STAGE_CHOICES = (2, 3, 4, 6)
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw",
-                 tile: Optional[HaloTile] = None, cluster: Optional[int] = None) -> PackedGemm:
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", tile: Optional[HaloTile] = None,
+                 stages: Optional[int] = None, sm_count: int = 132) -> PackedGemm:
     """The forward as one halo-tile wgmma kernel per stride phase (grid z), after the weight repack
     and, for NCHW input, the channels_last copy.
 
-    ``cluster``: CTAs (one of :data:`CLUSTERS`) that share each weight tile through multicast
-    copies; the default is :func:`default_cluster`.
+    ``stages``: weight buffers (one of :data:`STAGE_CHOICES`; default :data:`B_STAGES`, fewer where
+    shared memory runs out).  Blocks are persistent: about one per SM, each walking the tiles of its
+    channel tile and phase.
     """
     tile = tile or forward_tile(g)
+    if stages is not None and stages not in STAGE_CHOICES:
+        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
     ck = chunk_channels(g, dtype)
-    smem, halo_stages = smem_bytes(g, dtype, tile, ck)
-    while smem > SMEM_LIMIT and ck > 32 // _itemsize(dtype):
+    b_stages = stages or B_STAGES
+    # Shrink the chunk, then (unless asked for) the weight ring, until the buffers fit.
+    while smem_bytes(g, dtype, tile, ck, b_stages) > SMEM_LIMIT and ck > 32 // _itemsize(dtype):
         ck //= 2
-        smem, halo_stages = smem_bytes(g, dtype, tile, ck)
+    while stages is None and smem_bytes(g, dtype, tile, ck, b_stages) > SMEM_LIMIT and b_stages > 2:
+        b_stages -= 1
+    smem = smem_bytes(g, dtype, tile, ck, b_stages)
     if smem > SMEM_LIMIT:
         raise ValueError(f"the halo of tile {tile.name} does not fit shared memory")
     halo_h, halo_w = halo_extent(g, tile)
     sh, sw = g.params.stride
-    cluster = cluster or default_cluster(g, tile, ck, dtype)
-    if cluster not in CLUSTERS or (ck * _itemsize(dtype) // 16) % cluster:
-        raise ValueError(f"cluster must be one of {CLUSTERS} and split the chunk's 16-byte groups, got {cluster}")
-    tiles = cdiv(_tile_count(g, tile), cluster) * cluster
-    if tiles > _GRID_X_LIMIT:
-        raise ValueError("too many output tiles for one launch")
-    n_pad = cdiv(g.out_per_group, tile.bn) * tile.bn
+    tiles = _tile_count(g, tile)
+    n_tiles = cdiv(g.out_per_group, tile.bn)
+    others = g.groups * n_tiles * sh * sw
+    blocks = min(tiles, max(1, sm_count // others))
+    n_pad = n_tiles * tile.bn
     k_pad = cdiv(g.in_per_group, ck) * ck
-    index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad)
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape),
+                         g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad)
     constants = layer_constants(g, dtype, index_t)
-    constants.update(MMA_KIND=_KINDS[dtype], TILE_IMAGES=tile.images, TILE_H=tile.tile_h, TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups,
-                     BN=tile.bn, CK=ck, B_STAGES=B_STAGES, HALO_STAGES=halo_stages, HALO_H=halo_h, HALO_W=halo_w,
-                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias), CLUSTER=cluster)
+    constants.update(MMA_KIND=_KINDS[dtype], TILE_IMAGES=tile.images, TILE_H=tile.tile_h, TILE_W=tile.tile_w,
+                     WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
+                     HALO_STAGES=halo_stages(g, b_stages), HALO_H=halo_h, HALO_W=halo_w,
+                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias))
     spec = KernelSpec.make("conv_transpose2d_wgmma_forward.cu", "conv_transpose2d_wgmma_forward", constants, TARGET)
-    main = Plan(spec, (tiles, g.groups * cdiv(g.out_per_group, tile.bn), sh * sw), (128 * tile.warpgroups, 1, 1),
+    main = Plan(spec, (blocks, g.groups * n_tiles, sh * sw), (128 * (tile.warpgroups + 1), 1, 1),
                 (g.batch,) + g.in_size + g.out_size, index_t, smem_bytes=smem)
-    pack = gemm.plan_pack_weight_padded(g, dtype, 0, n_pad, k_pad, (tile.bn, ck) if cluster > 1 else (0, 0))
+    pack = gemm.plan_pack_weight_padded(g, dtype, 0, n_pad, k_pad, (tile.bn, ck))
     to_cl = gemm.plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype) \
         if layout == "nchw" else None
     return PackedGemm(pack, main, to_cl)
 
 
 def options(g: Geometry) -> List[Dict[str, object]]:
-    """Planner options worth timing: the heuristic, the other cluster sizes with the heuristic
+    """Planner options worth timing: the heuristic, the other weight-ring depths with the heuristic
     tile, then tiles whose N side fits the channels and whose patch fits the phase grid."""
     sh, sw = g.params.stride
     grid_h, grid_w = cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
-    found: List[Dict[str, object]] = [{}] + [{"cluster": c} for c in CLUSTERS if c != 1]
+    found: List[Dict[str, object]] = [{}] + [{"stages": c} for c in STAGE_CHOICES if c != B_STAGES]
     # Larger patches first: they read the weights fewer times.
     for tile in sorted(TILES.values(), key=lambda t: -t.pixels * t.bn):
         if tile.bn > 32 and g.out_per_group <= tile.bn // 2:
@@ -244,7 +243,7 @@ class WgmmaFamily(Family):
         if layout == "nhwc" and not aligned:
             # The halo copies need 16-byte aligned channel groups; an offset view takes the mma.sync GEMM.
             return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False)
-        return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("cluster"))
+        return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count)
 
     def clear(self) -> None:
         plan_forward.cache_clear()
