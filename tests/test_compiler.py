@@ -3,18 +3,24 @@
 The architecture is given explicitly, so this runs on CI machines without a device.
 """
 import itertools
+import re
+from dataclasses import replace
 
 import pytest
 
 from cupyconv.core import dtypes
 from cupyconv.jit import compiler
-from cupyconv.plans import direct, gemm, launch, reduction, table
+from cupyconv.plans import direct, gemm, launch, reduction, table, wgmma
 from cupyconv.jit.compiler import KernelCompileError, KernelSpec, compile_ptx
 from cupyconv.core.geometry import ConvParams, geometry
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 ARCHS = ("compute_80", "compute_90")
+# Specs built for one architecture only (KernelSpec.target) compile for its virtual architecture
+# alone: sm_90a code (wgmma) exists for no other GPU.
+TARGET_ARCHS = {"sm_90a": "compute_90a"}
+WGMMA_TEMPLATE = "conv_transpose2d_wgmma_forward.cu"
 DTYPES = dtypes.NAMES
 
 # Layers chosen to reach every tiling branch of the planners: one or many stride phases,
@@ -89,7 +95,55 @@ def _gemm_plans():
     return seen
 
 
-PLANS = {**_plans(), **_gemm_plans()}
+# Hopper's wgmma forward (sm_90a): both kinds, both layouts, bias on and off, several block
+# tiles, stride phases (some without taps), channel groups and output channels that are not
+# whole 16-byte runs, several images a tile, and 64-bit offsets.
+WGMMA_LAYERS = {
+    "wgmma_dense_3x5": ((2, 64, 9, 11), (64, 48, 3, 5), dict(padding=(1, 2))),
+    "wgmma_strided_grouped": ((2, 48, 7, 9), (48, 20, 4, 3), dict(stride=(2, 3), padding=(1, 0), groups=2,
+                                                                   dilation=(1, 2), output_padding=(1, 2))),
+    "wgmma_empty_phases": ((1, 16, 6, 5), (16, 136, 2, 3), dict(stride=(3, 4))),
+    "wgmma_small_grid": ((5, 32, 8, 8), (32, 64, 4, 4), dict(stride=2, padding=1)),   # 4 images a tile
+    "wgmma_huge_64bit": ((1, 16, 24000, 24000), (16, 16, 2, 2), dict(stride=2)),
+}
+WGMMA_CASES = (("float16", "nchw", True), ("bfloat16", "nhwc", False), ("float16", "nhwc", False),
+               ("bfloat16", "nchw", True))
+
+
+def _wgmma_layer(name):
+    x_shape, w_shape, kwargs = WGMMA_LAYERS[name]
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+def _wgmma_plans():
+    seen = {}
+
+    def add(label, packed):
+        for plan in packed.plans():
+            seen.setdefault(plan.spec, f"{label}-{plan.spec.function}-{plan.index_t}")
+
+    dense = _wgmma_layer("wgmma_dense_3x5")
+    for dtype, layout, bias in itertools.product(("float16", "bfloat16"), launch.LAYOUTS, (False, True)):
+        add(f"wgmma_dense_3x5-{dtype}-{layout}-{'bias' if bias else 'nobias'}",
+            wgmma.plan_forward(dense, dtype, bias, layout))
+    for name in WGMMA_LAYERS:
+        if name != "wgmma_dense_3x5":
+            for dtype, layout, bias in WGMMA_CASES[:2]:
+                add(f"{name}-{dtype}-{layout}", wgmma.plan_forward(_wgmma_layer(name), dtype, bias, layout))
+    # every block tile, on the dense layer (a tile the heuristic would not pick still plans and builds)
+    for i, tile in enumerate(wgmma.TILES.values()):
+        dtype, layout, bias = WGMMA_CASES[i % len(WGMMA_CASES)]
+        add(f"wgmma-tile-{tile.name}-{dtype}-{layout}", wgmma.plan_forward(dense, dtype, bias, layout, tile))
+    # every depth of the weight ring
+    for i, stages in enumerate(wgmma.STAGE_CHOICES):
+        dtype, layout, bias = WGMMA_CASES[i % len(WGMMA_CASES)]
+        add(f"wgmma-stages-{stages}-{dtype}-{layout}", wgmma.plan_forward(dense, dtype, bias, layout,
+                                                                          stages=stages))
+    return seen
+
+
+WGMMA_PLANS = _wgmma_plans()
+PLANS = {**_plans(), **_gemm_plans(), **WGMMA_PLANS}
 
 
 def test_variants_reach_every_template_and_both_index_widths():
@@ -108,14 +162,101 @@ def test_variants_reach_every_template_and_both_index_widths():
     grad_weight = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_grad_weight_igemm.cu"]
     assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(gemm.STAGE_CHOICES)
     assert {c["VEC"] for c in grad_weight} == {True, False}
+    hopper = [dict(s.constants) for s in PLANS if s.template == WGMMA_TEMPLATE]
+    assert {s.target for s in PLANS if s.template == WGMMA_TEMPLATE} == {wgmma.TARGET}
+    assert {s.target for s in PLANS if s.template != WGMMA_TEMPLATE} == {""}
+    assert {c["MMA_KIND"] for c in hopper} == {0, 1} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
+    assert {(c["DST_CL"], c["HAS_BIAS"]) for c in hopper} == {(False, False), (False, True), (True, False),
+                                                              (True, True)}
+    assert {wgmma.HaloTile(c["TILE_IMAGES"], c["TILE_H"], c["TILE_W"], c["BN"]).name for c in hopper} \
+        == set(wgmma.TILES)
+    assert {c["WARPGROUPS"] for c in hopper} == {1, 2} and {c["HALO_STAGES"] for c in hopper} >= {2, 4}
+    assert any(c["SH"] * c["SW"] > 1 for c in hopper) and any(c["GROUPS"] > 1 for c in hopper)
+    assert any(c["COUT_G"] % 8 for c in hopper), "output channels that are not whole 16-byte runs"
+    assert {c["B_STAGES"] for c in hopper} == set(wgmma.STAGE_CHOICES)
+    packs = [dict(s.constants) for s in PLANS if s.template == "pack_weight.cu"]
+    assert {c["TILE_N"] > 0 for c in packs} == {True, False}, "weights packed row by row and tile by tile"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("spec", list(PLANS), ids=list(PLANS.values()))
+def _compile_cases():
+    """(spec, arch) for every plan: both generic architectures, or the one its target names."""
+    return [pytest.param(spec, arch, id=f"{name}-{arch}") for spec, name in PLANS.items()
+            for arch in ((TARGET_ARCHS[spec.target],) if spec.target else ARCHS)]
+
+
+COMPILE_CASES = _compile_cases()
+
+
+def test_architecture_specific_specs_compile_for_their_target_only():
+    targeted = [case.values for case in COMPILE_CASES if case.values[0].target]
+    assert len(targeted) == len([s for s in PLANS if s.target]) > 0
+    assert all(arch == TARGET_ARCHS[spec.target] for spec, arch in targeted)
+    generic = [case.values for case in COMPILE_CASES if not case.values[0].target]
+    assert {arch for _, arch in generic} == set(ARCHS)
+
+
+@pytest.mark.parametrize("spec,arch", COMPILE_CASES)
 def test_template_compiles(spec, arch):
     ptx = compile_ptx(spec.source(), spec.function, arch)
     assert f".entry {spec.function}" in ptx
     assert f".target sm_{arch.split('_')[1]}" in ptx
+    # warpgroup MMAs only where the target allows them, and there for real
+    assert ("wgmma.mma_async" in ptx) == (spec.template == WGMMA_TEMPLATE)
+    if spec.template == WGMMA_TEMPLATE:
+        assert ".target sm_90a" in ptx and "wgmma.fence" in ptx and "wgmma.wait_group" in ptx
+
+
+def _ptxas_log(spec, extra=()):
+    """The NVRTC log of building ``spec`` to a cubin with its own options (ptxas verbose)."""
+    program = nvrtc.createProgram(spec.source(), f"{spec.function}.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, list(spec.options) + list(extra) + ["-Xptxas=-v"])
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(spec.function, spec.options, nvrtc.getProgramLog(program), spec.source()) \
+                from None
+        return nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+# Every block tile in fp16 (channels_last, bias) and bf16 (NCHW) for the tiles of 128
+# accumulators a thread, the register-heaviest; the other weight-ring depths on the largest tile.
+SPILL_CASES = {f"{tile.name}-{dtype}": (tile, dtype, None) for tile in wgmma.TILES.values()
+               for dtype in ("float16", "bfloat16") if dtype == "float16" or tile.accumulators == 128}
+SPILL_CASES.update({f"16x16x128-stages{s}-float16": (wgmma.TILES["16x16x128"], "float16", s)
+                    for s in wgmma.STAGE_CHOICES if s != wgmma.B_STAGES})
+
+
+@pytest.mark.parametrize("name", sorted(SPILL_CASES))
+def test_wgmma_kernels_build_for_sm_90a_without_spilling(name):
+    """NVRTC builds the wgmma forward to a sm_90a cubin; ptxas keeps every tile in registers, with no
+    stack frame and no serialised warpgroup MMAs."""
+    tile, dtype, stages = SPILL_CASES[name]
+    layout = "nhwc" if dtype == "float16" else "nchw"
+    main = wgmma.plan_forward(_wgmma_layer("wgmma_dense_3x5"), dtype, True, layout, tile, stages).gemm
+    spec = main.spec
+    assert spec.target == "sm_90a" and f"-arch={spec.target}" in spec.options
+    log = _ptxas_log(spec)
+    assert "for 'sm_90a'" in log, log
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found, log
+    assert found.groups() == ("0", "0", "0"), log
+    assert "serialized" not in log and "Performance Loss" not in log, log
+    assert int(re.search(r"Used (\d+) registers", log).group(1)) <= 255, log
+    # static shared memory (tap table, barriers) and the plan's dynamic shared memory fit an H100's 227 KB
+    static = re.search(r"(\d+) bytes smem", log)
+    assert main.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
+
+
+def test_the_target_survives_the_architecture_cupy_adds():
+    """On a GPU, CuPy appends its own ``-arch=sm_90`` (and more) after a spec's options: NVRTC must still
+    build for sm_90a, or ptxas rejects the warpgroup MMAs; without the target it does reject them."""
+    spec = wgmma.plan_forward(_wgmma_layer("wgmma_small_grid"), "float16", False, "nhwc").gemm.spec
+    cupy_adds = ("-ftz=true", "-arch=sm_90", "--device-as-default-execution-space")
+    assert "for 'sm_90a'" in _ptxas_log(spec, cupy_adds)
+    with pytest.raises(KernelCompileError, match="wgmma"):
+        _ptxas_log(replace(spec, target=""), cupy_adds)
 
 
 def test_index_width_follows_tensor_size():
@@ -160,6 +301,23 @@ def test_kernel_spec_is_hashable_and_order_independent():
     a = KernelSpec.make("reduce_partials.cu", "reduce_partials", {"BLOCK": 256, "INDEX_T": "int"})
     b = KernelSpec.make("reduce_partials.cu", "reduce_partials", {"INDEX_T": "int", "BLOCK": 256})
     assert a == b and hash(a) == hash(b)
+
+
+def test_kernel_spec_target_is_part_of_its_identity_and_options():
+    constants = {"BLOCK": 256, "INDEX_T": "int"}
+    plain = KernelSpec.make("reduce_partials.cu", "reduce_partials", constants)
+    hopper = KernelSpec.make("reduce_partials.cu", "reduce_partials", constants, "sm_90a")
+    assert plain.target == "" and plain.options == compiler.COMPILE_OPTIONS
+    assert hopper.target == "sm_90a" and hopper.options == compiler.COMPILE_OPTIONS + ("-arch=sm_90a",)
+    assert hopper != plain and len({plain, hopper}) == 2
+    assert compiler._key(hopper, 0, "90") != compiler._key(plain, 0, "90")
+    compiler.clear_cache()
+    try:
+        for spec in (plain, hopper):
+            compiler._entries[compiler._key(spec, 0, "90")] = compiler._Entry(function=object())
+        assert compiler.compiled_specs() == {(plain, 0), (hopper, 0)}
+    finally:
+        compiler.clear_cache()
 
 
 def test_importing_compiles_nothing():

@@ -19,12 +19,24 @@ GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
 DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu"}
 LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_large_kernel_grad_input.cu",
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
+WGMMA = {"conv_transpose2d_wgmma_forward.cu"}
 
 
 def test_every_template_is_found():
-    assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL
+    assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
+    assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(WGMMA))
+def test_wgmma_templates_inline_the_mma_headers(name):
+    text = templates.expanded(name)
+    assert "#include" not in text
+    assert "wgmma_async" in text and "smem_descriptor" in text and "MMA_F16" in text   # wgmma.cuh, mma.cuh
+    layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
+    tile = {"MMA_KIND", "TILE_IMAGES", "TILE_H", "TILE_W", "WARPGROUPS", "BN", "CK", "HALO_H", "HALO_W"}
+    assert {"SCALAR_T", "INDEX_T", "DST_CL", "HAS_BIAS"} | layer | tile <= templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))

@@ -18,7 +18,7 @@ import cupyconv
 from cupyconv import engine, tuning
 from cupyconv.core import device
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import direct, gemm, launch, table
+from cupyconv.plans import direct, gemm, launch, table, wgmma
 from cupyconv.plans.launch import Recorder
 from cupyconv.tuning import decide, explicit, store
 from cupyconv.tuning.variants import DIRECT, GEMM, Variant
@@ -40,6 +40,9 @@ DEV = device.fake(0, name=GPU_NAME, arch=ARCH)
 DEV1 = device.fake(1, name=GPU_NAME, arch=ARCH)
 PRE_AMPERE = device.fake(0, name="Fake Turing", arch="75")
 TUNED = explicit.TUNED_PASSES
+# The forward's heuristic for THIN and WIDE in float16 on an sm_90 device (DEV, and the assumed H100):
+# Hopper's wgmma kernels; the gradients run the mma.sync GEMMs.
+WGMMA = Variant("wgmma")
 # 16-byte aligned made-up pointers for the engine's passes (aligned channels_last activations)
 _X, _W, _B, _Y, _GX, _GW = ((i + 1) << 32 for i in range(6))
 
@@ -212,10 +215,14 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
         for layout in launch.LAYOUTS:
             cands = table.candidates(pass_, g, dtype, layout, precision)
             assert isinstance(cands, tuple)
-            assert cands[0] == GEMM, "the heuristic must come first: it is the fallback and tie-breaker"
+            # on the assumed H100 the fp16/bf16 forward runs Hopper's wgmma kernels, ahead of the GEMMs
+            hopper = pass_ == "forward" and dtype != "float32"
+            assert cands[0] == (WGMMA if hopper else GEMM), \
+                "the heuristic must come first: it is the fallback and tie-breaker"
             assert len(cands) == len(set(cands))
             assert sum(v.family == "gemm" for v in cands) <= gemm.FAMILY.max_variants == 7
-            assert set(v.family for v in cands) <= {"gemm", "direct"} and cands.count(DIRECT) <= 1
+            assert sum(v.family == "wgmma" for v in cands) <= (wgmma.FAMILY.max_variants if hopper else 0)
+            assert set(v.family for v in cands) <= {"wgmma", "gemm", "direct"} and cands.count(DIRECT) <= 1
             identities = set()
             for v in cands:
                 plans = table.plan(pass_, v, g, dtype, layout, precision).plans()
@@ -316,16 +323,23 @@ def test_direct_kernels_race_below_64_channels_per_group(pass_):
                      (layer(2 * limit, 2 * limit), False), (layer(2 * limit, 2 * limit, groups=2), False),
                      (layer(2 * limit, 2 * limit, groups=4), True)):
         assert direct.FAMILY.races(pass_, g, "float16") == races
+        # the forward of whole 16-byte channel groups runs Hopper's wgmma kernels first (the assumed H100)
+        hopper = pass_ == "forward" and wgmma.eligible(g, "float16")
+        assert hopper == (pass_ == "forward" and g.in_per_group % 8 == 0)
         for layout in launch.LAYOUTS:
             cands = table.candidates(pass_, g, "float16", layout, "strict")
-            assert cands[0] == GEMM and (DIRECT in cands) == races, (g.in_per_group, g.out_per_group)
-            assert [f.name for f in table.eligible(pass_, g, "float16", layout)] == ["gemm", "direct"]
+            assert cands[0] == (WGMMA if hopper else GEMM) and (DIRECT in cands) == races, \
+                (g.in_per_group, g.out_per_group)
+            assert GEMM in cands
+            assert [f.name for f in table.eligible(pass_, g, "float16", layout)] == \
+                ["wgmma"] * hopper + ["gemm", "direct"]
 
 
 @pytest.mark.parametrize("pass_", TUNED)
 def test_pipeline_depths_are_tried_for_every_gemm_pass(pass_):
     cands = table.candidates(pass_, WIDE, "float16", "nhwc", "strict")
-    staged = [v for v in cands if "stages" in v.kwargs]
+    # (the wgmma forward's depths are those of its weight ring: tests/test_wgmma.py)
+    staged = [v for v in cands if "stages" in v.kwargs and v.family == "gemm"]
     assert [v.kwargs["stages"] for v in staged] == [s for s in gemm.STAGE_CHOICES if s != gemm.DEFAULT_STAGES]
     assert staged, "every GEMM planner takes a pipeline depth"
     for v in staged:
@@ -358,7 +372,7 @@ def test_tensor_cores_off_forces_direct(fresh, monkeypatch):
         assert not any("igemm" in plan.spec.template for _, plan in recorded.launches)
     assert not timer.calls, "a single candidate is not timed"
     monkeypatch.delenv(gemm.TENSOR_CORES_ENV)
-    assert table.candidates("forward", THIN, "float16", "nchw", "strict", DEV)[0] == GEMM
+    assert table.candidates("forward", THIN, "float16", "nchw", "strict", DEV)[0] == WGMMA
 
 
 def test_a_substituted_pre_ampere_device_gets_the_direct_kernels_only(fresh, monkeypatch):
@@ -375,7 +389,7 @@ def test_a_substituted_pre_ampere_device_gets_the_direct_kernels_only(fresh, mon
                 assert not any("igemm" in plan.spec.template for _, plan in recorded.launches)
         # the outer substitute is back, and with it the tensor cores
         assert device.get(0).sm_count == 108 and device.get(0).tensor_cores >= device.MMA_SYNC
-        assert table.candidates("forward", THIN, "float16", "nchw", "strict", device.get(0))[0] == GEMM
+        assert table.candidates("forward", THIN, "float16", "nchw", "strict", device.get(0))[0] == WGMMA
     assert not timer.calls
     with pytest.raises(ValueError):
         with device.substitute(device.ASSUMED):
@@ -534,7 +548,7 @@ def test_the_tuner_times_the_candidates_it_is_handed(fresh, monkeypatch):
 
 def test_ties_go_to_the_heuristic(fresh, monkeypatch):
     monkeypatch.setattr(decide, "_measure", FakeTimer(default=1.0))
-    assert _choose()[0] == GEMM
+    assert _choose()[0] == WGMMA
 
 
 def test_stored_choice_is_reused_without_timing_after_a_restart(fresh, monkeypatch):
@@ -561,7 +575,7 @@ def test_stored_choice_that_is_no_candidate_is_tuned_again(fresh, monkeypatch, s
     # the direct kernels are no candidate for a layer this wide
     assert DIRECT not in _cands(g=WIDE, layout="nhwc")
     tuning.TuningCache(fresh / tuning.CACHE_FILE).put(key, {"variant": stored})
-    assert tuning.current("forward", WIDE, "float16", "nhwc", "strict", DEV, _cands(g=WIDE, layout="nhwc")) == GEMM
+    assert tuning.current("forward", WIDE, "float16", "nhwc", "strict", DEV, _cands(g=WIDE, layout="nhwc")) == WGMMA
     timer = FakeTimer()
     monkeypatch.setattr(decide, "_measure", timer)
     v, _ = _choose(g=WIDE, layout="nhwc")
@@ -577,14 +591,14 @@ def test_autotune_off_uses_the_heuristic_and_writes_nothing(fresh, monkeypatch):
     tuning.TuningCache(fresh / tuning.CACHE_FILE).put(_key(), {"variant": "direct"})
     before = (fresh / tuning.CACHE_FILE).read_bytes()
     v, runs = _choose()
-    assert v == GEMM and not runs and not timer.calls
+    assert v == WGMMA and not runs and not timer.calls
     assert (fresh / tuning.CACHE_FILE).read_bytes() == before
     # without a GPU (the assumed device) and with the file's choice unread alike
-    assert tuning.current("forward", THIN, "float16", "nchw", "strict", device.ASSUMED, _cands()) == GEMM
-    assert tuning.current("forward", THIN, "float16", "nchw", "strict", None, _cands()) == GEMM
+    assert tuning.current("forward", THIN, "float16", "nchw", "strict", device.ASSUMED, _cands()) == WGMMA
+    assert tuning.current("forward", THIN, "float16", "nchw", "strict", None, _cands()) == WGMMA
     tuning.clear()
-    assert tuning.current("forward", THIN, "float16", "nchw", "strict", DEV, _cands()) == GEMM
-    assert _run_engine(Recorder(DEV), "forward").variant == GEMM
+    assert tuning.current("forward", THIN, "float16", "nchw", "strict", DEV, _cands()) == WGMMA
+    assert _run_engine(Recorder(DEV), "forward").variant == WGMMA
     for off in ("false", "OFF", " no "):
         monkeypatch.setenv(tuning.AUTOTUNE_ENV, off)
         assert not tuning.enabled()
@@ -597,7 +611,7 @@ def test_no_tuning_while_the_stream_is_captured(fresh, monkeypatch):
     timer = FakeTimer({"direct": 0.001})
     monkeypatch.setattr(decide, "_measure", timer)
     monkeypatch.setattr(decide, "_capturing", lambda stream_ptr: True)
-    assert _choose()[0] == GEMM
+    assert _choose()[0] == WGMMA
     assert not timer.calls and not (fresh / tuning.CACHE_FILE).exists()
     assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None, \
         "a choice made under capture must not stick: the next eager call tunes"
@@ -618,7 +632,7 @@ def test_deterministic_mode_does_not_time_but_uses_a_stored_choice(fresh, monkey
     saved = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert _choose()[0] == GEMM and not timer.calls
+        assert _choose()[0] == WGMMA and not timer.calls
         tuning.clear()
         tuning.TuningCache(fresh / tuning.CACHE_FILE).put(_key(), {"variant": "direct"})
         assert _choose()[0] == DIRECT and not timer.calls
@@ -628,7 +642,7 @@ def test_deterministic_mode_does_not_time_but_uses_a_stored_choice(fresh, monkey
 
 def test_all_candidates_failing_falls_back_to_the_heuristic(fresh, monkeypatch):
     monkeypatch.setattr(decide, "_measure", lambda *a: {})
-    assert _choose()[0] == GEMM
+    assert _choose()[0] == WGMMA
     assert not (fresh / tuning.CACHE_FILE).exists()
 
 
@@ -662,7 +676,7 @@ def test_shape_discovery_runs_remember_nothing(fresh, monkeypatch):
     timer = FakeTimer()
     monkeypatch.setattr(decide, "_measure", timer)
     with decide.suspended():
-        assert _choose()[0] == GEMM
+        assert _choose()[0] == WGMMA
     assert not timer.calls and tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None
 
 
@@ -700,11 +714,11 @@ def test_choose_without_timing_takes_the_heuristic_and_remembers_nothing(fresh, 
     timer = FakeTimer({"direct": 0.001})
     monkeypatch.setattr(decide, "_measure", timer)
     v, runs = _choose(timing=False)
-    assert v == GEMM and not runs and not timer.calls
+    assert v == WGMMA and not runs and not timer.calls
     assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None
     assert not (fresh / tuning.CACHE_FILE).exists()
     # what explain and host-only tools see: a recorder is never timed on
-    assert _run_engine(Recorder(DEV), "forward").variant == GEMM and not timer.calls
+    assert _run_engine(Recorder(DEV), "forward").variant == WGMMA and not timer.calls
     # and a later eager call still tunes
     assert _choose()[0] == DIRECT and len(timer.calls) == 1
 

@@ -1,0 +1,485 @@
+"""The Hopper wgmma forward family without a GPU: stride-phase taps, halos, shared memory,
+eligibility (sm_90 only), the tiles it offers and the launches it plans.
+
+The kernels themselves run in tests/test_wgmma_gpu.py and compile in tests/test_compiler.py.
+"""
+import random
+
+import pytest
+
+from cupyconv import bench, engine, tuning
+from cupyconv.core import device
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import gemm, launch, table, wgmma
+from cupyconv.plans.launch import Recorder, cdiv
+from cupyconv.tuning.variants import GEMM, Variant
+
+WGMMA = Variant("wgmma")
+TEMPLATE = "conv_transpose2d_wgmma_forward.cu"
+FUNCTION = "conv_transpose2d_wgmma_forward"
+HALF = ("float16", "bfloat16")
+# 16-byte aligned made-up pointers (x, weight, bias, out) for the engine on a recorder
+_X, _W, _B, _Y = ((i + 1) << 32 for i in range(4))
+
+
+def _g(x_shape, w_shape, **kwargs):
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+def _suite_layer(name, batch=None, size=None):
+    """A 2-D layer of the benchmark suite, optionally at another batch and input size."""
+    layer = next(layer for layer in bench.SUITE if layer.name == name)
+    return _g((batch or layer.batch, layer.in_channels) + (size or layer.size),
+              (layer.in_channels, layer.out_channels // layer.groups) + layer.kernel, **layer.kwargs())
+
+
+SUITE = ("asym_kernel", "dcgan_up", "unet_up2x2", "big_square", "outpad_up3x")
+DENSE = _g((2, 64, 9, 11), (64, 48, 3, 5), stride=2, padding=1)
+# 16 -> 128 channels, a 2x2 kernel dilated 45 apart: the halo fits shared memory with the
+# small tiles only, at the smallest channel chunk
+WIDE_HALO = _g((2, 16, 40, 40), (16, 128, 2, 2), dilation=45)
+# a 29 x 121 halo for an 8 x 8 patch: it fits with 32 output channels a tile, no tile of TILES
+NO_TILE_FITS = _g((1, 16, 4, 4), (16, 16, 2, 2), dilation=(21, 113))
+
+
+def _random_geometry(rng, in_choices=(16, 24, 40, 64, 72, 136, 200), out_choices=(16, 24, 40, 64, 72, 136, 264),
+                     max_kernel=7, max_stride=4, max_dilation=3, max_size=40):
+    while True:
+        k = (rng.randint(1, max_kernel), rng.randint(1, max_kernel))
+        s = (rng.randint(1, max_stride), rng.randint(1, max_stride))
+        d = (rng.randint(1, max_dilation), rng.randint(1, max_dilation))
+        p = tuple(rng.randint(0, d[a] * (k[a] - 1) + s[a]) for a in range(2))
+        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
+        groups = rng.choice([1, 1, 2, 3])
+        cin, cout = rng.choice(in_choices), rng.choice(out_choices)
+        size = (rng.randint(1, max_size), rng.randint(1, max_size))
+        try:
+            return _g((rng.randint(1, 9), cin * groups) + size, (cin * groups, cout) + k, stride=s, padding=p,
+                      output_padding=op, dilation=d, groups=groups)
+        except ValueError:  # an empty output: draw again
+            continue
+
+
+RANDOM = [_random_geometry(random.Random(seed)) for seed in range(150)]
+
+
+def _constants(plan):
+    return dict(plan.spec.constants)
+
+
+# ------------------------------------------------------------------------- stride phases
+
+def _axis_offsets(kernel, stride, padding, dilation, phase):
+    """Input offsets of the taps that reach output index ``stride * i + phase``, straight from the
+    definition out[i * stride - padding + k * dilation] += in[i] * w[k], by search (per tap, in tap order)."""
+    i = 1000
+    out = stride * i + phase
+    found = []
+    for k in range(kernel):
+        hits = [src - i for src in range(i - 200, i + 200) if src * stride - padding + k * dilation == out]
+        assert len(hits) <= 1
+        found += hits
+    return found
+
+
+@pytest.mark.parametrize("index", range(0, len(RANDOM), 10))
+def test_phase_offsets_match_a_brute_force_enumeration(index):
+    for g in RANDOM[index:index + 10]:
+        (kh, kw), (sh, sw) = g.kernel, g.params.stride
+        (ph, pw), (dh, dw) = g.params.padding, g.params.dilation
+        want = [(_axis_offsets(kh, sh, ph, dh, rh), _axis_offsets(kw, sw, pw, dw, rw))
+                for rh in range(sh) for rw in range(sw)]
+        found = wgmma.phase_offsets(g)
+        assert found == want, g
+        # every tap belongs to exactly one phase
+        assert sum(len(rows) * len(cols) for rows, cols in found) == kh * kw
+        assert wgmma.fewest_taps(g) == min(len(r) * len(c) for r, c in found if r and c)
+
+
+def test_phases_without_taps():
+    # a 2 x 3 kernel at stride 3 x 4: output rows 2 mod 3 and columns 3 mod 4 get the bias alone
+    g = _g((1, 16, 6, 5), (16, 32, 2, 3), stride=(3, 4))
+    phases = wgmma.phase_offsets(g)
+    assert len(phases) == 12
+    empty = [i for i, (r, c) in enumerate(phases) if not (r and c)]
+    assert empty == [3, 7, 8, 9, 10, 11]
+    assert wgmma.fewest_taps(g) == 1
+    # a 4 x 4 kernel at stride 4: one tap a phase, some outputs past the input (output_padding) have none in range
+    g = _g((2, 64, 3, 5), (64, 48, 4, 4), stride=4, output_padding=(3, 1))
+    assert all(len(r) == len(c) == 1 for r, c in wgmma.phase_offsets(g))
+
+
+@pytest.mark.parametrize("tile", sorted(wgmma.TILES))
+def test_halo_covers_every_taps_offsets(tile):
+    t = wgmma.TILES[tile]
+    for g in RANDOM:
+        halo_h, halo_w = wgmma.halo_extent(g, t)
+        spans = []
+        for rows, cols in wgmma.phase_offsets(g):
+            if rows and cols:
+                # output (i, j) of the patch reads halo row i + r - min(rows) for each tap row r
+                assert (t.tile_h - 1) + max(rows) - min(rows) < halo_h, g
+                assert (t.tile_w - 1) + max(cols) - min(cols) < halo_w, g
+                spans.append((max(rows) - min(rows), max(cols) - min(cols)))
+        # and no more than the widest phase needs
+        assert (halo_h, halo_w) == (t.tile_h + max(s[0] for s in spans), t.tile_w + max(s[1] for s in spans))
+
+
+# ------------------------------------------------------------------------ shared memory
+
+def test_smem_limit_leaves_room_for_the_static_tap_table():
+    taps = 256   # gemm.gemm_fits allows at most 256 taps; each is 8 bytes of static shared memory
+    barriers = 2 * 8 * 2 * max(wgmma.STAGE_CHOICES)   # full and empty mbarriers of each buffer, and counters
+    assert wgmma.SMEM_LIMIT + 8 * taps + barriers + 64 <= 227 * 1024
+    assert gemm.gemm_fits(_g((1, 16, 4, 4), (16, 16, 16, 16)), "float16")
+    assert not gemm.gemm_fits(_g((1, 16, 4, 4), (16, 16, 16, 17)), "float16")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_planned_layers_stay_within_shared_memory(dtype):
+    """Every tile either plans within SMEM_LIMIT, with the largest channel chunk and then the deepest
+    weight ring that fit, or does not fit even at the smallest chunk and two weight buffers."""
+    smallest = 32 // 2
+    planned = 0
+    for g in RANDOM[::3]:
+        if not wgmma.eligible(g, dtype):
+            continue
+        for t in wgmma.TILES.values():
+            try:
+                main = wgmma.plan_forward(g, dtype, False, "nhwc", t).gemm
+            except ValueError:
+                assert wgmma.smem_bytes(g, dtype, t, smallest, 2) > wgmma.SMEM_LIMIT, (g, t)
+                continue
+            planned += 1
+            c = _constants(main)
+            ck, b_stages = c["CK"], c["B_STAGES"]
+            assert main.smem_bytes == wgmma.smem_bytes(g, dtype, t, ck, b_stages) <= wgmma.SMEM_LIMIT
+            assert c["HALO_STAGES"] == wgmma.halo_stages(g, b_stages) >= 2
+            assert ck % smallest == 0 and ck <= wgmma.chunk_channels(g, dtype)
+            assert 2 <= b_stages <= wgmma.B_STAGES
+            if ck < wgmma.chunk_channels(g, dtype):
+                assert wgmma.smem_bytes(g, dtype, t, 2 * ck, wgmma.B_STAGES) > wgmma.SMEM_LIMIT, "largest chunk"
+            if b_stages < wgmma.B_STAGES:
+                assert ck == smallest and wgmma.smem_bytes(g, dtype, t, ck, b_stages + 1) > wgmma.SMEM_LIMIT
+            # the buffers of the descriptors' 18-bit addresses
+            assert main.smem_bytes < 1 << 18
+    assert planned > 100
+
+
+def test_plan_forward_raises_when_no_chunk_fits():
+    assert wgmma.eligible(WIDE_HALO, "float16")
+    small = wgmma.plan_forward(WIDE_HALO, "float16", False, "nhwc", wgmma.TILES["8x8x64"]).gemm
+    assert _constants(small)["CK"] == 16 and small.smem_bytes <= wgmma.SMEM_LIMIT
+    with pytest.raises(ValueError, match="does not fit shared memory"):
+        wgmma.plan_forward(WIDE_HALO, "float16", False, "nhwc", wgmma.TILES["16x16x64"])
+    # a weight ring asked for is kept, or the plan refused
+    with pytest.raises(ValueError, match="does not fit shared memory"):
+        wgmma.plan_forward(WIDE_HALO, "float16", False, "nhwc", wgmma.TILES["8x8x64"], max(wgmma.STAGE_CHOICES))
+    with pytest.raises(ValueError, match="stages"):
+        wgmma.plan_forward(DENSE, "float16", False, "nhwc", None, 5)
+    # a halo too wide for every tile is no layer for the family
+    assert not wgmma.eligible(_g((2, 64, 40, 40), (64, 64, 2, 2), dilation=60), "float16")
+
+
+@pytest.mark.xfail(strict=True, reason="library: eligible() checks an 8x8x32 patch (no tile of TILES) at the smallest "
+                                       "chunk, and forward_tile() ignores shared memory: the untuned forward of these "
+                                       "eligible layers raises ValueError instead of running a tile that fits (or "
+                                       "the GEMMs)")
+@pytest.mark.parametrize("g", [WIDE_HALO, NO_TILE_FITS], ids=["heuristic_tile_too_big", "no_tile_fits"])
+def test_the_heuristic_plans_every_eligible_layer(g):
+    assert table.eligible("forward", g, "float16", "nchw")[0] is wgmma.FAMILY
+    rec = Recorder(device.ASSUMED)
+    engine.forward(g, "float16", _X, _W, _B, _Y, rec, "nchw", "strict")
+    assert rec.launches
+
+
+# --------------------------------------------------------------------------- eligibility
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_no_wgmma_for_wide_floats(dtype):
+    assert not wgmma.eligible(DENSE, dtype)
+    assert wgmma.FAMILY not in table.eligible("forward", DENSE, dtype, "nchw")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_channels_per_group_must_be_whole_16_byte_groups_and_at_least_16(dtype):
+    def layer(cin, cout, groups=1):
+        return _g((2, cin, 9, 11), (cin, cout // groups, 3, 3), stride=2, padding=1, groups=groups)
+
+    assert wgmma.eligible(layer(16, 16), dtype) and wgmma.eligible(layer(24, 40), dtype)
+    assert not wgmma.eligible(layer(20, 32), dtype), "20 input channels: 40 bytes, not whole 16-byte groups"
+    assert not wgmma.eligible(layer(36, 32), dtype)
+    assert not wgmma.eligible(layer(8, 64), dtype) and not wgmma.eligible(layer(64, 8), dtype), "under 16"
+    assert not wgmma.eligible(layer(64, 12), dtype)
+    # output channels need no whole groups: the stores fall back to single elements
+    assert wgmma.eligible(layer(16, 20), dtype) and wgmma.eligible(layer(32, 18), dtype)
+    # per group, not in all
+    assert wgmma.eligible(layer(48, 48, groups=3), dtype) and wgmma.eligible(layer(48, 48, groups=2), dtype)
+    assert not wgmma.eligible(layer(40, 40, groups=2), dtype), "20 channels a group"
+    assert not wgmma.eligible(layer(64, 64, groups=8), dtype), "8 channels a group"
+    for g in (layer(20, 32), layer(8, 64)):
+        assert wgmma.FAMILY not in table.eligible("forward", g, dtype, "nchw")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", SUITE)
+def test_the_suite_layers_are_eligible(name, dtype):
+    g = _suite_layer(name)
+    assert wgmma.eligible(g, dtype)
+    for layout in launch.LAYOUTS:
+        assert table.eligible("forward", g, dtype, layout)[0] is wgmma.FAMILY
+        assert table.candidates("forward", g, dtype, layout)[0] == WGMMA
+    # the depthwise layer of the suite is not
+    assert not wgmma.eligible(_suite_layer("depthwise_up"), dtype)
+
+
+@pytest.mark.parametrize("arch,runs", [("90", True), ("80", False), ("86", False), ("89", False), ("100", False),
+                                       ("120", False)])
+def test_only_an_sm_90_device_runs_the_family(arch, runs):
+    with device.substitute(device.fake(0, name=f"Fake sm_{arch}", arch=arch)):
+        dev = device.get(0)
+        for layout in launch.LAYOUTS:
+            names = [f.name for f in table.eligible("forward", DENSE, "float16", layout, dev)]
+            assert ("wgmma" in names) == runs and "gemm" in names, names
+            assert (table.candidates("forward", DENSE, "float16", layout, "strict", dev)[0] == WGMMA) == runs
+            for pass_ in ("grad_input", "grad_weight"):
+                assert wgmma.FAMILY not in table.eligible(pass_, DENSE, "float16", layout, dev)
+        rec = Recorder(dev)
+        engine.forward(DENSE, "float16", _X, _W, _B, _Y, rec, "nhwc", "strict")
+        functions = {plan.spec.function for _, plan in rec.launches}
+        assert (FUNCTION in functions) == runs and ("conv_transpose2d_igemm" in functions) != runs
+        assert all(plan.spec.target == "" for _, plan in rec.launches if plan.spec.function != FUNCTION)
+
+
+def test_an_sm_90_without_wgmma_or_with_tensor_cores_off_keeps_the_gemms(monkeypatch):
+    no_wgmma = device.fake(0, tensor_cores=device.MMA_SYNC)
+    assert no_wgmma.arch == "90"
+    assert [f.name for f in table.eligible("forward", DENSE, "float16", "nchw", no_wgmma)][:1] == ["gemm"]
+    monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
+    assert [f.name for f in table.eligible("forward", DENSE, "float16", "nchw")] == ["direct"]
+    monkeypatch.delenv(gemm.TENSOR_CORES_ENV)
+    assert table.eligible("forward", DENSE, "float16", "nchw")[0] is wgmma.FAMILY
+
+
+# ------------------------------------------------------------------------- tiles, options
+
+def test_every_tile_fits_the_registers_and_the_warpgroups():
+    assert wgmma.TILES, "no tiles"
+    for name, t in wgmma.TILES.items():
+        assert t.name == name
+        assert t.accumulators <= 128, name
+        assert t.warpgroups in (1, 2) and t.pixels % (64 * t.warpgroups) == 0, name
+        assert t.tile_h % 8 == 0 and t.tile_w % 8 == 0 and t.bn in (32, 64, 128, 256), name
+        # 64-row MMA blocks of 8 x 8 pixels, all of one image
+        assert t.accumulators == t.pixels // (64 * t.warpgroups) * t.bn // 2
+    assert "8x8x256" not in wgmma.TILES, "one warpgroup's 64 x 256 spilled"
+
+
+def _check_options(g):
+    opts = wgmma.options(g)
+    assert opts[0] == {}, "the heuristic comes first"
+    assert len({tuple(sorted(o.items())) for o in opts}) == len(opts), "no option twice"
+    for o in opts[1:]:
+        assert o and set(o) <= {"tile", "stages"}, o
+        if "tile" in o:
+            assert wgmma.TILES[o["tile"]].accumulators <= 128
+        if "stages" in o:
+            assert o["stages"] in wgmma.STAGE_CHOICES and o["stages"] != wgmma.B_STAGES
+    variants = wgmma.FAMILY.variants("forward", g, "float16", "nchw", "strict")
+    assert variants == [Variant.make("wgmma", **o) for o in opts] and variants[0] == WGMMA
+    return [wgmma.TILES[o["tile"]] for o in opts if "tile" in o]
+
+
+def test_options_list_the_heuristic_first_then_tiles_that_fit_the_layer():
+    for g in RANDOM:
+        if not wgmma.eligible(g, "float16"):
+            continue
+        sh, sw = g.params.stride
+        grid_h, grid_w = cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
+        for t in _check_options(g):
+            assert t.tile_h <= 8 * cdiv(grid_h, 8) and t.tile_w <= 8 * cdiv(grid_w, 8), "no patch past the grid"
+            if t.images > 1:
+                assert grid_h <= t.tile_h and grid_w <= t.tile_w and g.batch >= t.images
+            if t.bn > 64:
+                assert g.out_per_group > t.bn // 2, "no N side twice the output channels"
+
+
+def test_suite_options():
+    tiles = {name: {t.name for t in _check_options(_suite_layer(name))} for name in SUITE}
+    # a small phase grid with a large batch tries several images a block; large grids do not
+    assert {"4i8x8x128", "2i8x8x256"} <= tiles["dcgan_up"]
+    assert not any("i" in t for t in tiles["asym_kernel"] | tiles["unet_up2x2"] | tiles["big_square"])
+    assert "16x16x128" in tiles["asym_kernel"] and "16x8x256" not in tiles["asym_kernel"], "128 output channels"
+    assert not any(wgmma.TILES[t].bn > 64 for t in tiles["big_square"]), "32 output channels"
+
+
+def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
+    for name in SUITE:
+        g = _suite_layer(name)
+        for layout in launch.LAYOUTS:
+            cands = table.candidates("forward", g, "float16", layout)
+            assert cands[0] == WGMMA
+            families = [v.family for v in cands]
+            assert "gemm" in families and families == sorted(families, key=["wgmma", "gemm", "direct"].index)
+            assert families.count("wgmma") <= wgmma.FAMILY.max_variants
+            for pass_ in ("grad_input", "grad_weight"):
+                assert table.candidates(pass_, g, "float16", layout)[0] == GEMM
+
+
+def test_every_option_of_the_suite_layers_plans():
+    for name in SUITE:
+        g = _suite_layer(name)
+        for o in wgmma.options(g):
+            for dtype in HALF:
+                main = table.plan("forward", Variant.make("wgmma", **o), g, dtype, "nhwc", "strict", True).gemm
+                assert main.spec.function == FUNCTION and main.smem_bytes <= wgmma.SMEM_LIMIT
+                c = _constants(main)
+                assert c["B_STAGES"] == o.get("stages", c["B_STAGES"]), "the weight ring asked for"
+                if "tile" in o:
+                    assert wgmma.HaloTile(c["TILE_IMAGES"], c["TILE_H"], c["TILE_W"], c["BN"]).name == o["tile"]
+
+
+def test_wgmma_variant_names_round_trip():
+    """A tuned choice is stored by name: every option must parse back to itself, and no two share a name."""
+    for name in SUITE:
+        variants = wgmma.FAMILY.variants("forward", _suite_layer(name), "float16", "nchw", "strict")
+        assert len(variants) > 2
+        for v in variants:
+            assert Variant.parse(v.name) == v, v.name
+        assert len({v.name for v in variants}) == len(variants)
+    every = [Variant.make("wgmma", tile=t) for t in wgmma.TILES]
+    every += [Variant.make("wgmma", stages=s) for s in wgmma.STAGE_CHOICES]
+    every += [Variant.make("wgmma", tile=t, stages=s) for t in wgmma.TILES for s in wgmma.STAGE_CHOICES]
+    assert all(Variant.parse(v.name) == v for v in every) and len({v.name for v in every}) == len(every)
+    assert Variant.parse("wgmma:4i8x8x128") == Variant.make("wgmma", tile="4i8x8x128")
+
+
+# ----------------------------------------------------------------------------- the plans
+
+PLAN_CASES = [
+    ("dense", DENSE, None),
+    ("grouped_strided", _g((3, 48, 7, 9), (48, 20, 4, 3), stride=(2, 3), padding=(1, 0), groups=2, dilation=(1, 2),
+                           output_padding=(1, 2)), None),
+    ("empty_phases", _g((1, 16, 6, 5), (16, 136, 2, 3), stride=(3, 4)), None),
+    # batch 5 on a 8 x 8 phase grid, four images a tile: the last tile holds one image
+    ("multi_image", _g((5, 32, 8, 8), (32, 64, 4, 4), stride=2, padding=1), "4i8x8x64"),
+    ("multi_image_big_grid", _g((5, 32, 11, 19), (32, 64, 3, 3)), "2i8x8x128"),
+    ("dcgan_up", _suite_layer("dcgan_up", batch=6), None),
+    ("unet_up2x2", _suite_layer("unet_up2x2", batch=2, size=(20, 24)), "8x16x256"),
+    ("huge_64bit", _g((1, 16, 24000, 24000), (16, 16, 2, 2), stride=2), None),
+]
+
+
+@pytest.mark.parametrize("layout", launch.LAYOUTS)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("case", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_plan_shapes(case, dtype, layout):
+    _, g, tile_name = case
+    tile = wgmma.TILES[tile_name] if tile_name else wgmma.forward_tile(g)
+    bias = dtype == "float16"
+    packed = wgmma.plan_forward(g, dtype, bias, layout, wgmma.TILES[tile_name] if tile_name else None)
+    main, pack = packed.gemm, packed.pack
+    c = _constants(main)
+    sh, sw = g.params.stride
+    grid_h, grid_w = cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
+    assert main.spec.template == TEMPLATE and main.spec.function == FUNCTION and main.spec.target == "sm_90a"
+    assert (c["TILE_IMAGES"], c["TILE_H"], c["TILE_W"], c["BN"]) == (tile.images, tile.tile_h, tile.tile_w, tile.bn)
+    # the consumer warpgroups that hold the accumulators, and one more that produces (copies)
+    assert c["WARPGROUPS"] == tile.warpgroups and main.block == (128 * (tile.warpgroups + 1), 1, 1)
+    assert c["MMA_KIND"] == {"float16": 0, "bfloat16": 1}[dtype]
+    assert c["DST_CL"] == (layout == "nhwc") and c["HAS_BIAS"] == bias
+    assert (c["HALO_H"], c["HALO_W"]) == wgmma.halo_extent(g, tile)
+    assert c["B_STAGES"] == wgmma.B_STAGES and c["HALO_STAGES"] == wgmma.halo_stages(g, wgmma.B_STAGES)
+    tiles = cdiv(g.batch, tile.images) * cdiv(grid_h, tile.tile_h) * cdiv(grid_w, tile.tile_w)
+    # y: groups x N tiles; z: stride phases; x: persistent blocks walking the patches of the largest
+    # (first) phase's grid, about one block per SM in all (132 on the assumed H100) and no more than patches
+    others = g.groups * cdiv(g.out_per_group, tile.bn) * sh * sw
+    assert main.grid == (min(tiles, max(1, 132 // others)), g.groups * cdiv(g.out_per_group, tile.bn), sh * sw)
+    assert main.scalars == (g.batch,) + g.in_size + g.out_size
+    assert main.index_t == c["INDEX_T"] == ("long long" if max(launch.numel(g.input_shape),
+                                                                launch.numel(g.output_shape)) >= 2 ** 31 else "int")
+    # the weight, repacked as the kernel reads it: N padded to whole BN tiles, K to whole chunks
+    p = _constants(pack)
+    assert pack.spec.template == "pack_weight.cu" and pack.spec.target == ""
+    assert p["MODE"] == 0 and p["TAPS"] == g.kernel[0] * g.kernel[1] and p["ELEMENT_BYTES"] == 2
+    assert p["N_PAD"] % tile.bn == 0 and g.out_per_group <= p["N_PAD"] < g.out_per_group + tile.bn
+    assert p["K_PAD"] % c["CK"] == 0 and g.in_per_group <= p["K_PAD"] < g.in_per_group + c["CK"]
+    # ...as the kernel computes its strides: N_PAD = ceil(COUT_G / BN) * BN, K_PAD = ceil(CIN_G / CK) * CK
+    assert p["N_PAD"] == cdiv(c["COUT_G"], c["BN"]) * c["BN"] and p["K_PAD"] == cdiv(c["CIN_G"], c["CK"]) * c["CK"]
+    # one contiguous CK x BN tile per (n tile, chunk, tap), as the kernel's bulk copies read it
+    assert (p["TILE_N"], p["TILE_K"]) == (c["BN"], c["CK"])
+    assert pack.scratch_bytes == g.groups * p["TAPS"] * p["N_PAD"] * p["K_PAD"] * 2
+    # an NCHW input is copied to channels_last first; a channels_last one is read in place
+    if layout == "nchw":
+        assert packed.to_channels_last == gemm.plan_to_channels_last(g.batch, g.in_channels,
+                                                                     g.in_size[0] * g.in_size[1], dtype)
+    else:
+        assert packed.to_channels_last is None
+    assert packed.plans() == [p_ for p_ in (pack, packed.to_channels_last, main) if p_ is not None]
+
+
+def test_a_multi_image_tile_with_a_batch_it_does_not_divide():
+    g = PLAN_CASES[3][1]
+    assert (g.batch, cdiv(g.out_size[0], 2), cdiv(g.out_size[1], 2)) == (5, 8, 8)
+    assert wgmma.forward_tile(g).images == 4 and {"tile": "4i8x8x64"} in wgmma.options(g)
+    main = wgmma.plan_forward(g, "float16", True, "nchw", wgmma.TILES["4i8x8x64"]).gemm
+    assert main.grid == (2, 1, 4)
+
+
+def test_blocks_are_persistent_over_the_patches():
+    """With more patches than SMs to spare, each block walks several: the grid follows the SM count."""
+    g = _g((3, 64, 20, 20), (64, 264, 3, 3), stride=3, padding=1)   # 9 phases x 3 N tiles of 128
+    tile = wgmma.forward_tile(g)
+    sh, sw = g.params.stride
+    patches = g.batch * cdiv(cdiv(g.out_size[0], sh), tile.tile_h) * cdiv(cdiv(g.out_size[1], sw), tile.tile_w)
+    assert patches == 12
+    for sm_count, blocks in ((132, 4), (27, 1), (10, 1), (2000, 12)):
+        main = wgmma.plan_forward(g, "float16", True, "nhwc", None, None, sm_count).gemm
+        assert main.grid == (blocks, 3, 9), sm_count
+    # the pass table hands the device's SM count down
+    assert table.plan("forward", WGMMA, g, "float16", "nhwc", "strict", True, True, 27).gemm.grid[0] == 1
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_channels_last_with_unaligned_pointers_takes_the_gemm(dtype):
+    g = _suite_layer("asym_kernel", batch=2, size=(24, 40))
+    for v in wgmma.FAMILY.variants("forward", g, dtype, "nhwc", "strict"):
+        plan = table.plan("forward", v, g, dtype, "nhwc", "strict", True, False)
+        assert plan == gemm.plan_forward_gemm(g, dtype, True, "nhwc", aligned=False)
+        assert [p.spec.template for p in plan.plans()] == ["pack_weight.cu", "conv_transpose2d_igemm.cu"]
+        assert not _constants(plan.gemm)["A_VEC"]
+        # aligned, or NCHW (read through its own, aligned channels_last copy): the wgmma kernel
+        for layout, aligned in (("nhwc", True), ("nchw", False), ("nchw", True)):
+            plan = table.plan("forward", v, g, dtype, layout, "strict", True, aligned)
+            assert plan.gemm.spec.function == FUNCTION
+    # and so does the engine, from the pointers it is handed
+    for x, layout, function in ((_X, "nhwc", FUNCTION), (_X + 2, "nhwc", "conv_transpose2d_igemm"),
+                                (_X + 2, "nchw", FUNCTION)):
+        rec = Recorder(device.ASSUMED)
+        engine.forward(g, dtype, x, _W, _B, _Y, rec, layout, "strict")
+        assert rec.passes[-1].variant == WGMMA
+        assert [plan.spec.function for stage, plan in rec.launches if stage == "main"] == [function]
+
+
+@pytest.mark.parametrize("layout", launch.LAYOUTS)
+def test_the_engine_launches_pack_copy_and_kernel(layout, monkeypatch):
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    g = _suite_layer("dcgan_up", batch=6)
+    rec = Recorder(device.ASSUMED)
+    engine.forward(g, "bfloat16", _X, _W, _B, _Y, rec, layout, "strict")
+    (forward,) = rec.passes
+    assert forward.variant == WGMMA
+    stages = [stage for stage, _ in forward.launches]
+    assert stages == (["pack", "to_channels_last", "main"] if layout == "nchw" else ["pack", "main"])
+    assert [plan for _, plan in forward.launches] == wgmma.plan_forward(g, "bfloat16", True, layout).plans()
+
+
+def test_compile_ahead_lists_the_wgmma_kernels_on_sm_90_only():
+    def functions(dev, layout):
+        return {p.spec.function for p in table.all_plans(DENSE, "float16", True, layout, device=dev)}
+
+    for layout in launch.LAYOUTS:
+        assert FUNCTION in functions(device.ASSUMED, layout)
+        assert FUNCTION not in functions(device.fake(0, arch="80"), layout)
+    # channels_last lists the GEMM that runs for unaligned pointers as well
+    assert "conv_transpose2d_igemm" in functions(device.ASSUMED, "nhwc")

@@ -1,0 +1,395 @@
+"""Hopper's wgmma forward on an sm_90 GPU, against float64.
+
+Each case pins the forward to a wgmma variant (``tuning.pinned``) and checks, through
+``launch.watch()``, that ``conv_transpose2d_wgmma_forward`` is what ran.  The output must
+be finite, no worse than twice torch's own error on the same fp16/bf16 inputs (the
+relative norm of the difference from a float64 convolution of those very inputs), and
+every element must lie within a bound of its float64 value.  Before each call the caching
+allocator's free blocks of the output's size are filled with NaN, so an element the kernel
+never writes cannot pass.  Skipped (with the reason) on GPUs other than sm_90: the
+kernels are sm_90a code.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
+]
+
+import cupyconv.torch as ct  # noqa: E402
+from cupyconv import bench, tuning  # noqa: E402
+from cupyconv.core import device as core_device  # noqa: E402
+from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
+from cupyconv.jit import compiler  # noqa: E402
+from cupyconv.plans import launch, table, wgmma  # noqa: E402
+from cupyconv.plans.launch import cdiv  # noqa: E402
+from cupyconv.tuning import Variant  # noqa: E402
+
+from layers import Layer  # noqa: E402
+
+FUNCTION = "conv_transpose2d_wgmma_forward"
+WGMMA = Variant("wgmma")
+NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hopper():
+    """The device's facts; the whole module skips, with the reason, on anything but sm_90."""
+    dev = core_device.get(torch.cuda.current_device())
+    if dev.arch != "90":
+        pytest.skip(f"the wgmma kernels are sm_90a code, for sm_90 GPUs only; this GPU ({dev.name}) is "
+                    f"sm_{dev.arch}")
+    return dev
+
+
+@dataclass(frozen=True)
+class Case:
+    layer: Layer
+    dtype: torch.dtype
+    channels_last: bool                  # x channels_last (a batched x; an unbatched one follows the weight)
+    variant: Variant = WGMMA
+    weight_channels_last: bool = False
+
+    @property
+    def layout(self) -> str:
+        """The layout cupyconv runs, as torch picks the output's memory format (an input of one pixel or
+        one channel is contiguous in both; an unbatched one follows the weight)."""
+        x, w = (torch.empty(s, dtype=self.dtype, device="meta") for s in (self.layer.input_shape,
+                                                                           self.layer.weight_shape))
+        return ct._layout_for(*self.arrange(x, w))
+
+    def arrange(self, x, w):
+        """x and the weight in the memory formats of this case."""
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        if self.weight_channels_last:
+            w = w.contiguous(memory_format=torch.channels_last)
+        return x, w
+
+    @property
+    def geometry(self):
+        return geometry(self.layer.input_shape, self.layer.weight_shape, None,
+                        ConvParams.from_args(**self.layer.kwargs()))
+
+    def plan(self, dev, aligned=True):
+        return table.plan("forward", self.variant, self.geometry, NAMES[self.dtype], self.layout, "strict",
+                          self.layer.bias, aligned, dev.sm_count)
+
+    def id(self, prefix) -> str:
+        return "-".join([prefix, SHORT[self.dtype], self.layout] + [self.variant.name] * (self.variant != WGMMA))
+
+
+def _params(prefix, cases):
+    return [pytest.param(c, id=c.id(f"{prefix}{i}" if len(cases) > 1 else prefix)) for i, c in enumerate(cases)]
+
+
+# ------------------------------------------------------------------------------ the cases
+
+IN_PER_GROUP = (16, 24, 40, 64, 72, 136, 200)
+OUT_PER_GROUP = (16, 24, 40, 64, 72, 136, 264)
+
+
+def wgmma_layers(count: int, seed: int):
+    """Random layers the wgmma kernels run: whole 16-byte channel groups, at least 16 channels a group."""
+    rng = random.Random(seed)
+    layers = []
+    while len(layers) < count:
+        k = (rng.randint(1, 5), rng.randint(1, 5))
+        s = (rng.randint(1, 3), rng.randint(1, 3))
+        d = (rng.randint(1, 2), rng.randint(1, 2))
+        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
+        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
+        groups = rng.choice([1, 1, 2, 3])
+        cin_g, cout_g = rng.choice(IN_PER_GROUP), rng.choice(OUT_PER_GROUP)
+        size = (rng.randint(1, 19), rng.randint(1, 23))
+        batch = rng.choice([None, 1, 2, 3])
+        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, rng.random() < 0.6, size, "")
+        if min(layer.out_size()) >= 1:
+            layers.append(layer)
+    return layers
+
+
+# every dtype and layout on every layer would compile four times the kernels: each layer takes one
+# combination in turn, so each of the four covers a quarter of the layers
+ROTATION = [(torch.float16, False), (torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)]
+SWEEP = [Case(layer, *ROTATION[i % 4]) for i, layer in enumerate(wgmma_layers(32, seed=11))]
+
+
+def _suite_layer(name, batch, size) -> Layer:
+    s = next(layer for layer in bench.SUITE if layer.name == name)
+    return Layer(batch, s.in_channels, s.out_channels, s.kernel, s.stride, s.padding, s.output_padding, s.dilation,
+                 s.groups, s.bias, size, "")
+
+
+# The five dense layers of the benchmark suite at a smaller batch and size (dcgan_up keeps its
+# 8 x 8 phase grid, and a batch of 6 that four images a tile do not divide).
+SUITE = {"asym_kernel": (2, (24, 40)), "dcgan_up": (6, (8, 8)), "unet_up2x2": (2, (20, 24)),
+         "big_square": (2, (40, 48)), "outpad_up3x": (2, (20, 24))}
+
+
+def _suite_cases():
+    cases = []
+    for name, (batch, size) in SUITE.items():
+        layer = _suite_layer(name, batch, size)
+        g = Case(layer, torch.float16, False).geometry
+        for i, opts in enumerate(wgmma.options(g)):
+            dtype, channels_last = ROTATION[i % 4]
+            variant = Variant.make("wgmma", **opts)
+            cases.append(pytest.param(Case(layer, dtype, channels_last, variant),
+                                      id=f"{name}-{variant.name}-{SHORT[dtype]}-{'nhwc' if channels_last else 'nchw'}"))
+    return cases
+
+
+SUITE_CASES = _suite_cases()
+
+# Every tile of the family, wanted or not, on a layer whose phase grid spans several patches (so
+# the multi-image tiles cover several images and several patches of each) with 136 output
+# channels (N tiles past the channels at every width).
+EVERY_TILE_LAYER = Layer(5, 64, 136, (3, 3), (1, 1), (1, 1), (0, 0), (1, 1), 1, True, (11, 19), "")
+TILE_CASES = [pytest.param(Case(EVERY_TILE_LAYER, dtype, dtype == torch.float16, Variant.make("wgmma", tile=name)),
+                           id=f"{name}-{SHORT[dtype]}")
+              for name in sorted(wgmma.TILES) for dtype in (torch.float16, torch.bfloat16)]
+
+# Every depth of the weight ring, on layers of one patch, of a few, and of many patches a
+# persistent block walks one after another (9 phases x 3 N tiles leave 4 blocks for 12 patches on
+# an H100), through phases whose grids are smaller than the first one's.
+RING_LAYERS = {"one_patch": Layer(1, 64, 64, (3, 3), (1, 1), (1, 1), (0, 0), (1, 1), 1, True, (6, 6), ""),
+               "three_patches": Layer(3, 128, 72, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, False, (4, 4), ""),
+               "persistent": Layer(3, 64, 264, (3, 3), (3, 3), (1, 1), (0, 1), (1, 1), 1, True, (20, 19), "")}
+RING_CASES = [pytest.param(Case(layer, dtype, dtype == torch.bfloat16, Variant.make("wgmma", stages=s)),
+                           id=f"{name}-stages{s}-{SHORT[dtype]}")
+              for name, layer in RING_LAYERS.items() for s in wgmma.STAGE_CHOICES
+              for dtype in (torch.float16, torch.bfloat16)]
+
+
+# Outputs that no tap reaches: the bias alone (or exactly zero without one).
+NO_TAP_LAYERS = {
+    # a 4 x 4 kernel at stride 4: one tap a phase, and output_padding rows and columns past the input
+    "k4_s4_op3": Layer(2, 64, 48, (4, 4), (4, 4), (0, 0), (3, 1), (1, 1), 1, True, (3, 5), ""),
+    # a 2 x 3 kernel at stride 3 x 4: phases with no tap at all
+    "empty_phases": Layer(2, 16, 40, (2, 3), (3, 4), (0, 0), (2, 3), (1, 1), 1, True, (5, 6), ""),
+    # 1 x 1 at stride 3 x 2: every phase but the first is empty
+    "k1_gaps": Layer(1, 32, 32, (1, 1), (3, 2), (0, 0), (2, 1), (1, 1), 1, True, (7, 6), ""),
+}
+NO_TAP_CASES = [pytest.param(Case(replace(layer, bias=bias), dtype, channels_last),
+                             id=f"{name}-{'bias' if bias else 'nobias'}-{SHORT[dtype]}-"
+                                f"{'nhwc' if channels_last else 'nchw'}")
+                for name, layer in NO_TAP_LAYERS.items() for bias in (True, False)
+                for dtype, channels_last in ROTATION[:2] + ROTATION[2:] * (not bias)]
+
+UNBATCHED = Layer(None, 64, 72, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1, True, (9, 13), "")
+UNBATCHED_CASES = [pytest.param(Case(UNBATCHED, dtype, False, weight_channels_last=wcl),
+                                id=f"{SHORT[dtype]}-{'weight_channels_last' if wcl else 'contiguous'}")
+                   for dtype in (torch.float16, torch.bfloat16) for wcl in (False, True)]
+
+# batch 5 on an 8 x 8 phase grid, four images a tile: the second tile holds one image
+MULTI_IMAGE = Layer(5, 32, 48, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (8, 8), "")
+MULTI_IMAGE_CASES = [pytest.param(Case(MULTI_IMAGE, dtype, cl, Variant.make("wgmma", tile="4i8x8x64")),
+                                  id=f"{SHORT[dtype]}-{'nhwc' if cl else 'nchw'}")
+                     for dtype in (torch.float16, torch.bfloat16) for cl in (False, True)]
+
+# asym_kernel of the suite at a smaller batch and size
+ASYM_LIKE = Layer(2, 64, 128, (3, 5), (1, 1), (0, 0), (0, 0), (1, 1), 1, True, (24, 40), "")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled(hopper, request):
+    """Build the kernels of every selected case side by side (NVRTC runs without the GIL) rather than one
+    by one at each first call.  A kernel that fails to build here builds again, and raises, in its test."""
+    cases = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if getattr(item, "module", None) is request.module and callspec is not None \
+                and isinstance(callspec.params.get("case"), Case):
+            cases.append(callspec.params["case"])
+    cases += [Case(ASYM_LIKE, torch.float16, cl, tuning.Variant("wgmma")) for cl in (False, True)]
+    specs = []
+    for case in cases:
+        try:
+            specs += [p.spec for p in case.plan(hopper).plans()]
+        except Exception:  # noqa: BLE001 - the case's own test reports it
+            pass
+    try:
+        compiler.compile_many(specs, hopper.index, workers=16)
+    except Exception:  # noqa: BLE001 - as above
+        pass
+
+
+# ---------------------------------------------------------------------------- the check
+
+def _data(layer: Layer, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(layer.input_shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype)
+    w = torch.randn(layer.weight_shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype)
+    b = torch.randn(layer.out_channels, generator=gen, device="cuda", dtype=torch.float64).to(dtype) \
+        if layer.bias else None
+    return x, w, b
+
+
+def _poison(shape, dtype):
+    """Fill the caching allocator's free blocks of the output's size with NaN, so unwritten outputs show."""
+    blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
+    del blocks
+
+
+def _rel(got, ref) -> float:
+    return float(torch.linalg.vector_norm(got.double() - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300))
+
+
+def _run_ours(case: Case, x, w, b, expect_function: Optional[str] = FUNCTION, pin=True):
+    """cupyconv's output, with the (stage, plan) launches it made."""
+    _poison(case.geometry.user_shape(case.geometry.output_shape), case.dtype)
+    pins = tuning.pinned({"forward": case.variant}) if pin else contextlib.nullcontext()
+    with torch.no_grad(), pins, launch.watch() as seen:
+        y = ct.conv_transpose2d(x, w, b, **case.layer.kwargs())
+        torch.cuda.synchronize()
+    functions = [plan.spec.function for _, plan in seen]
+    if expect_function is not None:
+        assert expect_function in functions, f"{expect_function} did not run: {functions}"
+    return y, seen
+
+
+def _inputs(case: Case, x, w, b):
+    x, w = case.arrange(x, w)
+    assert ct._layout_for(x, w) == case.layout
+    return x, w, b
+
+
+def _compare(case: Case, y, x, w, b):
+    """Finite, every element near float64, and no worse than twice torch's error on the same inputs."""
+    kwargs = case.layer.kwargs()
+    dbl = (lambda t: None if t is None else t.double())
+    ref = F.conv_transpose2d(dbl(x), dbl(w), dbl(b), **kwargs)
+    magnitude = F.conv_transpose2d(x.double().abs(), w.double().abs(), None if b is None else b.double().abs(),
+                                   **kwargs)
+    theirs = F.conv_transpose2d(x, w, b, **kwargs)
+    assert y.dtype == case.dtype and y.shape == ref.shape
+    if case.layout == "nhwc" and y.dim() == 4:
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    finite = torch.isfinite(y)
+    assert bool(finite.all()), f"{int((~finite).sum())} of {y.numel()} outputs not finite (unwritten?)"
+    # Per element: fp32 accumulation of exact products and one rounding to the storage type stay
+    # within twice the type's epsilon of the sum of the terms' magnitudes (exactly 0 where no
+    # tap and no bias reaches an output).
+    eps = torch.finfo(case.dtype).eps
+    bad = (y.double() - ref).abs() > 2 * eps * magnitude
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{int(bad.sum())} of {y.numel()} outputs off, first at {where}: "
+                             f"{float(y[where])} vs {float(ref[where])} (magnitude {float(magnitude[where])})")
+    ours, torchs = _rel(y, ref), _rel(theirs, ref)
+    assert ours <= 2 * torchs + 1e-6, f"error {ours:.3e} vs torch's {torchs:.3e}"
+
+
+def _check(case: Case, seed=0, hopper=None):
+    x, w, b = _inputs(case, *_data(case.layer, case.dtype, seed))
+    y, seen = _run_ours(case, x, w, b)
+    if hopper is not None:
+        planned = case.plan(hopper).plans()
+        assert {p for _, p in seen} == set(planned), "the pinned variant launched other kernels"
+    _compare(case, y, x, w, b)
+    return y
+
+
+# ------------------------------------------------------------------------------ the tests
+
+@pytest.mark.parametrize("case", _params("sweep", SWEEP))
+def test_random_layers_match_float64(case, hopper):
+    assert wgmma.eligible(case.geometry, NAMES[case.dtype])
+    _check(case, seed=SWEEP.index(case), hopper=hopper)
+
+
+@pytest.mark.parametrize("case", SUITE_CASES)
+def test_every_option_of_the_suite_layers(case, hopper):
+    _check(case, hopper=hopper)
+
+
+@pytest.mark.parametrize("case", TILE_CASES)
+def test_every_tile(case, hopper):
+    _check(case, hopper=hopper)
+
+
+@pytest.mark.parametrize("case", RING_CASES)
+def test_every_weight_ring_depth(case, hopper):
+    main = case.plan(hopper).gemm
+    if case.layer is RING_LAYERS["persistent"]:
+        g = case.geometry
+        tile = wgmma.forward_tile(g)
+        patches = g.batch * cdiv(cdiv(g.out_size[0], 3), tile.tile_h) * cdiv(cdiv(g.out_size[1], 3), tile.tile_w)
+        assert main.grid[0] < patches, "each block walks several patches"
+    _check(case, hopper=hopper)
+
+
+@pytest.mark.parametrize("case", NO_TAP_CASES)
+def test_outputs_no_tap_reaches(case, hopper):
+    g = case.geometry
+    if case.layer.kernel[0] < case.layer.stride[0]:
+        assert any(not (r and c) for r, c in wgmma.phase_offsets(g)), "phases without taps"
+    y = _check(case, hopper=hopper)
+    if not case.layer.bias:
+        # output_padding rows past the input (or empty phases) hold exact zeros
+        sh = case.layer.stride[0]
+        kernel_rows = (case.layer.size[0] - 1) * sh + case.layer.kernel[0]
+        assert bool((y[:, :, kernel_rows:] == 0).all())
+
+
+@pytest.mark.parametrize("case", UNBATCHED_CASES)
+def test_unbatched_input(case, hopper):
+    y = _check(case, hopper=hopper)
+    assert y.dim() == 3
+
+
+@pytest.mark.parametrize("case", MULTI_IMAGE_CASES)
+def test_several_images_a_tile_with_a_batch_they_do_not_divide(case, hopper):
+    g = case.geometry
+    assert g.batch % 4 and (cdiv(g.out_size[0], 2), cdiv(g.out_size[1], 2)) == (8, 8)
+    assert wgmma.forward_tile(g).name == "4i8x8x64"
+    _check(case, hopper=hopper)
+    # the heuristic takes the same tile here
+    _check(replace(case, variant=WGMMA), seed=1, hopper=hopper)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unaligned_channels_last_runs_the_gemm(dtype, hopper):
+    """A channels_last view that starts off a 16-byte boundary cannot feed the halo copies: the mma.sync GEMM
+    runs instead, pinned wgmma or not."""
+    case = Case(ASYM_LIKE, dtype, True)
+    x, w, b = _inputs(case, *_data(case.layer, dtype, 5))
+    flat = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")
+    xu = torch.as_strided(flat, x.shape, x.stride(), 1)
+    xu.copy_(x)
+    assert xu.data_ptr() % 16 and xu.is_contiguous(memory_format=torch.channels_last)
+    y, seen = _run_ours(case, xu, w, b, expect_function="conv_transpose2d_igemm")
+    assert FUNCTION not in {plan.spec.function for _, plan in seen}
+    assert {p for _, p in seen} == set(case.plan(hopper, aligned=False).plans())
+    _compare(case, y, x, w, b)
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
+def test_the_heuristic_runs_wgmma_on_sm_90(channels_last, hopper, monkeypatch):
+    """Untuned, an fp16 layer like the suite's asym_kernel runs the wgmma kernel."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    try:
+        case = Case(ASYM_LIKE, torch.float16, channels_last)
+        g = case.geometry
+        assert table.candidates("forward", g, "float16", case.layout, "strict", hopper)[0] == WGMMA
+        x, w, b = _inputs(case, *_data(case.layer, torch.float16, 7))
+        y, seen = _run_ours(case, x, w, b, pin=False)
+        stages = [stage for stage, _ in seen]
+        assert stages == (["pack", "main"] if channels_last else ["pack", "to_channels_last", "main"])
+        assert tuning.chosen("forward", g, "float16", case.layout, "strict", hopper.index) == WGMMA
+        _compare(case, y, x, w, b)
+    finally:
+        tuning.clear()
