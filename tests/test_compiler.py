@@ -20,7 +20,7 @@ ARCHS = ("compute_80", "compute_90")
 # Specs built for one architecture only (KernelSpec.target) compile for its virtual architecture
 # alone: sm_90a code (wgmma) exists for no other GPU.
 TARGET_ARCHS = {"sm_90a": "compute_90a"}
-WGMMA_TEMPLATE = "conv_transpose2d_wgmma_forward.cu"
+WGMMA_TEMPLATE = "conv_transpose2d_wgmma.cu"
 DTYPES = dtypes.NAMES
 
 # Layers chosen to reach every tiling branch of the planners: one or many stride phases,

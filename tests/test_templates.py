@@ -19,7 +19,7 @@ GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
 DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu"}
 LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_large_kernel_grad_input.cu",
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
-WGMMA = {"conv_transpose2d_wgmma_forward.cu"}
+WGMMA = {"conv_transpose2d_wgmma.cu"}
 
 
 def test_every_template_is_found():

@@ -15,8 +15,8 @@ from cupyconv.plans.launch import Recorder, cdiv
 from cupyconv.tuning.variants import GEMM, Variant
 
 WGMMA = Variant("wgmma")
-TEMPLATE = "conv_transpose2d_wgmma_forward.cu"
-FUNCTION = "conv_transpose2d_wgmma_forward"
+TEMPLATE = "conv_transpose2d_wgmma.cu"
+FUNCTION = "conv_transpose2d_wgmma"
 HALF = ("float16", "bfloat16")
 # 16-byte aligned made-up pointers (x, weight, bias, out) for the engine on a recorder
 _X, _W, _B, _Y = ((i + 1) << 32 for i in range(4))
@@ -181,16 +181,19 @@ def test_plan_forward_raises_when_no_chunk_fits():
     assert not wgmma.eligible(_g((2, 64, 40, 40), (64, 64, 2, 2), dilation=60), "float16")
 
 
-@pytest.mark.xfail(strict=True, reason="library: eligible() checks an 8x8x32 patch (no tile of TILES) at the smallest "
-                                       "chunk, and forward_tile() ignores shared memory: the untuned forward of these "
-                                       "eligible layers raises ValueError instead of running a tile that fits (or "
-                                       "the GEMMs)")
-@pytest.mark.parametrize("g", [WIDE_HALO, NO_TILE_FITS], ids=["heuristic_tile_too_big", "no_tile_fits"])
-def test_the_heuristic_plans_every_eligible_layer(g):
-    assert table.eligible("forward", g, "float16", "nchw")[0] is wgmma.FAMILY
+@pytest.mark.parametrize("g, runs_wgmma", [(WIDE_HALO, True), (NO_TILE_FITS, False)],
+                         ids=["heuristic_tile_too_big", "no_tile_fits"])
+def test_the_heuristic_plans_every_eligible_layer(g, runs_wgmma):
+    """Where the preferred tile's halo is too wide the heuristic takes a smaller tile that fits; where
+    none fits, the family is not eligible and the GEMMs run the layer."""
+    assert (table.eligible("forward", g, "float16", "nchw")[0] is wgmma.FAMILY) == runs_wgmma
+    if runs_wgmma:
+        tile = wgmma.forward_tile(g, "forward", "float16")
+        assert wgmma.smem_bytes(g, "float16", tile, 8, 2) <= wgmma.SMEM_LIMIT
     rec = Recorder(device.ASSUMED)
     engine.forward(g, "float16", _X, _W, _B, _Y, rec, "nchw", "strict")
-    assert rec.launches
+    functions = {plan.spec.function for _, plan in rec.launches}
+    assert ("conv_transpose2d_wgmma" in functions) == runs_wgmma, functions
 
 
 # --------------------------------------------------------------------------- eligibility
@@ -242,8 +245,8 @@ def test_only_an_sm_90_device_runs_the_family(arch, runs):
             names = [f.name for f in table.eligible("forward", DENSE, "float16", layout, dev)]
             assert ("wgmma" in names) == runs and "gemm" in names, names
             assert (table.candidates("forward", DENSE, "float16", layout, "strict", dev)[0] == WGMMA) == runs
-            for pass_ in ("grad_input", "grad_weight"):
-                assert wgmma.FAMILY not in table.eligible(pass_, DENSE, "float16", layout, dev)
+            assert (wgmma.FAMILY in table.eligible("grad_input", DENSE, "float16", layout, dev)) == runs
+            assert wgmma.FAMILY not in table.eligible("grad_weight", DENSE, "float16", layout, dev)
         rec = Recorder(dev)
         engine.forward(DENSE, "float16", _X, _W, _B, _Y, rec, "nhwc", "strict")
         functions = {plan.spec.function for _, plan in rec.launches}

@@ -1,7 +1,7 @@
 """Hopper's wgmma forward on an sm_90 GPU, against float64.
 
 Each case pins the forward to a wgmma variant (``tuning.pinned``) and checks, through
-``launch.watch()``, that ``conv_transpose2d_wgmma_forward`` is what ran.  The output must
+``launch.watch()``, that ``conv_transpose2d_wgmma`` is what ran.  The output must
 be finite, no worse than twice torch's own error on the same fp16/bf16 inputs (the
 relative norm of the difference from a float64 convolution of those very inputs), and
 every element must lie within a bound of its float64 value.  Before each call the caching
@@ -37,7 +37,7 @@ from cupyconv.tuning import Variant  # noqa: E402
 
 from layers import Layer  # noqa: E402
 
-FUNCTION = "conv_transpose2d_wgmma_forward"
+FUNCTION = "conv_transpose2d_wgmma"
 WGMMA = Variant("wgmma")
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}

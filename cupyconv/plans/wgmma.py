@@ -1,11 +1,13 @@
-"""Hopper tensor-core kernels (``wgmma``, sm_90a) that read each input pixel once per block.
+"""Hopper tensor-core kernels (``wgmma``, sm_90a) that read each source pixel once per tile.
 
-The forward runs per stride phase on a halo tile: a block copies the input pixels its
-output patch needs into shared memory once per channel chunk, and every tap's MMA reads
-that one tile from a shifted origin (``kernels/conv_transpose2d_wgmma_forward.cu``).
-The weight is repacked per tap as for the ``mma.sync`` GEMMs, and NCHW inputs are copied
-into channels_last scratch first, as there.  Built for exactly sm_90 (``sm_90a`` code
-runs on no other architecture); other GPUs keep the ``gemm`` family.
+The forward (per stride phase) and grad_input (a strided conv2d of grad_output) run on a
+halo tile: a block copies the source pixels its destination patch needs into shared
+memory once per channel chunk, and every tap's MMA reads that one tile from a shifted
+origin (``kernels/conv_transpose2d_wgmma.cu``).  grad_input's halo is stored split by
+stride phase, so each tap still reads contiguous rows.  The weight is repacked per tap as
+for the ``mma.sync`` GEMMs, and NCHW sources are copied into channels_last scratch first,
+as there.  Built for exactly sm_90 (``sm_90a`` code runs on no other architecture); other
+GPUs keep the ``gemm`` family.
 """
 from __future__ import annotations
 
@@ -85,16 +87,45 @@ def phase_offsets(g: Geometry) -> List[Tuple[List[int], List[int]]]:
     return found
 
 
-def halo_extent(g: Geometry, tile: HaloTile) -> Tuple[int, int]:
-    """The halo (rows, columns) of one image for the widest phase."""
+def _mode(pass_: str) -> int:
+    if pass_ not in ("forward", "grad_input"):
+        raise ValueError(f"the wgmma kernels run forward and grad_input, not {pass_!r}")
+    return 0 if pass_ == "forward" else 1
+
+
+def _channels(g: Geometry, pass_: str) -> Tuple[int, int]:
+    """(source, destination) channels per group: the GEMM's K per tap and its N."""
+    return (g.in_per_group, g.out_per_group) if _mode(pass_) == 0 else (g.out_per_group, g.in_per_group)
+
+
+def dst_grid(g: Geometry, pass_: str = "forward") -> Tuple[int, int]:
+    """The destination grid a tile covers part of: the first stride phase's for the forward, grad_input's own."""
+    if _mode(pass_) == 1:
+        return g.in_size
+    sh, sw = g.params.stride
+    return cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
+
+
+def phase_planes(g: Geometry, pass_: str = "forward") -> int:
+    """Stride-phase planes the halo is split into: one for the forward, SH x SW for grad_input."""
+    return 1 if _mode(pass_) == 0 else g.params.stride[0] * g.params.stride[1]
+
+
+def halo_extent(g: Geometry, tile: HaloTile, pass_: str = "forward") -> Tuple[int, int]:
+    """The halo (rows, columns) of one phase plane of one image, for the widest phase."""
+    if _mode(pass_) == 1:
+        (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.params.stride, g.params.dilation
+        return tile.tile_h + (kh - 1) * dh // sh, tile.tile_w + (kw - 1) * dw // sw
     spans = [(max(r) - min(r), max(c) - min(c)) for r, c in phase_offsets(g) if r and c]
     if not spans:
         return tile.tile_h, tile.tile_w
     return tile.tile_h + max(s[0] for s in spans), tile.tile_w + max(s[1] for s in spans)
 
 
-def fewest_taps(g: Geometry) -> int:
+def fewest_taps(g: Geometry, pass_: str = "forward") -> int:
     """Taps of the phase with the fewest (phases with none store the bias alone)."""
+    if _mode(pass_) == 1:
+        return g.kernel[0] * g.kernel[1]
     counts = [len(r) * len(c) for r, c in phase_offsets(g)]
     return min((c for c in counts if c), default=1)
 
@@ -103,50 +134,66 @@ def _itemsize(dtype: str) -> int:
     return dtypes.get(dtype).itemsize
 
 
-def chunk_channels(g: Geometry, dtype: str) -> int:
-    """Input channels per chunk: 128 bytes of each pixel, or all of them when fewer."""
+def chunk_channels(g: Geometry, dtype: str, pass_: str = "forward") -> int:
+    """Source channels per chunk: 128 bytes of each pixel, or all of them when fewer."""
     step = 32 // _itemsize(dtype)
-    return min(128 // _itemsize(dtype), cdiv(g.in_per_group, step) * step)
+    return min(128 // _itemsize(dtype), cdiv(_channels(g, pass_)[0], step) * step)
 
 
-def halo_stages(g: Geometry, b_stages: int) -> int:
+def halo_stages(g: Geometry, b_stages: int, pass_: str = "forward") -> int:
     """Halo buffers: two, so the next chunk's (or tile's) halo lands while this one is read, and more
     where chunks have few taps, so the halos keep up with the weight buffers."""
-    return max(2, min(b_stages, cdiv(b_stages, fewest_taps(g)) + 1))
+    return max(2, min(b_stages, cdiv(b_stages, fewest_taps(g, pass_)) + 1))
 
 
-def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int) -> int:
-    """Dynamic shared memory of a forward plan: its halo and weight buffers."""
-    halo_h, halo_w = halo_extent(g, tile)
+def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, pass_: str = "forward") -> int:
+    """Dynamic shared memory of a plan: its halo and weight buffers."""
+    halo_h, halo_w = halo_extent(g, tile, pass_)
     groups = ck * _itemsize(dtype) // 16
-    halo = groups * ((tile.images * halo_h * halo_w) | 1) * 16
-    return halo_stages(g, b_stages) * halo + b_stages * groups * tile.bn * 16
+    halo = groups * ((tile.images * phase_planes(g, pass_) * halo_h * halo_w) | 1) * 16
+    return halo_stages(g, b_stages, pass_) * halo + b_stages * groups * tile.bn * 16
 
 
-def forward_tile(g: Geometry) -> HaloTile:
-    """Heuristic tile: 256 output pixels a block where the phase grid has them (several images of
-    a small grid), the channel side covering the output channels up to 128 (256 with 128 pixels)."""
-    sh, sw = g.params.stride
-    grid_h, grid_w = cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
-    bn = 32 if g.out_per_group <= 32 else 64 if g.out_per_group <= 64 else 128
+def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> HaloTile:
+    """Heuristic tile: 256 destination pixels a block where the grid has them (several images of a
+    small grid), the channel side covering the destination channels up to 128; where that halo
+    does not fit shared memory, the fitting tile of the most pixels."""
+    grid_h, grid_w = dst_grid(g, pass_)
+    n = _channels(g, pass_)[1]
+    bn = 32 if n <= 32 else 64 if n <= 64 else 128
     if grid_h <= 8 and grid_w <= 8:
-        return TILES[f"4i8x8x{bn}"] if g.batch >= 4 or bn == 32 else TILES[f"8x8x{bn}"]
-    return TILES[f"32x8x{bn}"] if grid_w <= 8 and bn == 128 else TILES[f"16x16x{bn}"]
+        preferred = TILES[f"4i8x8x{bn}"] if g.batch >= 4 or bn == 32 else TILES[f"8x8x{bn}"]
+    else:
+        preferred = TILES[f"32x8x{bn}"] if grid_w <= 8 and bn == 128 else TILES[f"16x16x{bn}"]
+    if _fits(g, dtype, preferred, pass_):
+        return preferred
+    fitting = [t for t in TILES.values() if _fits(g, dtype, t, pass_)]
+    if not fitting:
+        raise ValueError("no wgmma tile's halo fits shared memory for this layer")
+    # as many pixels as fit, then the channel side nearest the preferred one
+    return max(fitting, key=lambda t: (t.pixels, -abs(t.bn - bn)))
 
 
-def eligible(g: Geometry, dtype: str) -> bool:
-    """Whether the forward kernel can run this layer: fp16/bf16, whole 16-byte channel groups,
-    a halo that fits shared memory with the smallest tile, and grid limits."""
-    if dtype not in _KINDS or g.in_per_group % (16 // _itemsize(dtype)) or min(g.in_per_group, g.out_per_group) < 16:
+def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
+    """Whether the tile's buffers fit with the smallest chunk and the shallowest weight ring."""
+    return smem_bytes(g, dtype, tile, 32 // _itemsize(dtype), min(STAGE_CHOICES), pass_) <= SMEM_LIMIT
+
+
+def eligible(g: Geometry, dtype: str, pass_: str = "forward") -> bool:
+    """Whether the kernel can run this pass of the layer: fp16/bf16, source channels in whole
+    16-byte groups, 16 or more channels a group on both sides, a tile whose halo fits shared
+    memory, and grid limits."""
+    src, dst = _channels(g, pass_)
+    if dtype not in _KINDS or src % (16 // _itemsize(dtype)) or min(src, dst) < 16:
         return False
     if not gemm.gemm_fits(g, dtype):
         return False
     sh, sw = g.params.stride
     if sh * sw > GRID_YZ_LIMIT:
         return False
-    if smem_bytes(g, dtype, HaloTile(1, 8, 8, 32), 32 // _itemsize(dtype), 2) > SMEM_LIMIT:
+    if not any(_fits(g, dtype, t, pass_) for t in TILES.values()):
         return False
-    return g.groups * cdiv(g.out_per_group, 64) <= GRID_YZ_LIMIT
+    return g.groups * cdiv(dst, 32) <= GRID_YZ_LIMIT
 
 
 def _tile_count(g: Geometry, tile: HaloTile) -> int:
@@ -168,52 +215,71 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
     shared memory runs out).  Blocks are persistent: about one per SM, each walking the tiles of its
     channel tile and phase.
     """
-    tile = tile or forward_tile(g)
+    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[HaloTile] = None,
+                    stages: Optional[int] = None, sm_count: int = 132) -> PackedGemm:
+    """grad_input (a strided conv2d of grad_output) as one halo-tile wgmma kernel; see :func:`plan_forward`."""
+    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count)
+
+
+def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile: Optional[HaloTile],
+          stages: Optional[int], sm_count: int) -> PackedGemm:
+    mode = _mode(pass_)
+    tile = tile or forward_tile(g, pass_, dtype)
     if stages is not None and stages not in STAGE_CHOICES:
         raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
-    ck = chunk_channels(g, dtype)
+    ck = chunk_channels(g, dtype, pass_)
     b_stages = stages or B_STAGES
     # Shrink the chunk, then (unless asked for) the weight ring, until the buffers fit.
-    while smem_bytes(g, dtype, tile, ck, b_stages) > SMEM_LIMIT and ck > 32 // _itemsize(dtype):
+    while smem_bytes(g, dtype, tile, ck, b_stages, pass_) > SMEM_LIMIT and ck > 32 // _itemsize(dtype):
         ck //= 2
-    while stages is None and smem_bytes(g, dtype, tile, ck, b_stages) > SMEM_LIMIT and b_stages > 2:
+    while stages is None and smem_bytes(g, dtype, tile, ck, b_stages, pass_) > SMEM_LIMIT and b_stages > 2:
         b_stages -= 1
-    smem = smem_bytes(g, dtype, tile, ck, b_stages)
+    smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_)
     if smem > SMEM_LIMIT:
         raise ValueError(f"the halo of tile {tile.name} does not fit shared memory")
-    halo_h, halo_w = halo_extent(g, tile)
-    sh, sw = g.params.stride
-    tiles = _tile_count(g, tile)
-    n_tiles = cdiv(g.out_per_group, tile.bn)
-    others = g.groups * n_tiles * sh * sw
-    blocks = min(tiles, max(1, sm_count // others))
+    halo_h, halo_w = halo_extent(g, tile, pass_)
+    src_channels, dst_channels = _channels(g, pass_)
+    grid_h, grid_w = dst_grid(g, pass_)
+    phases = g.params.stride[0] * g.params.stride[1] if mode == 0 else 1
+    tiles = cdiv(g.batch, tile.images) * cdiv(grid_h, tile.tile_h) * cdiv(grid_w, tile.tile_w)
+    n_tiles = cdiv(dst_channels, tile.bn)
+    blocks = min(tiles, max(1, sm_count // (g.groups * n_tiles * phases)))
     n_pad = n_tiles * tile.bn
-    k_pad = cdiv(g.in_per_group, ck) * ck
+    k_pad = cdiv(src_channels, ck) * ck
     index_t = index_type(numel(g.input_shape), numel(g.output_shape),
                          g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad)
     constants = layer_constants(g, dtype, index_t)
-    constants.update(MMA_KIND=_KINDS[dtype], TILE_IMAGES=tile.images, TILE_H=tile.tile_h, TILE_W=tile.tile_w,
-                     WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
-                     HALO_STAGES=halo_stages(g, b_stages), HALO_H=halo_h, HALO_W=halo_w,
-                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias))
-    spec = KernelSpec.make("conv_transpose2d_wgmma_forward.cu", "conv_transpose2d_wgmma_forward", constants, TARGET)
-    main = Plan(spec, (blocks, g.groups * n_tiles, sh * sw), (128 * (tile.warpgroups + 1), 1, 1),
-                (g.batch,) + g.in_size + g.out_size, index_t, smem_bytes=smem)
-    pack = gemm.plan_pack_weight_padded(g, dtype, 0, n_pad, k_pad, (tile.bn, ck))
-    to_cl = gemm.plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype) \
-        if layout == "nchw" else None
+    constants.update(MODE=mode, MMA_KIND=_KINDS[dtype], TILE_IMAGES=tile.images, TILE_H=tile.tile_h,
+                     TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
+                     HALO_STAGES=halo_stages(g, b_stages, pass_), HALO_H=halo_h, HALO_W=halo_w,
+                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0)
+    spec = KernelSpec.make("conv_transpose2d_wgmma.cu", "conv_transpose2d_wgmma", constants, TARGET)
+    if mode == 0:
+        sizes = (g.batch,) + g.in_size + g.out_size
+        src_total, src_pixels = g.in_channels, g.in_size[0] * g.in_size[1]
+    else:
+        sizes = (g.batch,) + g.out_size + g.in_size
+        src_total, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
+    main = Plan(spec, (blocks, g.groups * n_tiles, phases), (128 * (tile.warpgroups + 1), 1, 1), sizes, index_t,
+                smem_bytes=smem)
+    pack = gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck))
+    to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype) if layout == "nchw" else None
     return PackedGemm(pack, main, to_cl)
 
 
-def options(g: Geometry) -> List[Dict[str, object]]:
+def options(g: Geometry, pass_: str = "forward") -> List[Dict[str, object]]:
     """Planner options worth timing: the heuristic, the other weight-ring depths with the heuristic
-    tile, then tiles whose N side fits the channels and whose patch fits the phase grid."""
-    sh, sw = g.params.stride
-    grid_h, grid_w = cdiv(g.out_size[0], sh), cdiv(g.out_size[1], sw)
+    tile, then tiles whose N side fits the channels and whose patch fits the destination grid."""
+    grid_h, grid_w = dst_grid(g, pass_)
+    n = _channels(g, pass_)[1]
     found: List[Dict[str, object]] = [{}] + [{"stages": c} for c in STAGE_CHOICES if c != B_STAGES]
     # Larger patches first: they read the weights fewer times.
     for tile in sorted(TILES.values(), key=lambda t: -t.pixels * t.bn):
-        if tile.bn > 32 and g.out_per_group <= tile.bn // 2:
+        if tile.bn > 32 and n <= tile.bn // 2:
             continue
         if tile.tile_h > 8 * cdiv(grid_h, 8) or tile.tile_w > 8 * cdiv(grid_w, 8):
             continue
@@ -225,34 +291,40 @@ def options(g: Geometry) -> List[Dict[str, object]]:
 
 class WgmmaFamily(Family):
     name = "wgmma"
-    passes = ("forward",)
+    passes = ("forward", "grad_input")
     max_variants = 8
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
         """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
-                and _eligible(g, dtype))
+                and _eligible(g, dtype, pass_))
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        return [Variant.make(self.name, **opts) for opts in options(g)]
+        return [Variant.make(self.name, **opts) for opts in options(g, pass_)]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         kwargs = dict(variant.kwargs)
         tile = TILES[kwargs["tile"]] if "tile" in kwargs else None
+        forward = _mode(pass_) == 0
         if layout == "nhwc" and not aligned:
             # The halo copies need 16-byte aligned channel groups; an offset view takes the mma.sync GEMM.
-            return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False)
-        return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count)
+            if forward:
+                return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False)
+            return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False)
+        if forward:
+            return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count)
+        return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count)
 
     def clear(self) -> None:
         plan_forward.cache_clear()
+        plan_grad_input.cache_clear()
         _eligible.cache_clear()
 
 
 @functools.lru_cache(maxsize=1024)
-def _eligible(g: Geometry, dtype: str) -> bool:
-    return eligible(g, dtype)
+def _eligible(g: Geometry, dtype: str, pass_: str) -> bool:
+    return eligible(g, dtype, pass_)
 
 
 FAMILY = WgmmaFamily()

@@ -1,17 +1,21 @@
-// Forward of a transposed convolution on Hopper's warpgroup MMA (wgmma, sm_90a), one
-// stride phase per grid z, with every input pixel brought into shared memory once per
-// tile and read there by all the taps.
-//
-// Output rows oh = SH*i + rh of phase (rh, rw) read input rows i + dh for the taps whose
-// (rh + PH - kh*DH) is a multiple of SH, dh being that quotient; columns likewise.  A
-// tile is TILE_IMAGES x TILE_H x TILE_W pixels of the phase grid and BN output channels.
-// For each chunk of CK input channels the tile's input "halo", (TILE_H + span of dh) x
-// (TILE_W + span of dw) pixels an image, goes into shared memory as [16-byte channel
-// group][image][halo row][halo column].  Eight neighbouring pixels of a halo row are then
-// one core matrix of the A operand, a halo row apart from the next eight, so tap (dh, dw)
-// is the same buffer read from an origin moved by (dh, dw) pixels: one descriptor change
-// per tap and no gather.  B is the weight, packed by pack_weight.cu as one contiguous
-// CK x BN tile per (n tile, chunk, tap), copied whole by the copy engine.
+// Forward and grad_input of a transposed convolution on Hopper's warpgroup MMA (wgmma,
+// sm_90a), with every source pixel brought into shared memory once per tile and read
+// there by all the taps.  Both gather from a source ("src") into a destination ("dst"):
+//   forward (MODE 0): src = x, dst = y, one stride phase per grid z.  Output rows
+//     oh = SH*i + rh of phase (rh, rw) read input rows i + dh for the taps whose
+//     (rh + PH - kh*DH) is a multiple of SH, dh being that quotient; columns likewise.
+//   grad_input (MODE 1): src = grad_out, dst = grad_in, a strided conv2d: grad_in row i
+//     reads grad_out rows SH*i - PH + kh*DH for every tap.
+// A tile is TILE_IMAGES x TILE_H x TILE_W pixels of the destination (phase) grid and BN
+// destination channels.  For each chunk of CK source channels the tile's source "halo"
+// goes into shared memory as [16-byte channel group][image][row phase][column phase]
+// [halo row][halo column]: source row r0 + SPLIT_H*a + ph lands in row phase ph, row a
+// (SPLIT_H is 1 for the forward, SH for grad_input), and likewise for columns.  Eight
+// neighbouring destination pixels then read eight consecutive halo pixels of one phase
+// plane, which is one core matrix of the A operand, a halo row apart from the next eight;
+// so each tap is the same buffer read from a moved origin: one descriptor change per tap
+// and no gather.  B is the weight, packed by pack_weight.cu as one contiguous CK x BN tile
+// per (n tile, chunk, tap), copied whole by the copy engine.
 //
 // The block is persistent over the tiles of its (channel tile, phase) and split by role:
 // the last warpgroup produces (cp.async for the halos, a bulk copy per weight tile, each
@@ -19,29 +23,36 @@
 // arrival on the "empty" mbarrier that lets the producer refill the buffer).  The producer
 // runs ahead across tiles, so the next tile's halo and weights land while this tile's
 // MMAs and stores run.  The source is channels_last with 16-byte channel groups (an NCHW
-// input is copied into that form first); the destination may be either layout.
+// source is copied into that form first); the destination may be either layout.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
 #include "cp_async_pipeline.cuh"
 #include "mbarrier_copy.cuh"
 
+constexpr int MODE = {{MODE}};
 constexpr int KIND = {{MMA_KIND}};
 constexpr int TILE_IMAGES = {{TILE_IMAGES}}, TILE_H = {{TILE_H}}, TILE_W = {{TILE_W}};
 constexpr int CONSUMERS = {{WARPGROUPS}};   // warpgroups doing MMAs; one more produces
 constexpr int BN = {{BN}};
 constexpr int CK = {{CK}};                   // input channels per chunk
 constexpr int B_STAGES = {{B_STAGES}}, HALO_STAGES = {{HALO_STAGES}};
-constexpr int HALO_H = {{HALO_H}}, HALO_W = {{HALO_W}};   // the widest phase's halo
+constexpr int HALO_H = {{HALO_H}}, HALO_W = {{HALO_W}};   // one phase plane of the widest phase's halo
 constexpr bool DST_CL = {{DST_CL}};
-constexpr bool HAS_BIAS = {{HAS_BIAS}};
+constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
+
+constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;   // source channels per group: the GEMM's K per tap
+constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;   // destination channels per group: its N
+constexpr int C_SRC = CG_K * GROUPS, C_DST = CG_N * GROUPS;
+constexpr int SPLIT_H = MODE == 0 ? 1 : SH, SPLIT_W = MODE == 0 ? 1 : SW;   // halo phase planes
+constexpr int O_SH = MODE == 0 ? SH : 1, O_SW = MODE == 0 ? SW : 1;         // destination pixel steps
 
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int VEC = 16 / sizeof(scalar_t);     // channels in one 16-byte core-matrix row
 constexpr int K_STEP = 32 / sizeof(scalar_t);  // channels one wgmma consumes
 constexpr int CHUNK_GROUPS = CK / VEC;
-constexpr int CHUNKS = (CIN_G + CK - 1) / CK;
-constexpr int N_TILES = (COUT_G + BN - 1) / BN;
+constexpr int CHUNKS = (CG_K + CK - 1) / CK;
+constexpr int N_TILES = (CG_N + BN - 1) / BN;
 constexpr int N_PAD = N_TILES * BN, K_PAD = CHUNKS * CK;   // packed weight: [GROUPS][n tile][chunk][tap][CK x BN]
 constexpr int BM = TILE_IMAGES * TILE_H * TILE_W;
 constexpr int M_BLOCKS = BM / 64;                          // 64-row MMA blocks: 8 rows x 8 columns each
@@ -49,7 +60,8 @@ constexpr int MB = M_BLOCKS / CONSUMERS;                   // per consumer warpg
 constexpr int COL_BLOCKS = TILE_W / 8, IMAGE_BLOCKS = TILE_H / 8 * COL_BLOCKS;
 // Channel-group planes hold an odd number of 16-byte pixels, so the eight groups one
 // pixel's copies write fall on different banks.
-constexpr int IMAGE_HALO = HALO_H * HALO_W;
+constexpr int PHASE_PLANE = HALO_H * HALO_W;
+constexpr int IMAGE_HALO = SPLIT_H * SPLIT_W * PHASE_PLANE;
 constexpr int HALO_PIXELS = TILE_IMAGES * IMAGE_HALO;
 constexpr int HALO_PLANE = (HALO_PIXELS | 1) * 16;
 constexpr int HALO_BYTES = CHUNK_GROUPS * HALO_PLANE;
@@ -62,11 +74,11 @@ constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 
 static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "fp16 and bf16 so far (the stores move 16-bit values)");
 static_assert(TILE_W % 8 == 0 && TILE_H % 8 == 0 && M_BLOCKS % CONSUMERS == 0, "whole 64-row MMA blocks per warpgroup");
-static_assert(CK % K_STEP == 0 && CIN_G % VEC == 0, "chunks of whole MMA steps, channels in whole 16-byte groups");
+static_assert(CK % K_STEP == 0 && CG_K % VEC == 0, "chunks of whole MMA steps, channels in whole 16-byte groups");
 static_assert(B_STAGES >= 2 && HALO_STAGES >= 1, "pipeline depths");
 static_assert(HALO_STAGES * HALO_BYTES + B_STAGES * B_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
 
-struct Tap { int offset, w; };   // byte offset of the tap's origin in a halo plane; weight tap
+struct Tap { int offset, w; };   // byte offset of the tap's origin in an image's halo; weight tap
 
 // Where tile `tile` of the phase grid starts; false for a tile past this phase's grid.
 struct TileOrigin {
@@ -74,7 +86,7 @@ struct TileOrigin {
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t* __restrict__ packed_weight,
+conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restrict__ packed_weight,
                                const scalar_t* __restrict__ bias, scalar_t* __restrict__ dst,
                                index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST) {
     extern __shared__ __align__(128) unsigned char smem[];   // HALO_STAGES halos, then B_STAGES weight tiles
@@ -84,11 +96,11 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
     __shared__ __align__(8) unsigned long long b_full[B_STAGES], b_empty[B_STAGES];
 
     const int tid = threadIdx.x;
-    const int rh = static_cast<int>(blockIdx.z) / SW, rw = static_cast<int>(blockIdx.z) % SW;
-    const index_t MH = rh < H_DST ? (H_DST - rh + SH - 1) / SH : 0;   // this phase's grid
-    const index_t MW = rw < W_DST ? (W_DST - rw + SW - 1) / SW : 0;
-    const index_t tiles_w = ((W_DST + SW - 1) / SW + TILE_W - 1) / TILE_W;   // phase 0's grid, the largest
-    const index_t tiles_h = ((H_DST + SH - 1) / SH + TILE_H - 1) / TILE_H;
+    const int rh = static_cast<int>(blockIdx.z) / O_SW, rw = static_cast<int>(blockIdx.z) % O_SW;
+    const index_t MH = rh < H_DST ? (H_DST - rh + O_SH - 1) / O_SH : 0;   // this phase's grid
+    const index_t MW = rw < W_DST ? (W_DST - rw + O_SW - 1) / O_SW : 0;
+    const index_t tiles_w = ((W_DST + O_SW - 1) / O_SW + TILE_W - 1) / TILE_W;   // phase 0's grid, the largest
+    const index_t tiles_h = ((H_DST + O_SH - 1) / O_SH + TILE_H - 1) / TILE_H;
     const index_t tile_count = (N + TILE_IMAGES - 1) / TILE_IMAGES * tiles_h * tiles_w;
     const int g = blockIdx.y / N_TILES;
     const int n0 = (blockIdx.y % N_TILES) * BN;
@@ -100,7 +112,19 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
         return o.i < MH && o.j < MW;
     };
 
-    if (tid == 0) {
+    if (tid == 0 && MODE == 1) {
+        // Tap (kh, kw) reads halo row SH*u + kh*DH of the tile's row u: phase plane
+        // (kh*DH % SH, kw*DW % SW), shifted by (kh*DH / SH, kw*DW / SW).
+        for (int kh = 0; kh < KH; ++kh)
+            for (int kw = 0; kw < KW; ++kw) {
+                const int plane = (kh * DH % SH) * SW + kw * DW % SW;
+                taps[kh * KW + kw] =
+                    Tap{(plane * PHASE_PLANE + kh * DH / SH * HALO_W + kw * DW / SW) * 16, kh * KW + kw};
+            }
+        tap_count = TAPS;
+        min_dh = -PH;   // the halo starts at source row SH*i0 - PH
+        min_dw = -PW;
+    } else if (tid == 0) {
         // Two passes: the halo's origin is the smallest tap offset of the phase.
         int lo_h = 1 << 30, lo_w = 1 << 30;
         for (int pass = 0; pass < 2; ++pass) {
@@ -124,6 +148,8 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
         }
         min_dh = lo_h;
         min_dw = lo_w;
+    }
+    if (tid == 0) {
         for (int s = 0; s < HALO_STAGES; ++s) {
             mbarrier_init(smem_addr(&halo_full[s]), 128);   // every producer thread's copies
             mbarrier_init(smem_addr(&halo_empty[s]), CONSUMERS);
@@ -145,14 +171,14 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
         // ------------------------------------------------------------------ producer
         if constexpr (CONSUMERS > 1) registers_release<PRODUCER_REGISTERS>();
         const int ptid = tid % 128;
-        const index_t src_batch = H_SRC * W_SRC * CIN;
+        const index_t src_batch = H_SRC * W_SRC * C_SRC;
         const scalar_t* w_tiles = packed_weight + (static_cast<index_t>(g) * N_PAD + n0) * TAPS * K_PAD;
         int h_iter = 0, b_iter = 0;
         for (index_t tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
             TileOrigin o;
             if (!origin(tile, o)) continue;
-            const scalar_t* src_group = src + o.image * src_batch + static_cast<index_t>(g) * CIN_G;
-            const index_t halo_i0 = o.i + min_dh, halo_j0 = o.j + min_dw;
+            const scalar_t* src_group = src + o.image * src_batch + static_cast<index_t>(g) * CG_K;
+            const index_t halo_i0 = SPLIT_H * o.i + min_dh, halo_j0 = SPLIT_W * o.j + min_dw;
             for (int c = 0; c < CHUNKS && tap_n > 0; ++c, ++h_iter) {
                 const unsigned full = smem_addr(&halo_full[h_iter % HALO_STAGES]);
                 mbarrier_wait(smem_addr(&halo_empty[h_iter % HALO_STAGES]), ((h_iter / HALO_STAGES) & 1) ^ 1);
@@ -160,11 +186,13 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
                 for (int v = ptid; v < HALO_VECS; v += 128) {
                     const int group = v % CHUNK_GROUPS, pixel = v / CHUNK_GROUPS;
                     const int image = pixel / IMAGE_HALO, at = pixel % IMAGE_HALO;
-                    const index_t ih = halo_i0 + at / HALO_W, iw = halo_j0 + at % HALO_W;
+                    const int plane = at / PHASE_PLANE, in_plane = at % PHASE_PLANE;
+                    const index_t ih = halo_i0 + SPLIT_H * (in_plane / HALO_W) + plane / SPLIT_W;
+                    const index_t iw = halo_j0 + SPLIT_W * (in_plane % HALO_W) + plane % SPLIT_W;
                     const int k = c * CK + group * VEC;
                     const bool ok = o.image + image < N && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC
-                                    && k < CIN_G;
-                    const scalar_t* p = ok ? src_group + image * src_batch + (ih * W_SRC + iw) * CIN + k : src;
+                                    && k < CG_K;
+                    const scalar_t* p = ok ? src_group + image * src_batch + (ih * W_SRC + iw) * C_SRC + k : src;
                     cp_async_16(halo + group * HALO_PLANE + pixel * 16, p, ok);
                 }
                 cp_async_arrive(full);
@@ -247,8 +275,8 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
         }
 
         // Stores straight from the accumulators, while the producer fills the next tile's buffers.
-        scalar_t* dst_group = dst + o.image * dst_plane * COUT
-                              + static_cast<index_t>(g) * COUT_G * (DST_CL ? 1 : dst_plane);
+        scalar_t* dst_group = dst + o.image * dst_plane * C_DST
+                              + static_cast<index_t>(g) * CG_N * (DST_CL ? 1 : dst_plane);
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
             const int b = warpgroup * MB + mb, at = b % IMAGE_BLOCKS;
@@ -258,19 +286,19 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
                 const int r = warp * 16 + lane / 4 + h * 8;   // row of the 64-row block: 8 rows x 8 columns
                 const index_t i = o.i + (at / COL_BLOCKS) * 8 + r / 8, j = o.j + (at % COL_BLOCKS) * 8 + r % 8;
                 if (o.image + image >= N || i >= MH || j >= MW) continue;
-                const index_t pixel = (SH * i + rh) * W_DST + SW * j + rw;
-                scalar_t* out = dst_group + image * dst_plane * COUT + (DST_CL ? pixel * COUT : pixel);
+                const index_t pixel = (O_SH * i + rh) * W_DST + O_SW * j + rw;
+                scalar_t* out = dst_group + image * dst_plane * C_DST + (DST_CL ? pixel * C_DST : pixel);
 #pragma unroll
                 for (int jn = 0; jn < BN / 8; ++jn) {
                     const int oc = n0 + jn * 8 + (lane % 4) * 2;
                     float v0 = acc[mb][jn * 4 + h * 2], v1 = acc[mb][jn * 4 + h * 2 + 1];
                     if constexpr (HAS_BIAS) {
-                        if (oc < COUT_G) v0 += load(bias + g * COUT_G + oc);
-                        if (oc + 1 < COUT_G) v1 += load(bias + g * COUT_G + oc + 1);
+                        if (oc < CG_N) v0 += load(bias + g * CG_N + oc);
+                        if (oc + 1 < CG_N) v1 += load(bias + g * CG_N + oc + 1);
                     }
-                    if constexpr (DST_CL && COUT_G % 2 == 0) {
+                    if constexpr (DST_CL && CG_N % 2 == 0) {
                         // Channel pairs are whole 4-byte words (the pointers are 16-byte aligned).
-                        if (oc < COUT_G) {
+                        if (oc < CG_N) {
                             scalar_t pair[2];
                             store(&pair[0], v0);
                             store(&pair[1], v1);
@@ -278,8 +306,8 @@ conv_transpose2d_wgmma_forward(const scalar_t* __restrict__ src, const scalar_t*
                                 static_cast<unsigned>(pair[0].bits) | static_cast<unsigned>(pair[1].bits) << 16;
                         }
                     } else {
-                        if (oc < COUT_G) store(out + oc * (DST_CL ? 1 : dst_plane), v0);
-                        if (oc + 1 < COUT_G) store(out + (oc + 1) * (DST_CL ? 1 : dst_plane), v1);
+                        if (oc < CG_N) store(out + oc * (DST_CL ? 1 : dst_plane), v0);
+                        if (oc + 1 < CG_N) store(out + (oc + 1) * (DST_CL ? 1 : dst_plane), v1);
                     }
                 }
             }
