@@ -234,8 +234,9 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     ck = chunk_channels(g, dtype, pass_)
     b_stages = stages or B_STAGES
     # Shrink the chunk, then (unless asked for) the weight ring, until the buffers fit.
-    while smem_bytes(g, dtype, tile, ck, b_stages, pass_) > SMEM_LIMIT and ck > 32 // _itemsize(dtype):
-        ck //= 2
+    step = 32 // _itemsize(dtype)   # channels of one MMA: chunks stay whole multiples of it
+    while smem_bytes(g, dtype, tile, ck, b_stages, pass_) > SMEM_LIMIT and ck > step:
+        ck = max(step, ck // 2 // step * step)
     while stages is None and smem_bytes(g, dtype, tile, ck, b_stages, pass_) > SMEM_LIMIT and b_stages > 2:
         b_stages -= 1
     smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_)
