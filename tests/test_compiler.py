@@ -115,6 +115,29 @@ def _wgmma_layer(name):
     return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
 
 
+def _layer(x_shape, w_shape, **kwargs):
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+# grad_input on the wgmma kernel (MODE 1, a strided conv2d of grad_output with its halo in SH x SW phase
+# planes): strides 1 to 3 (3 with a 3 x 3 kernel), a kernel smaller than the stride, groups with an odd
+# number of grad_in channels (single-element stores), several images a tile, and 64-bit offsets.
+WGMMA_GRAD_INPUT_LAYERS = {
+    "wgmma_dense_3x5": _wgmma_layer("wgmma_dense_3x5"),
+    "wgmma_grad_stride2": _layer((2, 64, 9, 11), (64, 48, 3, 5), stride=2, padding=1),
+    "wgmma_grad_stride3_k3": _layer((2, 32, 10, 13), (32, 40, 3, 3), stride=3, padding=1, output_padding=2),
+    "wgmma_grad_grouped_odd": _layer((3, 34, 7, 9), (34, 16, 4, 3), stride=(2, 3), padding=(1, 0), groups=2,
+                                     dilation=(1, 2), output_padding=(1, 2)),
+    "wgmma_empty_phases": _wgmma_layer("wgmma_empty_phases"),
+    "wgmma_small_grid": _wgmma_layer("wgmma_small_grid"),
+    "wgmma_huge_64bit": _wgmma_layer("wgmma_huge_64bit"),
+}
+# tiles the heuristic does not pick for these layers: one and two consumer warpgroups, N of 64 to 256
+WGMMA_GRAD_INPUT_TILES = (("wgmma_dense_3x5", "16x16x128"), ("wgmma_dense_3x5", "8x16x256"),
+                          ("wgmma_grad_stride2", "32x16x64"), ("wgmma_grad_stride3_k3", "8x8x64"),
+                          ("wgmma_small_grid", "2i8x8x128"))
+
+
 def _wgmma_plans():
     seen = {}
 
@@ -139,6 +162,14 @@ def _wgmma_plans():
         dtype, layout, bias = WGMMA_CASES[i % len(WGMMA_CASES)]
         add(f"wgmma-stages-{stages}-{dtype}-{layout}", wgmma.plan_forward(dense, dtype, bias, layout,
                                                                           stages=stages))
+    # grad_input (MODE 1): the heuristic on every layer it runs, both kinds and layouts, a few tiles
+    for name, g in WGMMA_GRAD_INPUT_LAYERS.items():
+        for dtype, layout, _ in WGMMA_CASES[:2]:
+            add(f"{name}-grad_input-{dtype}-{layout}", wgmma.plan_grad_input(g, dtype, layout))
+    for i, (name, tile) in enumerate(WGMMA_GRAD_INPUT_TILES):
+        dtype, layout, _ = WGMMA_CASES[i % len(WGMMA_CASES)]
+        add(f"{name}-grad_input-tile-{tile}-{dtype}-{layout}",
+            wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS[name], dtype, layout, wgmma.TILES[tile]))
     return seen
 
 
@@ -174,8 +205,16 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert any(c["SH"] * c["SW"] > 1 for c in hopper) and any(c["GROUPS"] > 1 for c in hopper)
     assert any(c["COUT_G"] % 8 for c in hopper), "output channels that are not whole 16-byte runs"
     assert {c["B_STAGES"] for c in hopper} == set(wgmma.STAGE_CHOICES)
+    # grad_input too: strides up to 3 (with a 3 x 3 kernel), grad_in channels that are odd, several images a tile
+    grad = [c for c in hopper if c["MODE"] == 1]
+    assert {c["MODE"] for c in hopper} == {0, 1} and not any(c["HAS_BIAS"] for c in grad)
+    assert {max(c["SH"], c["SW"]) for c in grad} >= {1, 2, 3} and any(c["SH"] == c["KH"] == 3 for c in grad)
+    assert {c["MMA_KIND"] for c in grad} == {0, 1} and {c["DST_CL"] for c in grad} == {True, False}
+    assert {c["INDEX_T"] for c in grad} == {"int", "long long"} and {c["WARPGROUPS"] for c in grad} == {1, 2}
+    assert any(c["CIN_G"] % 2 for c in grad) and any(c["TILE_IMAGES"] > 1 for c in grad)
     packs = [dict(s.constants) for s in PLANS if s.template == "pack_weight.cu"]
     assert {c["TILE_N"] > 0 for c in packs} == {True, False}, "weights packed row by row and tile by tile"
+    assert {c["MODE"] for c in packs if c["TILE_N"] > 0} == {0, 1}, "tiles packed for both wgmma passes"
 
 
 def _compile_cases():
@@ -226,15 +265,28 @@ SPILL_CASES = {f"{tile.name}-{dtype}": (tile, dtype, None) for tile in wgmma.TIL
                for dtype in ("float16", "bfloat16") if dtype == "float16" or tile.accumulators == 128}
 SPILL_CASES.update({f"16x16x128-stages{s}-float16": (wgmma.TILES["16x16x128"], "float16", s)
                     for s in wgmma.STAGE_CHOICES if s != wgmma.B_STAGES})
+# grad_input: the tiles of 128 accumulators a thread in fp16 on the dense layer, and in bf16 on the stride-3
+# 3 x 3 layer (nine phase planes, the smallest chunk) two of them and the heuristic's tile
+SPILL_CASES.update({f"grad_input-{tile.name}-float16": (tile, "float16", None, "wgmma_dense_3x5")
+                    for tile in wgmma.TILES.values() if tile.accumulators == 128})
+SPILL_CASES.update({f"grad_input-stride3-{name}-bfloat16": (wgmma.TILES.get(name), "bfloat16", None,
+                                                             "wgmma_grad_stride3_k3")
+                    for name in ("16x16x128", "8x16x256", "heuristic")})
+
+
+def _spill_plan(name):
+    tile, dtype, stages, *grad_input = SPILL_CASES[name]
+    layout = "nhwc" if dtype == "float16" else "nchw"
+    if grad_input:
+        return wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS[grad_input[0]], dtype, layout, tile, stages).gemm
+    return wgmma.plan_forward(_wgmma_layer("wgmma_dense_3x5"), dtype, True, layout, tile, stages).gemm
 
 
 @pytest.mark.parametrize("name", sorted(SPILL_CASES))
 def test_wgmma_kernels_build_for_sm_90a_without_spilling(name):
-    """NVRTC builds the wgmma forward to a sm_90a cubin; ptxas keeps every tile in registers, with no
-    stack frame and no serialised warpgroup MMAs."""
-    tile, dtype, stages = SPILL_CASES[name]
-    layout = "nhwc" if dtype == "float16" else "nchw"
-    main = wgmma.plan_forward(_wgmma_layer("wgmma_dense_3x5"), dtype, True, layout, tile, stages).gemm
+    """NVRTC builds the wgmma kernels (forward and grad_input) to sm_90a cubins; ptxas keeps every tile in
+    registers, with no stack frame and no serialised warpgroup MMAs."""
+    main = _spill_plan(name)
     spec = main.spec
     assert spec.target == "sm_90a" and f"-arch={spec.target}" in spec.options
     log = _ptxas_log(spec)

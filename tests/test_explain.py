@@ -379,9 +379,13 @@ def test_explain_reports_the_layouts_kernels(layout):
     stages = [k.stage for k in dense.kernels]
     # NCHW sources go through channels_last copies; grad_output's is made once for both grads
     assert stages.count("to_channels_last") == (0 if nhwc else 3)
-    # the assumed H100 runs Hopper's wgmma forward (sm_90a) and the mma.sync GEMMs for the gradients
-    assert dense.pass_("forward").variant == "wgmma"
-    assert dense.pass_("grad_input").variant == dense.pass_("grad_weight").variant == "gemm"
+    # the assumed H100 runs Hopper's wgmma kernels (sm_90a) for the forward and grad_input, and the
+    # mma.sync GEMM for grad_weight
+    assert dense.pass_("forward").variant == dense.pass_("grad_input").variant == "wgmma"
+    assert dense.pass_("grad_weight").variant == "gemm"
+    mains = {k.pass_name: k for k in dense.kernels if k.stage == "main"}
+    assert mains["grad_input"].function == mains["forward"].function == "conv_transpose2d_wgmma"
+    assert (mains["forward"].constants["MODE"], mains["grad_input"].constants["MODE"]) == (0, 1)
     assert all(dict(k.constants).get("DST_CL", nhwc) == nhwc for k in dense.kernels if k.stage == "main")
     assert "channels_last" in dense.text() if nhwc else "contiguous" in dense.text()
 

@@ -76,9 +76,10 @@ def test_explain_lists_the_launches_of_a_training_step(name, layout, tf32_flag, 
     assert _explained(e) == [_key(stage, plan) for stage, plan in seen]
     families = {p.name: p.variant.split(":")[0] for p in e.passes}
     assert families["grad_bias"] == "reduction"
-    # an sm_90 GPU runs the fp16 forward of whole 16-byte channel groups on Hopper's wgmma kernels
+    # an sm_90 GPU runs the fp16 forward and grad_input of whole 16-byte channel groups on Hopper's wgmma kernels
     hopper = name == "gemm_fp16" and device.get(0).arch == "90"
-    assert families["forward"] == ("wgmma" if hopper else "gemm" if name.startswith("gemm") else "direct")
+    for pass_ in ("forward", "grad_input"):
+        assert families[pass_] == ("wgmma" if hopper else "gemm" if name.startswith("gemm") else "direct"), pass_
 
 
 def test_explain_follows_the_tuners_remembered_choice():

@@ -40,8 +40,8 @@ DEV = device.fake(0, name=GPU_NAME, arch=ARCH)
 DEV1 = device.fake(1, name=GPU_NAME, arch=ARCH)
 PRE_AMPERE = device.fake(0, name="Fake Turing", arch="75")
 TUNED = explicit.TUNED_PASSES
-# The forward's heuristic for THIN and WIDE in float16 on an sm_90 device (DEV, and the assumed H100):
-# Hopper's wgmma kernels; the gradients run the mma.sync GEMMs.
+# The heuristic of the forward and grad_input for THIN, WIDE and N16 in float16 on an sm_90 device (DEV,
+# and the assumed H100): Hopper's wgmma kernels; grad_weight runs the mma.sync GEMM.
 WGMMA = Variant("wgmma")
 # 16-byte aligned made-up pointers for the engine's passes (aligned channels_last activations)
 _X, _W, _B, _Y, _GX, _GW = ((i + 1) << 32 for i in range(6))
@@ -201,9 +201,9 @@ def test_code_hash_is_stable_and_short():
 # ----------------------------------------------------------------------- candidates
 
 def _tile(v):
-    """The Tile a variant names, or None for the planner's own."""
+    """The tile a variant names (a gemm Tile, or a wgmma HaloTile), or None for the planner's own."""
     name = v.kwargs.get("tile")
-    return None if name is None else gemm.TILES[name]
+    return None if name is None else (wgmma.TILES if v.family == "wgmma" else gemm.TILES)[name]
 
 
 @pytest.mark.parametrize("pass_", TUNED)
@@ -215,8 +215,10 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
         for layout in launch.LAYOUTS:
             cands = table.candidates(pass_, g, dtype, layout, precision)
             assert isinstance(cands, tuple)
-            # on the assumed H100 the fp16/bf16 forward runs Hopper's wgmma kernels, ahead of the GEMMs
-            hopper = pass_ == "forward" and dtype != "float32"
+            # on the assumed H100 the fp16/bf16 forward and grad_input run Hopper's wgmma kernels, ahead of the
+            # GEMMs (these layers have whole 16-byte channel groups on both sides)
+            hopper = pass_ in wgmma.FAMILY.passes and dtype != "float32"
+            assert hopper == (pass_ in wgmma.FAMILY.passes and wgmma.eligible(g, dtype, pass_))
             assert cands[0] == (WGMMA if hopper else GEMM), \
                 "the heuristic must come first: it is the fallback and tie-breaker"
             assert len(cands) == len(set(cands))
@@ -271,9 +273,15 @@ def test_tile_sides_fit_the_gemm():
             continue
         plan = table.plan("forward", v, N16, "float16", "nhwc", "strict")
         assert dict(plan.gemm.spec.constants)["BN"] == 32
-    # ...but grad_input's N is C_in per group = 64, where 128-wide tiles are pointless too
-    for v in table.candidates("grad_input", N16, "float16", "nhwc", "strict"):
-        assert _tile(v) is None or _tile(v).bn in (32, 64)
+    # ...but grad_input's N is C_in per group = 64, where 128-wide tiles are pointless too (the mma.sync
+    # GEMM's tiles and the wgmma kernel's alike)
+    gi = table.candidates("grad_input", N16, "float16", "nhwc", "strict")
+    assert {"wgmma", "gemm"} <= {v.family for v in gi}
+    for v in gi:
+        assert _tile(v) is None or _tile(v).bn in (32, 64), v.name
+        if v.family == "wgmma":
+            plan = table.plan("grad_input", v, N16, "float16", "nhwc", "strict")
+            assert dict(plan.gemm.spec.constants)["BN"] in (32, 64), v.name
     # grad_weight's tile covers C_in x C_out per group: 64 x 16
     for v in table.candidates("grad_weight", N16, "float16", "nhwc", "strict"):
         assert _tile(v) is None or (_tile(v).bm in (32, 64) and _tile(v).bn == 32)
@@ -323,9 +331,11 @@ def test_direct_kernels_race_below_64_channels_per_group(pass_):
                      (layer(2 * limit, 2 * limit), False), (layer(2 * limit, 2 * limit, groups=2), False),
                      (layer(2 * limit, 2 * limit, groups=4), True)):
         assert direct.FAMILY.races(pass_, g, "float16") == races
-        # the forward of whole 16-byte channel groups runs Hopper's wgmma kernels first (the assumed H100)
-        hopper = pass_ == "forward" and wgmma.eligible(g, "float16")
-        assert hopper == (pass_ == "forward" and g.in_per_group % 8 == 0)
+        # the forward and grad_input of whole 16-byte groups of source channels (the input's for the forward,
+        # grad_output's for grad_input) run Hopper's wgmma kernels first (the assumed H100)
+        hopper = pass_ in wgmma.FAMILY.passes and wgmma.eligible(g, "float16", pass_)
+        source = g.in_per_group if pass_ == "forward" else g.out_per_group
+        assert hopper == (pass_ in wgmma.FAMILY.passes and source % 8 == 0)
         for layout in launch.LAYOUTS:
             cands = table.candidates(pass_, g, "float16", layout, "strict")
             assert cands[0] == (WGMMA if hopper else GEMM) and (DIRECT in cands) == races, \
@@ -755,11 +765,12 @@ def test_pinned_runs_the_given_variants_and_the_heuristic_elsewhere(fresh, monke
         assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) == pin
         assert tuning.chosen("forward", WIDE, "float32", "nhwc", "tf32", 1) == pin, "a pin holds for every layer"
         assert tuning.chosen("grad_input", THIN, "float16", "nchw", "strict", 0) is None
-        assert tuning.current("grad_input", THIN, "float16", "nchw", "strict", DEV, gi) == GEMM
+        assert gi[0] == WGMMA and gi[1] != WGMMA
+        assert tuning.current("grad_input", THIN, "float16", "nchw", "strict", DEV, gi) == WGMMA
         forward = _run_engine(launcher, "forward")
         assert forward.variant == pin and {p for _, p in forward.launches} == set(_plans("forward", pin, has_bias=True))
         # unpinned passes run their heuristic, whatever was chosen before, and time nothing
-        assert _run_engine(launcher, "grad_input").variant == GEMM
+        assert _run_engine(launcher, "grad_input").variant == WGMMA
         assert _run_engine(launcher, "grad_weight").variant == GEMM
         assert _choose("grad_weight")[0] == GEMM
     assert not timer.calls and not (fresh / tuning.CACHE_FILE).exists()
@@ -897,9 +908,12 @@ def test_each_candidate_is_timed_with_its_own_channels_last_copy(fresh, monkeypa
     with device.substitute(DEV):
         launcher = TimingRecorder(DEV)
         engine.backward(THIN, "float16", _Y, _X, _W, _GX, _GW, None, launcher, "nchw", "strict")
-    timed_gemms = [stages for v, stages in runs if v.family == "gemm"]
-    assert timed_gemms and all(stages.count("to_channels_last") >= 1 for stages in timed_gemms)
-    # the chosen kernels share one copy of grad_output between grad_input and grad_weight
+    timed = [(v, stages) for v, stages in runs if v.family in ("wgmma", "gemm")]
+    assert {v.family for v, _ in timed} == {"wgmma", "gemm"}
+    assert all(stages.count("to_channels_last") >= 1 for _, stages in timed)
+    # the chosen kernels (wgmma's grad_input, the GEMM's grad_weight) share one copy of grad_output
     chosen = [p for p in launcher.passes if p.name in ("grad_input", "grad_weight")]
     copied = sum(stage == "to_channels_last" for p in chosen for stage, _ in p.launches)
-    assert [p.variant for p in chosen] == [GEMM, GEMM] and copied == 2   # grad_output once, x once
+    assert [p.variant for p in chosen] == [WGMMA, GEMM] and copied == 2   # grad_output once, x once
+    assert [stage for stage, _ in chosen[0].launches] == ["pack", "to_channels_last", "main"]
+    assert "to_channels_last" in [stage for stage, _ in chosen[1].launches]

@@ -227,8 +227,9 @@ def test_every_candidate_matches_float64(layer, case, layout, tuned):
     wants = {"forward": y_ref, "grad_input": gi_ref, "grad_weight": gw_ref}
     tried = 0
     for pass_ in TUNED_PASSES:
-        # an sm_90 GPU runs the fp16/bf16 forward on Hopper's wgmma kernels, ahead of the GEMMs
-        first = wgmma.FAMILY if pass_ == "forward" and dt != "float32" and dev.arch == "90" else gemm.FAMILY
+        # an sm_90 GPU runs the fp16/bf16 forward and grad_input on Hopper's wgmma kernels, ahead of the GEMMs
+        hopper = pass_ in wgmma.FAMILY.passes and dt != "float32" and dev.arch == "90"
+        first = wgmma.FAMILY if hopper else gemm.FAMILY
         fams = table.eligible(pass_, g, dt, layout, dev)
         assert fams[0] is first and gemm.FAMILY in fams, "this GPU runs the tensor-core GEMMs"
         cands = table.candidates(pass_, g, dt, layout, precision, dev)

@@ -1,5 +1,6 @@
-"""The Hopper wgmma forward family without a GPU: stride-phase taps, halos, shared memory,
-eligibility (sm_90 only), the tiles it offers and the launches it plans.
+"""The Hopper wgmma family (forward and grad_input) without a GPU: stride-phase taps, halos (grad_input's
+split into stride-phase planes), shared memory, eligibility (sm_90 only), the tiles it offers and the
+launches it plans.
 
 The kernels themselves run in tests/test_wgmma_gpu.py and compile in tests/test_compiler.py.
 """
@@ -18,8 +19,8 @@ WGMMA = Variant("wgmma")
 TEMPLATE = "conv_transpose2d_wgmma.cu"
 FUNCTION = "conv_transpose2d_wgmma"
 HALF = ("float16", "bfloat16")
-# 16-byte aligned made-up pointers (x, weight, bias, out) for the engine on a recorder
-_X, _W, _B, _Y = ((i + 1) << 32 for i in range(4))
+# 16-byte aligned made-up pointers (x, weight, bias, out, grad_input, grad_weight) for the engine on a recorder
+_X, _W, _B, _Y, _GX, _GW = ((i + 1) << 32 for i in range(6))
 
 
 def _g(x_shape, w_shape, **kwargs):
@@ -135,6 +136,17 @@ def test_smem_limit_leaves_room_for_the_static_tap_table():
     assert not gemm.gemm_fits(_g((1, 16, 4, 4), (16, 16, 16, 17)), "float16")
 
 
+def _chunks_tried(g, dtype, pass_="forward"):
+    """The channel chunks a plan tries, largest first: the full chunk, then halves rounded down to whole
+    MMA steps (32 bytes of 2-byte channels), down to one step."""
+    step = 32 // 2
+    chunks = [wgmma.chunk_channels(g, dtype, pass_)]
+    while chunks[-1] > step:
+        chunks.append(max(step, chunks[-1] // 2 // step * step))
+    assert all(c % step == 0 for c in chunks)
+    return chunks
+
+
 @pytest.mark.parametrize("dtype", HALF)
 def test_planned_layers_stay_within_shared_memory(dtype):
     """Every tile either plans within SMEM_LIMIT, with the largest channel chunk and then the deepest
@@ -157,8 +169,10 @@ def test_planned_layers_stay_within_shared_memory(dtype):
             assert c["HALO_STAGES"] == wgmma.halo_stages(g, b_stages) >= 2
             assert ck % smallest == 0 and ck <= wgmma.chunk_channels(g, dtype)
             assert 2 <= b_stages <= wgmma.B_STAGES
-            if ck < wgmma.chunk_channels(g, dtype):
-                assert wgmma.smem_bytes(g, dtype, t, 2 * ck, wgmma.B_STAGES) > wgmma.SMEM_LIMIT, "largest chunk"
+            tried = _chunks_tried(g, dtype)
+            assert ck in tried, "halved (in whole MMA steps) from the full chunk"
+            for larger in tried[:tried.index(ck)]:
+                assert wgmma.smem_bytes(g, dtype, t, larger, wgmma.B_STAGES) > wgmma.SMEM_LIMIT, "largest chunk"
             if b_stages < wgmma.B_STAGES:
                 assert ck == smallest and wgmma.smem_bytes(g, dtype, t, ck, b_stages + 1) > wgmma.SMEM_LIMIT
             # the buffers of the descriptors' 18-bit addresses
@@ -252,6 +266,10 @@ def test_only_an_sm_90_device_runs_the_family(arch, runs):
         functions = {plan.spec.function for _, plan in rec.launches}
         assert (FUNCTION in functions) == runs and ("conv_transpose2d_igemm" in functions) != runs
         assert all(plan.spec.target == "" for _, plan in rec.launches if plan.spec.function != FUNCTION)
+        rec = Recorder(dev)
+        engine.grad_input(DENSE, "float16", _Y, _W, _X, rec, "nhwc", "strict")
+        functions = {plan.spec.function for _, plan in rec.launches}
+        assert (FUNCTION in functions) == runs and ("conv_transpose2d_igemm" in functions) != runs
 
 
 def test_an_sm_90_without_wgmma_or_with_tensor_cores_off_keeps_the_gemms(monkeypatch):
@@ -278,8 +296,8 @@ def test_every_tile_fits_the_registers_and_the_warpgroups():
     assert "8x8x256" not in wgmma.TILES, "one warpgroup's 64 x 256 spilled"
 
 
-def _check_options(g):
-    opts = wgmma.options(g)
+def _check_options(g, pass_="forward"):
+    opts = wgmma.options(g, pass_)
     assert opts[0] == {}, "the heuristic comes first"
     assert len({tuple(sorted(o.items())) for o in opts}) == len(opts), "no option twice"
     for o in opts[1:]:
@@ -288,7 +306,7 @@ def _check_options(g):
             assert wgmma.TILES[o["tile"]].accumulators <= 128
         if "stages" in o:
             assert o["stages"] in wgmma.STAGE_CHOICES and o["stages"] != wgmma.B_STAGES
-    variants = wgmma.FAMILY.variants("forward", g, "float16", "nchw", "strict")
+    variants = wgmma.FAMILY.variants(pass_, g, "float16", "nchw", "strict")
     assert variants == [Variant.make("wgmma", **o) for o in opts] and variants[0] == WGMMA
     return [wgmma.TILES[o["tile"]] for o in opts if "tile" in o]
 
@@ -317,16 +335,18 @@ def test_suite_options():
 
 
 def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
+    assert wgmma.FAMILY.passes == ("forward", "grad_input")
     for name in SUITE:
         g = _suite_layer(name)
         for layout in launch.LAYOUTS:
-            cands = table.candidates("forward", g, "float16", layout)
-            assert cands[0] == WGMMA
-            families = [v.family for v in cands]
-            assert "gemm" in families and families == sorted(families, key=["wgmma", "gemm", "direct"].index)
-            assert families.count("wgmma") <= wgmma.FAMILY.max_variants
-            for pass_ in ("grad_input", "grad_weight"):
-                assert table.candidates(pass_, g, "float16", layout)[0] == GEMM
+            for pass_ in wgmma.FAMILY.passes:
+                cands = table.candidates(pass_, g, "float16", layout)
+                assert cands[0] == WGMMA, (name, pass_)
+                families = [v.family for v in cands]
+                assert "gemm" in families and families == sorted(families, key=["wgmma", "gemm", "direct"].index)
+                assert families.count("wgmma") <= wgmma.FAMILY.max_variants
+            # grad_weight is no pass of the family: the mma.sync GEMM still runs it
+            assert table.candidates("grad_weight", g, "float16", layout)[0] == GEMM
 
 
 def test_every_option_of_the_suite_layers_plans():
@@ -486,3 +506,367 @@ def test_compile_ahead_lists_the_wgmma_kernels_on_sm_90_only():
         assert FUNCTION not in functions(device.fake(0, arch="80"), layout)
     # channels_last lists the GEMM that runs for unaligned pointers as well
     assert "conv_transpose2d_igemm" in functions(device.ASSUMED, "nhwc")
+
+
+# ---------------------------------------------------------------------------- grad_input
+#
+# grad_input is a strided conv2d of grad_output: grad_in row i reads grad_out rows SH*i - PH + kh*DH.
+# The halo of a tile is stored as SH x SW stride-phase planes, the GEMM's N is the input channels
+# per group and its K per tap grad_output's channels per group.
+
+GRAD = "grad_input"
+
+
+def _axis_halo_reads(tile_side, stride, padding, dilation, kernel, i0):
+    """For the tile's destination rows i = i0 .. i0 + tile_side - 1 and every tap k: (k, plane, row in plane,
+    i - i0) of the source row stride*i - padding + k*dilation, relative to the halo's origin
+    stride*i0 - padding, straight from the definition."""
+    origin = stride * i0 - padding
+    reads = []
+    for i in range(i0, i0 + tile_side):
+        for k in range(kernel):
+            offset = stride * i - padding + k * dilation - origin
+            assert offset >= 0
+            reads.append((k, offset % stride, offset // stride, i - i0))
+    return reads
+
+
+@pytest.mark.parametrize("tile", sorted(wgmma.TILES))
+def test_grad_input_halo_covers_every_taps_source_rows_per_phase_plane(tile):
+    t = wgmma.TILES[tile]
+    for g in RANDOM:
+        halo_h, halo_w = wgmma.halo_extent(g, t, GRAD)
+        (kh, kw), (sh, sw) = g.kernel, g.params.stride
+        (ph, pw), (dh, dw) = g.params.padding, g.params.dilation
+        for side, s, p, d, k, extent in ((t.tile_h, sh, ph, dh, kh, halo_h), (t.tile_w, sw, pw, dw, kw, halo_w)):
+            widest = 0
+            for i0 in (0, side, 7 * side):   # the halo is relative to the tile's origin: any tile reads alike
+                for tap, plane, row, u in _axis_halo_reads(side, s, p, d, k, i0):
+                    # the kernel's tap table: plane tap*d % s, shifted by tap*d // s rows
+                    assert (plane, row) == (tap * d % s, u + tap * d // s), g
+                    assert 0 <= row < extent, g
+                    widest = max(widest, row + 1)
+            assert widest == extent, ("no more than the taps read", g)
+    # one phase plane per stride phase, each of that size
+    assert wgmma.phase_planes(DENSE, GRAD) == 4
+    assert wgmma.phase_planes(DENSE) == wgmma.phase_planes(DENSE, "forward") == 1
+
+
+def test_grad_input_pass_helpers():
+    g = _g((3, 48, 7, 9), (48, 16, 4, 3), stride=(2, 3), padding=(1, 0), groups=2, dilation=(1, 2),
+           output_padding=(1, 2))
+    assert (g.in_per_group, g.out_per_group) == (24, 16)
+    assert wgmma.phase_planes(g, GRAD) == 6
+    # the destination is grad_in's own grid; the forward's is the first stride phase's
+    assert wgmma.dst_grid(g, GRAD) == g.in_size
+    assert wgmma.dst_grid(g) == (cdiv(g.out_size[0], 2), cdiv(g.out_size[1], 3))
+    # every tap reads every destination pixel: no phases without taps
+    assert wgmma.fewest_taps(g, GRAD) == 12
+    assert wgmma.halo_stages(g, 4, GRAD) == max(2, min(4, cdiv(4, 12) + 1)) == 2
+    # chunks of grad_output's channels per group (16 here), rounded to whole 32-byte MMA steps
+    assert wgmma.chunk_channels(g, "float16", GRAD) == 16 and wgmma.chunk_channels(g, "float16") == 32
+    wide = _g((2, 136, 9, 9), (136, 264, 3, 3), stride=2)
+    assert wgmma.chunk_channels(wide, "float16", GRAD) == 64 and wgmma.chunk_channels(wide, "bfloat16", GRAD) == 64
+    # shared memory: SH x SW planes of the per-plane halo per image, then the weight ring
+    t = wgmma.TILES["16x16x64"]
+    halo_h, halo_w = wgmma.halo_extent(g, t, GRAD)
+    assert (halo_h, halo_w) == (16 + 3 * 1 // 2, 16 + 2 * 2 // 3)
+    halo = 2 * ((t.images * 6 * halo_h * halo_w) | 1) * 16
+    assert wgmma.smem_bytes(g, "float16", t, 16, 3, GRAD) == wgmma.halo_stages(g, 3, GRAD) * halo + 3 * 2 * 64 * 16
+    for pass_ in ("grad_weight", "backward"):
+        for helper in (wgmma.phase_planes, wgmma.dst_grid, wgmma.fewest_taps, wgmma.options):
+            with pytest.raises(ValueError, match="forward and grad_input"):
+                helper(g, pass_)
+        with pytest.raises(ValueError, match="forward and grad_input"):
+            wgmma.eligible(g, "float16", pass_)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_planned_grad_input_layers_stay_within_shared_memory(dtype):
+    """As for the forward: each tile plans within SMEM_LIMIT with the largest chunk, then the deepest weight
+    ring, that fit (the halo SH x SW phase planes), or does not fit at the smallest chunk and two buffers."""
+    smallest = 32 // 2
+    planned = refused = 0
+    for g in RANDOM[1::3]:
+        if not wgmma.eligible(g, dtype, GRAD):
+            continue
+        for t in wgmma.TILES.values():
+            try:
+                main = wgmma.plan_grad_input(g, dtype, "nhwc", t).gemm
+            except ValueError:
+                assert wgmma.smem_bytes(g, dtype, t, smallest, 2, GRAD) > wgmma.SMEM_LIMIT, (g, t)
+                refused += 1
+                continue
+            planned += 1
+            c = _constants(main)
+            ck, b_stages = c["CK"], c["B_STAGES"]
+            assert c["MODE"] == 1
+            assert main.smem_bytes == wgmma.smem_bytes(g, dtype, t, ck, b_stages, GRAD) <= wgmma.SMEM_LIMIT
+            assert c["HALO_STAGES"] == wgmma.halo_stages(g, b_stages, GRAD) >= 2
+            assert ck % smallest == 0 and ck <= wgmma.chunk_channels(g, dtype, GRAD)
+            assert 2 <= b_stages <= wgmma.B_STAGES
+            tried = _chunks_tried(g, dtype, GRAD)
+            assert ck in tried, "halved (in whole MMA steps) from the full chunk"
+            for larger in tried[:tried.index(ck)]:
+                assert wgmma.smem_bytes(g, dtype, t, larger, wgmma.B_STAGES, GRAD) > wgmma.SMEM_LIMIT, "largest chunk"
+            if b_stages < wgmma.B_STAGES:
+                assert ck == smallest and wgmma.smem_bytes(g, dtype, t, ck, b_stages + 1, GRAD) > wgmma.SMEM_LIMIT
+            assert main.smem_bytes < 1 << 18
+        # the heuristic tile is one that plans
+        assert wgmma.plan_grad_input(g, dtype, "nhwc").gemm.smem_bytes <= wgmma.SMEM_LIMIT
+    assert planned > 100 and refused > 0, (planned, refused)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_grad_input_eligibility_follows_grad_outputs_channels_per_group(dtype):
+    """grad_input's source is grad_output: its channels per group (out_per_group) must be whole 16-byte
+    groups, and both sides at least 16 channels a group."""
+    def layer(cin, cout, groups=1):
+        return _g((2, cin, 9, 11), (cin, cout // groups, 3, 3), stride=2, padding=1, groups=groups)
+
+    both, forward_only, grad_only = layer(24, 40), layer(24, 20), layer(20, 32)
+    assert wgmma.eligible(both, dtype) and wgmma.eligible(both, dtype, GRAD)
+    # 24 in-channels and 20 out-channels a group: 40 bytes of grad_output per pixel, no whole 16-byte groups
+    assert wgmma.eligible(forward_only, dtype) and not wgmma.eligible(forward_only, dtype, GRAD)
+    # ...and the other way round: grad_in's 20 channels are only stored, element by element where odd
+    assert not wgmma.eligible(grad_only, dtype) and wgmma.eligible(grad_only, dtype, GRAD)
+    assert wgmma.eligible(layer(18, 16), dtype, GRAD) and wgmma.eligible(layer(17, 16), dtype, GRAD)
+    # under 16 on either side
+    assert not wgmma.eligible(layer(8, 64), dtype, GRAD) and not wgmma.eligible(layer(64, 8), dtype, GRAD)
+    assert not wgmma.eligible(layer(12, 64), dtype, GRAD)
+    # per group, not in all
+    assert wgmma.eligible(layer(48, 48, groups=3), dtype, GRAD)
+    assert not wgmma.eligible(layer(64, 40, groups=2), dtype, GRAD), "20 grad_output channels a group"
+    assert not wgmma.eligible(layer(64, 64, groups=8), dtype, GRAD), "8 channels a group"
+    for layout in launch.LAYOUTS:
+        for g, runs in ((both, True), (forward_only, False), (grad_only, True)):
+            assert (table.eligible(GRAD, g, dtype, layout)[0] is wgmma.FAMILY) == runs, g
+            assert (table.candidates(GRAD, g, dtype, layout)[0] == WGMMA) == runs
+        assert table.eligible("forward", forward_only, dtype, layout)[0] is wgmma.FAMILY
+        assert table.candidates(GRAD, forward_only, dtype, layout)[0] == GEMM
+    assert not wgmma.eligible(both, "float32", GRAD)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", SUITE)
+def test_the_suite_layers_run_grad_input_on_wgmma(name, dtype):
+    g = _suite_layer(name)
+    assert wgmma.eligible(g, dtype, GRAD)
+    for layout in launch.LAYOUTS:
+        assert table.eligible(GRAD, g, dtype, layout)[0] is wgmma.FAMILY
+        assert table.candidates(GRAD, g, dtype, layout)[0] == WGMMA
+    assert not wgmma.eligible(_suite_layer("depthwise_up"), dtype, GRAD)
+
+
+def test_grad_input_options():
+    for g in RANDOM:
+        if not wgmma.eligible(g, "float16", GRAD):
+            continue
+        grid_h, grid_w = g.in_size
+        for t in _check_options(g, GRAD):
+            assert t.tile_h <= 8 * cdiv(grid_h, 8) and t.tile_w <= 8 * cdiv(grid_w, 8), "no patch past grad_in"
+            if t.images > 1:
+                assert grid_h <= t.tile_h and grid_w <= t.tile_w and g.batch >= t.images
+            if t.bn > 64:
+                assert g.in_per_group > t.bn // 2, "no N side twice grad_in's channels"
+    tiles = {name: {t.name for t in _check_options(_suite_layer(name), GRAD)} for name in SUITE}
+    # grad_in's grid is the input's: dcgan_up's 8 x 8 input with a batch of 64 tries several images a block
+    assert {"4i8x8x128", "2i8x8x256"} <= tiles["dcgan_up"]
+    assert not any("i" in t for t in tiles["asym_kernel"] | tiles["unet_up2x2"] | tiles["big_square"])
+    # asym_kernel's grad_in has 64 channels: no 128-wide N side (its forward has 128 output channels)
+    assert not any(wgmma.TILES[t].bn > 64 for t in tiles["asym_kernel"])
+    assert "16x16x128" in tiles["unet_up2x2"] and "16x8x256" in tiles["unet_up2x2"], "256 grad_in channels"
+
+
+def test_every_grad_input_option_of_the_suite_layers_plans_or_is_no_candidate():
+    """Each option plans, or (a tile whose SH x SW halo planes cannot fit: outpad_up3x's 32 x 16 patches at
+    stride 3) is refused and so left out of the candidates."""
+    refused = []
+    for name in SUITE:
+        g = _suite_layer(name)
+        variants = wgmma.FAMILY.variants(GRAD, g, "float16", "nchw", "strict")
+        assert all(Variant.parse(v.name) == v for v in variants) and len({v.name for v in variants}) == len(variants)
+        for o in wgmma.options(g, GRAD):
+            for dtype in HALF:
+                v = Variant.make("wgmma", **o)
+                tile = wgmma.TILES[o["tile"]] if "tile" in o else wgmma.forward_tile(g, GRAD, dtype)
+                try:
+                    main = table.plan(GRAD, v, g, dtype, "nhwc", "strict").gemm
+                except ValueError:
+                    smallest = wgmma.smem_bytes(g, dtype, tile, 16, o.get("stages", min(wgmma.STAGE_CHOICES)), GRAD)
+                    assert smallest > wgmma.SMEM_LIMIT, (name, o)
+                    assert all(v not in table.candidates(GRAD, g, dtype, layout) for layout in launch.LAYOUTS)
+                    refused.append((name, v.name))
+                    continue
+                assert main.spec.function == FUNCTION and main.smem_bytes <= wgmma.SMEM_LIMIT
+                c = _constants(main)
+                assert c["MODE"] == 1 and not c["HAS_BIAS"] and main.grid[2] == 1
+                assert c["B_STAGES"] == o.get("stages", c["B_STAGES"]), "the weight ring asked for"
+                if "tile" in o:
+                    assert wgmma.HaloTile(c["TILE_IMAGES"], c["TILE_H"], c["TILE_W"], c["BN"]).name == o["tile"]
+    assert {name for name, _ in refused} <= {"outpad_up3x"}, refused
+
+
+GRAD_PLAN_CASES = [
+    ("dense", DENSE, None),
+    # 24 -> 16 channels a group: K of 16 (one chunk), N of 24 in a 32-wide tile
+    ("grouped_strided", _g((3, 48, 7, 9), (48, 16, 4, 3), stride=(2, 3), padding=(1, 0), groups=2, dilation=(1, 2),
+                           output_padding=(1, 2)), None),
+    ("stride3_k3", _g((2, 32, 10, 13), (32, 40, 3, 3), stride=3, padding=1, output_padding=2), None),
+    # a 2 x 3 kernel at stride 3 x 4: twelve phase planes of the tile's own size
+    ("kernel_under_stride", _g((1, 16, 6, 5), (16, 136, 2, 3), stride=(3, 4)), None),
+    # batch 5 on an 8 x 8 input, four images a tile: the last tile holds one image
+    ("multi_image", _g((5, 64, 8, 8), (64, 32, 4, 4), stride=2, padding=1), "4i8x8x64"),
+    # 136 grad_in channels (two N tiles of 128) from 264 grad_output channels (five chunks of 64)
+    ("wide_channels", _g((2, 136, 9, 9), (136, 264, 3, 3), stride=2), None),
+    ("dcgan_up", _suite_layer("dcgan_up", batch=6), None),
+    ("unet_up2x2", _suite_layer("unet_up2x2", batch=2, size=(20, 24)), "8x16x256"),
+    ("huge_64bit", _g((1, 16, 24000, 24000), (16, 16, 2, 2), stride=2), None),
+]
+
+
+@pytest.mark.parametrize("layout", launch.LAYOUTS)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("case", GRAD_PLAN_CASES, ids=[c[0] for c in GRAD_PLAN_CASES])
+def test_grad_input_plan_shapes(case, dtype, layout):
+    _, g, tile_name = case
+    assert wgmma.eligible(g, dtype, GRAD)
+    tile = wgmma.TILES[tile_name] if tile_name else wgmma.forward_tile(g, GRAD, dtype)
+    packed = wgmma.plan_grad_input(g, dtype, layout, wgmma.TILES[tile_name] if tile_name else None)
+    main, pack = packed.gemm, packed.pack
+    c = _constants(main)
+    assert main.spec.template == TEMPLATE and main.spec.function == FUNCTION and main.spec.target == "sm_90a"
+    assert c["MODE"] == 1 and c["HAS_BIAS"] is False, "grad_input has no bias"
+    assert (c["TILE_IMAGES"], c["TILE_H"], c["TILE_W"], c["BN"]) == (tile.images, tile.tile_h, tile.tile_w, tile.bn)
+    assert c["WARPGROUPS"] == tile.warpgroups and main.block == (128 * (tile.warpgroups + 1), 1, 1)
+    assert c["MMA_KIND"] == {"float16": 0, "bfloat16": 1}[dtype] and c["DST_CL"] == (layout == "nhwc")
+    assert (c["HALO_H"], c["HALO_W"]) == wgmma.halo_extent(g, tile, GRAD)
+    ck = c["CK"]
+    assert c["B_STAGES"] == wgmma.B_STAGES and c["HALO_STAGES"] == wgmma.halo_stages(g, wgmma.B_STAGES, GRAD)
+    assert main.smem_bytes == wgmma.smem_bytes(g, dtype, tile, ck, wgmma.B_STAGES, GRAD) <= wgmma.SMEM_LIMIT
+    # y: groups x N tiles of grad_in's channels; z: one (no stride phases); x: persistent blocks over the
+    # patches of grad_in's grid, about one block per SM in all and no more than patches
+    tiles = cdiv(g.batch, tile.images) * cdiv(g.in_size[0], tile.tile_h) * cdiv(g.in_size[1], tile.tile_w)
+    n_tiles = cdiv(g.in_per_group, tile.bn)
+    assert main.grid == (min(tiles, max(1, 132 // (g.groups * n_tiles))), g.groups * n_tiles, 1)
+    # the kernel's source is grad_output, its destination grad_in
+    assert main.scalars == (g.batch,) + g.out_size + g.in_size
+    assert main.index_t == c["INDEX_T"] == ("long long" if max(launch.numel(g.input_shape),
+                                                                launch.numel(g.output_shape)) >= 2 ** 31 else "int")
+    # the weight packed for grad_input (n = input channel, k = output channel), tile by tile
+    p = _constants(pack)
+    assert pack.spec.template == "pack_weight.cu" and pack.spec.target == ""
+    assert p["MODE"] == 1 and p["TAPS"] == g.kernel[0] * g.kernel[1] and p["ELEMENT_BYTES"] == 2
+    assert (p["TILE_N"], p["TILE_K"]) == (tile.bn, ck) == (c["BN"], c["CK"])
+    assert p["N_PAD"] % tile.bn == 0 and g.in_per_group <= p["N_PAD"] < g.in_per_group + tile.bn
+    assert p["K_PAD"] % ck == 0 and g.out_per_group <= p["K_PAD"] < g.out_per_group + ck
+    # ...as the kernel computes its strides in MODE 1: N_PAD = ceil(CIN_G / BN) * BN, K_PAD = ceil(COUT_G / CK) * CK
+    assert p["N_PAD"] == cdiv(c["CIN_G"], c["BN"]) * c["BN"] and p["K_PAD"] == cdiv(c["COUT_G"], ck) * ck
+    assert pack.scratch_bytes == g.groups * p["TAPS"] * p["N_PAD"] * p["K_PAD"] * 2
+    # an NCHW grad_output is copied to channels_last first (its channels and pixels); channels_last is read in place
+    if layout == "nchw":
+        assert packed.to_channels_last == gemm.plan_to_channels_last(g.batch, g.out_channels,
+                                                                     g.out_size[0] * g.out_size[1], dtype)
+    else:
+        assert packed.to_channels_last is None
+    assert packed.plans() == [p_ for p_ in (pack, packed.to_channels_last, main) if p_ is not None]
+    # the pass table plans the same for the heuristic variant
+    if tile_name is None:
+        assert table.plan(GRAD, WGMMA, g, dtype, layout, "strict") == packed
+
+
+def test_grad_input_blocks_are_persistent_over_the_patches():
+    g = _g((3, 264, 20, 20), (264, 64, 3, 3), stride=3, padding=1)   # 264 grad_in channels: 3 N tiles of 128
+    tile = wgmma.forward_tile(g, GRAD)
+    assert tile.bn == 128 and cdiv(g.in_per_group, tile.bn) == 3
+    patches = g.batch * cdiv(20, tile.tile_h) * cdiv(20, tile.tile_w)
+    assert patches == 12
+    for sm_count, blocks in ((132, 12), (27, 9), (10, 3), (2, 1), (2000, 12)):
+        main = wgmma.plan_grad_input(g, "float16", "nhwc", None, None, sm_count).gemm
+        assert main.grid == (blocks, 3, 1), sm_count
+    assert table.plan(GRAD, WGMMA, g, "float16", "nhwc", "strict", False, True, 10).gemm.grid == (3, 3, 1)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_grad_input_heuristic_falls_back_to_a_tile_that_fits(dtype):
+    """Four phase planes of 16 x 16 (stride 4) or a halo 45 rows wide (dilation 45) overflow shared memory
+    for the preferred 16 x 16 patch: the heuristic takes, among the fitting tiles no wider in N than the
+    preferred one (all fitting tiles if there are none), the one of the most pixels, then the N side nearest
+    the preferred one; the layer still runs wgmma; where nothing fits, it is not eligible."""
+    for g, preferred in ((_g((2, 64, 20, 20), (64, 32, 4, 4), stride=4), "16x16x64"),
+                         (_g((2, 16, 40, 40), (16, 128, 2, 2), dilation=45), "16x16x32")):
+        assert not wgmma._fits(g, dtype, wgmma.TILES[preferred], GRAD)
+        fitting = [t for t in wgmma.TILES.values() if wgmma._fits(g, dtype, t, GRAD)]
+        bn = wgmma.TILES[preferred].bn
+        narrow = [t for t in fitting if t.bn <= bn] or fitting
+        tile = wgmma.forward_tile(g, GRAD, dtype)
+        assert tile in narrow and tile.pixels == max(t.pixels for t in narrow)
+        assert abs(tile.bn - bn) == min(abs(t.bn - bn) for t in narrow if t.pixels == tile.pixels)
+        assert wgmma.eligible(g, dtype, GRAD) and table.eligible(GRAD, g, dtype, "nchw")[0] is wgmma.FAMILY
+        main = wgmma.plan_grad_input(g, dtype, "nhwc").gemm
+        assert wgmma.HaloTile(*(_constants(main)[k] for k in ("TILE_IMAGES", "TILE_H", "TILE_W", "BN"))) == tile
+        assert main.smem_bytes <= wgmma.SMEM_LIMIT
+        with pytest.raises(ValueError, match="does not fit shared memory"):
+            wgmma.plan_grad_input(g, dtype, "nhwc", wgmma.TILES[preferred])
+        rec = Recorder(device.ASSUMED)
+        engine.grad_input(g, dtype, _Y, _W, _X, rec, "nchw", "strict")
+        assert [plan.spec.function for stage, plan in rec.launches if stage == "main"] == [FUNCTION]
+    # the forward of the stride-4 layer keeps its preferred tile: one phase plane
+    g = _g((2, 64, 20, 20), (64, 32, 4, 4), stride=4)
+    assert wgmma._fits(g, dtype, wgmma.forward_tile(g, "forward", dtype), "forward")
+    # no tile fits at all: not eligible, forward_tile says so, and the GEMM runs grad_input
+    assert not wgmma.eligible(NO_TILE_FITS, dtype, GRAD)
+    with pytest.raises(ValueError, match="no wgmma tile"):
+        wgmma.forward_tile(NO_TILE_FITS, GRAD, dtype)
+    rec = Recorder(device.ASSUMED)
+    engine.grad_input(NO_TILE_FITS, dtype, _Y, _W, _X, rec, "nchw", "strict")
+    assert [plan.spec.function for stage, plan in rec.launches if stage == "main"] == ["conv_transpose2d_igemm"]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_channels_last_grad_input_with_unaligned_pointers_takes_the_gemm(dtype):
+    g = _suite_layer("asym_kernel", batch=2, size=(24, 40))
+    for v in wgmma.FAMILY.variants(GRAD, g, dtype, "nhwc", "strict"):
+        plan = table.plan(GRAD, v, g, dtype, "nhwc", "strict", False, False)
+        assert plan == gemm.plan_grad_input_gemm(g, dtype, "nhwc", aligned=False)
+        assert [p.spec.function for p in plan.plans()] == ["pack_weight", "conv_transpose2d_igemm"]
+        assert _constants(plan.gemm)["MODE"] == 1 and not _constants(plan.gemm)["A_VEC"]
+        for layout, aligned in (("nhwc", True), ("nchw", False), ("nchw", True)):
+            plan = table.plan(GRAD, v, g, dtype, layout, "strict", False, aligned)
+            assert plan.gemm.spec.function == FUNCTION and _constants(plan.gemm)["MODE"] == 1
+    # the engine, from the pointers it is handed: grad_output's and grad_in's
+    for go, gx, layout, function in ((_Y, _X, "nhwc", FUNCTION), (_Y + 2, _X, "nhwc", "conv_transpose2d_igemm"),
+                                     (_Y, _X + 2, "nhwc", "conv_transpose2d_igemm"), (_Y + 2, _X, "nchw", FUNCTION)):
+        rec = Recorder(device.ASSUMED)
+        engine.grad_input(g, dtype, go, _W, gx, rec, layout, "strict")
+        assert rec.passes[-1].name == GRAD and rec.passes[-1].variant == WGMMA
+        assert [plan.spec.function for stage, plan in rec.launches if stage == "main"] == [function]
+
+
+@pytest.mark.parametrize("layout", launch.LAYOUTS)
+def test_the_engine_launches_pack_copy_and_grad_input_kernel(layout, monkeypatch):
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    g = _suite_layer("dcgan_up", batch=6)
+    rec = Recorder(device.ASSUMED)
+    engine.grad_input(g, "bfloat16", _Y, _W, _X, rec, layout, "strict")
+    (grad,) = rec.passes
+    assert grad.name == GRAD and grad.variant == WGMMA
+    stages = [stage for stage, _ in grad.launches]
+    assert stages == (["pack", "to_channels_last", "main"] if layout == "nchw" else ["pack", "main"])
+    assert [plan for _, plan in grad.launches] == wgmma.plan_grad_input(g, "bfloat16", layout).plans()
+    # the backward shares the NCHW grad_output's copy with the GEMM's grad_weight
+    rec = Recorder(device.ASSUMED)
+    engine.backward(g, "bfloat16", _Y, _X, _W, _GX, _GW, None, rec, layout, "strict")
+    assert [(p.name, p.variant.family) for p in rec.passes] == [(GRAD, "wgmma"), ("grad_weight", "gemm")]
+    copies = [plan for _, plan in rec.launches if plan.spec.function == "to_channels_last"]
+    assert [p.scalars[1] for p in copies] == ([g.out_channels, g.in_channels] if layout == "nchw" else [])
+
+
+def test_compile_ahead_lists_the_grad_input_kernels_on_sm_90_only():
+    def modes(dev, layout):
+        return {dict(p.spec.constants)["MODE"] for p in table.all_plans(DENSE, "float16", True, layout, device=dev)
+                if p.spec.function == FUNCTION}
+
+    for layout in launch.LAYOUTS:
+        assert modes(device.ASSUMED, layout) == {0, 1}
+        assert modes(device.fake(0, arch="80"), layout) == set()

@@ -1,13 +1,13 @@
-"""Hopper's wgmma forward on an sm_90 GPU, against float64.
+"""Hopper's wgmma forward and grad_input on an sm_90 GPU, against float64.
 
-Each case pins the forward to a wgmma variant (``tuning.pinned``) and checks, through
-``launch.watch()``, that ``conv_transpose2d_wgmma`` is what ran.  The output must
-be finite, no worse than twice torch's own error on the same fp16/bf16 inputs (the
-relative norm of the difference from a float64 convolution of those very inputs), and
-every element must lie within a bound of its float64 value.  Before each call the caching
-allocator's free blocks of the output's size are filled with NaN, so an element the kernel
-never writes cannot pass.  Skipped (with the reason) on GPUs other than sm_90: the
-kernels are sm_90a code.
+Each case pins its pass (the forward, or grad_input through ``cupyconv::_conv_transpose2d_grad``)
+to a wgmma variant (``tuning.pinned``) and checks, through ``launch.watch()``, that
+``conv_transpose2d_wgmma`` is what ran.  The output must be finite, no worse than twice torch's
+own error on the same fp16/bf16 inputs (the relative norm of the difference from a float64
+computation on those very inputs), and every element must lie within a bound of its float64
+value.  Before each call the caching allocator's free blocks of the output's size are filled
+with NaN, so an element the kernel never writes cannot pass.  Skipped (with the reason) on
+GPUs other than sm_90: the kernels are sm_90a code.
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ class Case:
     channels_last: bool                  # x channels_last (a batched x; an unbatched one follows the weight)
     variant: Variant = WGMMA
     weight_channels_last: bool = False
+    pass_: str = "forward"               # or "grad_input"
 
     @property
     def layout(self) -> str:
@@ -83,8 +84,8 @@ class Case:
                         ConvParams.from_args(**self.layer.kwargs()))
 
     def plan(self, dev, aligned=True):
-        return table.plan("forward", self.variant, self.geometry, NAMES[self.dtype], self.layout, "strict",
-                          self.layer.bias, aligned, dev.sm_count)
+        return table.plan(self.pass_, self.variant, self.geometry, NAMES[self.dtype], self.layout, "strict",
+                          self.layer.bias and self.pass_ == "forward", aligned, dev.sm_count)
 
     def id(self, prefix) -> str:
         return "-".join([prefix, SHORT[self.dtype], self.layout] + [self.variant.name] * (self.variant != WGMMA))
@@ -203,6 +204,75 @@ MULTI_IMAGE_CASES = [pytest.param(Case(MULTI_IMAGE, dtype, cl, Variant.make("wgm
 ASYM_LIKE = Layer(2, 64, 128, (3, 5), (1, 1), (0, 0), (0, 0), (1, 1), 1, True, (24, 40), "")
 
 
+# ------------------------------------------------------------------------ grad_input cases
+#
+# grad_input is a strided conv2d of grad_output: the kernel's source is grad_output (whole 16-byte
+# groups of its channels per group, 16 or more), its destination grad_in (16 or more channels a group,
+# any count: odd ones take single-element stores).
+
+GRAD = "grad_input"
+GRAD_IN_PER_GROUP = (16, 17, 20, 24, 40, 64, 72, 136)
+GRAD_OUT_PER_GROUP = (16, 24, 40, 64, 72, 136, 200)
+
+
+def grad_input_layers(count: int, seed: int):
+    """Random layers whose grad_input the wgmma kernel runs: strides 1 to 3, dilation 1 to 2, padding,
+    output_padding, groups 1 to 3, odd sizes, batch 1 to 3 or unbatched."""
+    rng = random.Random(seed)
+    layers = []
+    while len(layers) < count:
+        k = (rng.randint(1, 5), rng.randint(1, 5))
+        s = (rng.randint(1, 3), rng.randint(1, 3))
+        d = (rng.randint(1, 2), rng.randint(1, 2))
+        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
+        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
+        groups = rng.choice([1, 1, 2, 3])
+        cin_g, cout_g = rng.choice(GRAD_IN_PER_GROUP), rng.choice(GRAD_OUT_PER_GROUP)
+        size = (rng.randint(1, 19), rng.randint(1, 23))
+        batch = rng.choice([None, 1, 2, 3])
+        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, False, size, "")
+        if min(layer.out_size()) >= 1:
+            layers.append(layer)
+    return layers
+
+
+# 18 random layers, then stride 3 with a 3 x 3 kernel, and a dilation of 2 at stride 3 x 2 (the three
+# kernel rows read three different row phases) with 17 grad_in channels in each of three groups
+GRAD_LAYERS = grad_input_layers(18, seed=23) + [
+    Layer(2, 32, 40, (3, 3), (3, 3), (1, 1), (2, 2), (1, 1), 1, False, (10, 13), ""),
+    Layer(3, 51, 48, (3, 2), (3, 2), (2, 1), (1, 1), (2, 2), 3, False, (7, 9), ""),
+]
+GRAD_SWEEP = [Case(layer, *ROTATION[i % 4], pass_=GRAD) for i, layer in enumerate(GRAD_LAYERS)]
+
+
+def _grad_suite_cases():
+    """Every grad_input option of the five suite layers at their smaller sizes; the few whose halo planes
+    cannot fit shared memory (outpad_up3x's 32 x 16 patches at stride 3) plan nothing and are no candidates."""
+    cases = []
+    for name, (batch, size) in SUITE.items():
+        layer = _suite_layer(name, batch, size)
+        g = Case(layer, torch.float16, False).geometry
+        for i, opts in enumerate(wgmma.options(g, GRAD)):
+            dtype, channels_last = ROTATION[i % 4]
+            variant = Variant.make("wgmma", **opts)
+            tile = wgmma.TILES.get(opts.get("tile"))
+            try:
+                wgmma.plan_grad_input(g, NAMES[dtype], "nhwc", tile, opts.get("stages"))
+            except ValueError:
+                continue
+            cases.append(pytest.param(Case(layer, dtype, channels_last, variant, pass_=GRAD),
+                                      id=f"{name}-{variant.name}-{SHORT[dtype]}-{'nhwc' if channels_last else 'nchw'}"))
+    return cases
+
+
+GRAD_SUITE_CASES = _grad_suite_cases()
+
+GRAD_UNBATCHED_CASES = [pytest.param(Case(replace(UNBATCHED, bias=False), dtype, False, weight_channels_last=wcl,
+                                          pass_=GRAD),
+                                     id=f"{SHORT[dtype]}-{'weight_channels_last' if wcl else 'contiguous'}")
+                        for dtype in (torch.float16, torch.bfloat16) for wcl in (False, True)]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def precompiled(hopper, request):
     """Build the kernels of every selected case side by side (NVRTC runs without the GIL) rather than one
@@ -214,6 +284,7 @@ def precompiled(hopper, request):
                 and isinstance(callspec.params.get("case"), Case):
             cases.append(callspec.params["case"])
     cases += [Case(ASYM_LIKE, torch.float16, cl, tuning.Variant("wgmma")) for cl in (False, True)]
+    cases += [Case(ASYM_LIKE, torch.float16, cl, tuning.Variant("wgmma"), pass_=GRAD) for cl in (False, True)]
     specs = []
     for case in cases:
         try:
@@ -274,6 +345,10 @@ def _compare(case: Case, y, x, w, b):
     magnitude = F.conv_transpose2d(x.double().abs(), w.double().abs(), None if b is None else b.double().abs(),
                                    **kwargs)
     theirs = F.conv_transpose2d(x, w, b, **kwargs)
+    _near_float64(case, y, ref, magnitude, theirs)
+
+
+def _near_float64(case: Case, y, ref, magnitude, theirs):
     assert y.dtype == case.dtype and y.shape == ref.shape
     if case.layout == "nhwc" and y.dim() == 4:
         assert y.is_contiguous(memory_format=torch.channels_last)
@@ -391,5 +466,134 @@ def test_the_heuristic_runs_wgmma_on_sm_90(channels_last, hopper, monkeypatch):
         assert stages == (["pack", "main"] if channels_last else ["pack", "to_channels_last", "main"])
         assert tuning.chosen("forward", g, "float16", case.layout, "strict", hopper.index) == WGMMA
         _compare(case, y, x, w, b)
+    finally:
+        tuning.clear()
+
+
+# ------------------------------------------------------------------------ grad_input
+
+def _grad_data(layer: Layer, dtype, seed):
+    """x (whose values grad_input does not read: only its shape and layout count), the weight and grad_output."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(layer.input_shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype)
+    w = torch.randn(layer.weight_shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype)
+    go_shape = layer.input_shape[:-3] + (layer.out_channels,) + layer.out_size()
+    go = torch.randn(go_shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype)
+    return x, w, go
+
+
+def _grad_inputs(case: Case, x, w, go):
+    x, w = case.arrange(x, w)
+    assert ct._layout_for(x, w) == case.layout
+    if case.channels_last and go.dim() == 4:
+        go = go.contiguous(memory_format=torch.channels_last)
+    return x, w, go
+
+
+def _run_grad_input(case: Case, go, x, w, expect_function: Optional[str] = FUNCTION):
+    """cupyconv's grad_input alone (``cupyconv::_conv_transpose2d_grad``), with the launches it made."""
+    _poison(tuple(x.shape), case.dtype)
+    kw = case.layer.kwargs()
+    with torch.no_grad(), tuning.pinned({GRAD: case.variant}), launch.watch() as seen:
+        gi = torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, list(kw["stride"]), list(kw["padding"]),
+                                                        list(kw["output_padding"]), kw["groups"],
+                                                        list(kw["dilation"]), 0)
+        torch.cuda.synchronize()
+    functions = [plan.spec.function for _, plan in seen]
+    if expect_function is not None:
+        assert expect_function in functions, f"{expect_function} did not run: {functions}"
+    if expect_function == FUNCTION:
+        modes = {dict(plan.spec.constants)["MODE"] for _, plan in seen if plan.spec.function == FUNCTION}
+        assert modes == {1}, "the wgmma kernel ran as grad_input"
+    return gi, seen
+
+
+def _torch_grad_input(go, x, w, kwargs):
+    """torch's grad_input of conv_transpose2d(x, w) for grad_output ``go`` (linear in go and w, not in x)."""
+    xr = x.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        y = F.conv_transpose2d(xr, w, None, **kwargs)
+        (gi,) = torch.autograd.grad(y, xr, go)
+    return gi
+
+
+def _compare_grad_input(case: Case, gi, go, x, w):
+    kwargs = case.layer.kwargs()
+    ref = _torch_grad_input(go.double(), x.double(), w.double(), kwargs)
+    magnitude = _torch_grad_input(go.double().abs(), x.double(), w.double().abs(), kwargs)
+    theirs = _torch_grad_input(go, x, w, kwargs)
+    _near_float64(case, gi, ref, magnitude, theirs)
+
+
+def _check_grad_input(case: Case, seed=0, hopper=None):
+    assert case.pass_ == GRAD
+    x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
+    gi, seen = _run_grad_input(case, go, x, w)
+    if hopper is not None:
+        assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
+    _compare_grad_input(case, gi, go, x, w)
+    return gi
+
+
+@pytest.mark.parametrize("case", _params("gi_sweep", GRAD_SWEEP))
+def test_grad_input_random_layers_match_float64(case, hopper):
+    assert wgmma.eligible(case.geometry, NAMES[case.dtype], GRAD)
+    _check_grad_input(case, seed=100 + GRAD_SWEEP.index(case), hopper=hopper)
+
+
+@pytest.mark.parametrize("case", GRAD_SUITE_CASES)
+def test_every_grad_input_option_of_the_suite_layers(case, hopper):
+    _check_grad_input(case, hopper=hopper)
+
+
+@pytest.mark.parametrize("case", GRAD_UNBATCHED_CASES)
+def test_grad_input_of_an_unbatched_input(case, hopper):
+    gi = _check_grad_input(case, hopper=hopper)
+    assert gi.dim() == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unaligned_channels_last_grad_output_runs_the_gemm(dtype, hopper):
+    """A channels_last grad_output that starts off a 16-byte boundary cannot feed the halo copies: the mma.sync
+    GEMM runs grad_input instead, pinned wgmma or not."""
+    case = Case(replace(ASYM_LIKE, bias=False), dtype, True, pass_=GRAD)
+    x, w, go = _grad_inputs(case, *_grad_data(case.layer, dtype, 5))
+    flat = torch.empty(go.numel() + 1, dtype=dtype, device="cuda")
+    gou = torch.as_strided(flat, go.shape, go.stride(), 1)
+    gou.copy_(go)
+    assert gou.data_ptr() % 16 and gou.is_contiguous(memory_format=torch.channels_last)
+    gi, seen = _run_grad_input(case, gou, x, w, expect_function="conv_transpose2d_igemm")
+    assert FUNCTION not in {plan.spec.function for _, plan in seen}
+    assert {p for _, p in seen} == set(case.plan(hopper, aligned=False).plans())
+    _compare_grad_input(case, gi, go, x, w)
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
+def test_autograd_runs_grad_input_on_wgmma_on_sm_90(channels_last, hopper, monkeypatch):
+    """Untuned, the backward of an fp16 layer like the suite's asym_kernel runs grad_input on the wgmma kernel
+    (grad_output's channels_last copy shared with the GEMM's grad_weight), and x.grad is right."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    try:
+        case = Case(ASYM_LIKE, torch.float16, channels_last, pass_=GRAD)
+        g = case.geometry
+        assert table.candidates(GRAD, g, "float16", case.layout, "strict", hopper)[0] == WGMMA
+        x, w, b = _inputs(case, *_data(case.layer, torch.float16, 9))
+        go = _grad_inputs(case, x, w, _grad_data(case.layer, torch.float16, 10)[2])[2]
+        x.requires_grad_()
+        w.requires_grad_()
+        y = ct.conv_transpose2d(x, w, b, **case.layer.kwargs())
+        _poison(tuple(x.shape), case.dtype)
+        with launch.watch() as seen:
+            y.backward(go)
+            torch.cuda.synchronize()
+        mains = [(plan.spec.function, dict(plan.spec.constants).get("MODE")) for stage, plan in seen
+                 if stage == "main"]
+        assert (FUNCTION, 1) in mains, mains
+        copies = [plan for stage, plan in seen if stage == "to_channels_last"]
+        # NCHW: grad_output once (shared by both gradients) and x once for grad_weight
+        assert len(copies) == (0 if channels_last else 2)
+        assert tuning.chosen(GRAD, g, "float16", case.layout, "strict", hopper.index) == WGMMA
+        _compare_grad_input(case, x.grad, go, x.detach(), w.detach())
     finally:
         tuning.clear()

@@ -35,8 +35,8 @@ B_STAGES = 4
 
 @dataclass(frozen=True)
 class HaloTile:
-    """A block's output patch: ``images`` images x ``tile_h`` x ``tile_w`` pixels of one stride phase's
-    grid, and ``bn`` output channels.
+    """A block's destination patch: ``images`` images x ``tile_h`` x ``tile_w`` pixels of the destination
+    grid (one stride phase's, for the forward), and ``bn`` destination channels.
 
     The patch is split among the warpgroups in 64-pixel MMA blocks; each thread holds
     :attr:`accumulators` fp32 values.
@@ -170,8 +170,10 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
     fitting = [t for t in TILES.values() if _fits(g, dtype, t, pass_)]
     if not fitting:
         raise ValueError("no wgmma tile's halo fits shared memory for this layer")
-    # as many pixels as fit, then the channel side nearest the preferred one
-    return max(fitting, key=lambda t: (t.pixels, -abs(t.bn - bn)))
+    # no wider channel side than the preferred one where that is possible; then as many pixels as
+    # fit, then the channel side nearest the preferred one
+    narrow = [t for t in fitting if t.bn <= bn] or fitting
+    return max(narrow, key=lambda t: (t.pixels, -abs(t.bn - bn)))
 
 
 def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
@@ -272,9 +274,10 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     return PackedGemm(pack, main, to_cl)
 
 
-def options(g: Geometry, pass_: str = "forward") -> List[Dict[str, object]]:
+def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List[Dict[str, object]]:
     """Planner options worth timing: the heuristic, the other weight-ring depths with the heuristic
-    tile, then tiles whose N side fits the channels and whose patch fits the destination grid."""
+    tile, then tiles whose N side fits the channels, whose patch fits the destination grid and
+    whose halo fits shared memory."""
     grid_h, grid_w = dst_grid(g, pass_)
     n = _channels(g, pass_)[1]
     found: List[Dict[str, object]] = [{}] + [{"stages": c} for c in STAGE_CHOICES if c != B_STAGES]
@@ -285,6 +288,8 @@ def options(g: Geometry, pass_: str = "forward") -> List[Dict[str, object]]:
         if tile.tile_h > 8 * cdiv(grid_h, 8) or tile.tile_w > 8 * cdiv(grid_w, 8):
             continue
         if tile.images > 1 and (grid_h > tile.tile_h or grid_w > tile.tile_w or g.batch < tile.images):
+            continue
+        if not _fits(g, dtype, tile, pass_):
             continue
         found.append({"tile": tile.name})
     return found
@@ -301,7 +306,7 @@ class WgmmaFamily(Family):
                 and _eligible(g, dtype, pass_))
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        return [Variant.make(self.name, **opts) for opts in options(g, pass_)]
+        return [Variant.make(self.name, **opts) for opts in options(g, pass_, dtype)]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
