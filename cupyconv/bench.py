@@ -10,7 +10,8 @@ achieved TFLOP/s and the share of the measured device-to-device copy bandwidth t
 minimal bytes of the pass imply.
 
 ``--from-json`` reprints (and with ``--plot`` redraws) saved results without a GPU,
-importing neither CuPy nor torch.
+importing neither CuPy nor torch.  ``--models`` times training steps of published
+architectures instead, original against converted (:mod:`cupyconv.model_bench`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from .core.geometry import output_size
 from .core.version import VERSION
 
 PROG = "python -m cupyconv.bench"
+# model_bench's models, named here so that the command line needs no torch import
+MODEL_NAMES = ("dcgan_generator", "unet", "pix2pix_unet")
 
 
 @dataclass(frozen=True)
@@ -644,7 +647,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="report saved results instead of measuring; needs no GPU")
     source.add_argument("--host-cost", action="store_true",
                         help="measure per-call host time against F.conv_transpose2d instead")
+    source.add_argument("--models", action="store_true",
+                        help="time training steps of published models, original against converted, instead")
+    parser.add_argument("--model", action="append", choices=MODEL_NAMES,
+                        help="with --models: only this model (repeatable; default: all)")
     args = parser.parse_args(argv)
+    if args.model and not args.models:
+        parser.error("--model selects models of --models")
     args.dtypes = list(dict.fromkeys(args.dtype or DTYPES))
     args.layouts = list(dict.fromkeys(args.layout or LAYOUTS))
     suite = SEED_LAYERS if args.suite == "seeds" else SUITE
@@ -685,6 +694,16 @@ def main(argv: Optional[List[str]] = None) -> None:
             require_gpu()
         except RuntimeError as exc:
             _fail(str(exc))
+    if args.models:
+        from . import model_bench
+
+        env = environment()
+        print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {commit_text(env)}")
+        rows = model_bench.run(args.model or model_bench.MODELS, repeat=args.repeat)
+        print(model_bench.format_table(rows))
+        if args.json:
+            write_results(args.json, env, rows)
+        return
     if args.host_cost:
         env = environment()
         print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {commit_text(env)}")

@@ -258,7 +258,7 @@ def _gpu() -> bool:
 
 @pytest.mark.skipif(_gpu(), reason="checks the message without a GPU")
 def test_measuring_without_a_gpu_is_one_line_and_status_2():
-    for args in ((), ("--host-cost",)):
+    for args in ((), ("--host-cost",), ("--models",)):
         result = _cli(*args)
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()

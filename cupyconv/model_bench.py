@@ -1,0 +1,252 @@
+"""Training steps of published architectures that use ``ConvTranspose2d``, original against converted.
+
+``python -m cupyconv.bench --models`` builds each model from its published layer specs,
+makes a copy with :func:`cupyconv.torch.convert` (the same weights, the transposed
+convolutions swapped for cupyconv's) and times one training step of each (forward, loss,
+backward, SGD step) in the same process, in two modes: float32 NCHW with torch's default
+precision flags, and bfloat16 autocast with channels_last memory.  Each side's output and
+gradients are also compared with a float64 copy of the model on the same input.
+
+The models:
+
+- ``dcgan_generator``: the DCGAN generator (Radford, Metz and Chintala, 2016), 100-d noise to
+  a 64 x 64 image through five 4 x 4 transposed convolutions, at the paper's batch of 128.
+- ``unet``: the U-Net (Ronneberger, Fischer and Brox, 2015) with padded 3 x 3 convolutions,
+  its decoder's four 2 x 2 stride-2 up-convolutions, on 256 x 256 inputs.
+- ``pix2pix_unet``: the pix2pix U-Net-256 generator (Isola et al., 2017): eight 4 x 4 stride-2
+  convolutions down, seven transposed ones up with skip connections and a final one to RGB.
+  Its decoder's dropout is left out, so both sides compute the same function.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+MODES = ("fp32_nchw", "bf16_autocast_channels_last")
+
+
+# ------------------------------------------------------------------------------- the models
+
+def dcgan_generator(nz: int = 100, ngf: int = 64, channels: int = 3):
+    """DCGAN's generator: (N, nz, 1, 1) noise to (N, channels, 64, 64) images."""
+    from torch import nn
+
+    def up(cin, cout, first=False):
+        return [nn.ConvTranspose2d(cin, cout, 4, 1 if first else 2, 0 if first else 1, bias=False),
+                nn.BatchNorm2d(cout), nn.ReLU(True)]
+
+    return nn.Sequential(*up(nz, ngf * 8, first=True), *up(ngf * 8, ngf * 4), *up(ngf * 4, ngf * 2),
+                         *up(ngf * 2, ngf), nn.ConvTranspose2d(ngf, channels, 4, 2, 1, bias=False), nn.Tanh())
+
+
+def _double_conv(nn, cin: int, cout: int):
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(True),
+                         nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(True))
+
+
+def unet(channels: int = 3, classes: int = 2, width: int = 64):
+    """The U-Net: four 2x2 max-pool steps down, four 2x2 stride-2 up-convolutions up, skips concatenated."""
+    import torch
+    from torch import nn
+
+    widths = [width * 2 ** i for i in range(5)]
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down = nn.ModuleList([_double_conv(nn, channels, widths[0])]
+                                      + [_double_conv(nn, widths[i], widths[i + 1]) for i in range(4)])
+            self.pool = nn.MaxPool2d(2)
+            self.up = nn.ModuleList([nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2)
+                                     for i in reversed(range(4))])
+            self.merge = nn.ModuleList([_double_conv(nn, 2 * widths[i], widths[i]) for i in reversed(range(4))])
+            self.head = nn.Conv2d(widths[0], classes, 1)
+
+        def forward(self, x):
+            skips = []
+            for i, block in enumerate(self.down):
+                x = block(x if i == 0 else self.pool(x))
+                skips.append(x)
+            x = skips.pop()
+            for up, merge in zip(self.up, self.merge):
+                x = merge(torch.cat([skips.pop(), up(x)], dim=1))
+            return self.head(x)
+
+    return UNet()
+
+
+def pix2pix_unet(channels: int = 3, width: int = 64):
+    """pix2pix's U-Net-256 generator: C64-C128-C256-C512-C512-C512-C512-C512 down, the mirror image up."""
+    import torch
+    from torch import nn
+
+    down_widths = [width, width * 2, width * 4] + [width * 8] * 5
+
+    class Pix2PixUNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            downs, cin = [], channels
+            for i, cout in enumerate(down_widths):
+                layers = [] if i == 0 else [nn.LeakyReLU(0.2, True)]
+                layers.append(nn.Conv2d(cin, cout, 4, 2, 1, bias=False))
+                if 0 < i < len(down_widths) - 1:
+                    layers.append(nn.BatchNorm2d(cout))
+                downs.append(nn.Sequential(*layers))
+                cin = cout
+            self.down = nn.ModuleList(downs)
+            ups = []
+            for i in reversed(range(1, len(down_widths))):
+                cin_up = down_widths[i] if i == len(down_widths) - 1 else 2 * down_widths[i]
+                ups.append(nn.Sequential(nn.ReLU(True), nn.ConvTranspose2d(cin_up, down_widths[i - 1], 4, 2, 1,
+                                                                           bias=False),
+                                         nn.BatchNorm2d(down_widths[i - 1])))
+            self.up = nn.ModuleList(ups)
+            self.out = nn.Sequential(nn.ReLU(True), nn.ConvTranspose2d(2 * width, channels, 4, 2, 1), nn.Tanh())
+
+        def forward(self, x):
+            skips = []
+            for block in self.down:
+                x = block(x)
+                skips.append(x)
+            skips.pop()
+            for block in self.up:
+                x = torch.cat([block(x), skips.pop()], dim=1)
+            return self.out(x)
+
+    return Pix2PixUNet()
+
+
+# name -> (builder, keyword arguments, input shape (batch first))
+MODELS: Dict[str, Tuple[Callable, dict, Tuple[int, ...]]] = {
+    "dcgan_generator": (dcgan_generator, {}, (128, 100, 1, 1)),
+    "unet": (unet, {}, (8, 3, 256, 256)),
+    "pix2pix_unet": (pix2pix_unet, {}, (16, 3, 256, 256)),
+}
+
+
+# ---------------------------------------------------------------------------- measuring
+
+def _relative_error(value, reference) -> float:
+    return float((value.detach().double() - reference.detach()).norm() / reference.detach().norm().clamp_min(1e-300))
+
+
+def _step(model, x, optimizer, autocast: bool) -> Tuple[object, List[object]]:
+    """One training step: forward, mean-square loss, backward, SGD; returns the output and the gradients."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    loss = out.float().square().mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    optimizer.step()
+    return out, grads
+
+
+def _wall_ms(fn: Callable[[], None], device, warmup: int, repeat: int) -> float:
+    """Median milliseconds of ``fn``: CUDA events on a GPU, the host clock otherwise."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def compare(name: str, mode: str, device="cuda", repeat: int = 10, warmup: int = 3,
+            shape: Optional[Sequence[int]] = None, builder_args: Optional[dict] = None) -> dict:
+    """One row: model ``name`` in ``mode``, original against converted on the same weights and input.
+
+    ``shape`` and ``builder_args`` override the model's input shape and builder arguments
+    (smaller models for tests).  Errors are each side's relative error against a float64 copy,
+    for the output and for all parameter gradients together, on the first step.
+    """
+    import torch
+
+    from .torch import ConvTranspose2d, convert
+
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    device = torch.device(device)
+    builder, kwargs, default_shape = MODELS[name]
+    torch.manual_seed(0)
+    original = builder(**{**kwargs, **(builder_args or {})}).to(device)
+    converted = convert(copy.deepcopy(original))
+    reference = copy.deepcopy(original).double()
+    channels_last = mode == "bf16_autocast_channels_last"
+    autocast = channels_last
+    x = torch.randn(tuple(shape or default_shape), device=device)
+    if channels_last:
+        original, converted = (m.to(memory_format=torch.channels_last) for m in (original, converted))
+        x = x.contiguous(memory_format=torch.channels_last)
+
+    ref_out, ref_grads = _step(reference, x.double(), torch.optim.SGD(reference.parameters(), lr=0.0), False)
+    ref_flat = torch.cat([g.reshape(-1) for g in ref_grads if g is not None])
+    row = dict(model=name, mode=mode, batch=x.shape[0],
+               transposed_convs=sum(isinstance(m, ConvTranspose2d) for m in converted.modules()))
+    for side, model in (("torch", original), ("cupyconv", converted)):
+        # lr 0: every timed step computes on the same weights (and BatchNorm's running statistics
+        # are the only state that moves, identically on both sides).
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        out, grads = _step(model, x, optimizer, autocast)
+        flat = torch.cat([g.reshape(-1) for g in grads if g is not None])
+        errors = dict(output=_relative_error(out, ref_out), grads=_relative_error(flat, ref_flat))
+        ms = _wall_ms(lambda: _step(model, x, optimizer, autocast), device, warmup, repeat)
+        if side == "torch":
+            row.update(torch_ms=ms, torch_error=errors)
+        else:
+            row.update(ms=ms, error=errors)
+    row["speedup"] = row["torch_ms"] / row["ms"]
+    return row
+
+
+def run(names: Sequence[str] = tuple(MODELS), modes: Sequence[str] = MODES, repeat: int = 10) -> List[dict]:
+    """Every (model, mode) row on the GPU, with cuDNN's autotuner on for torch as in training scripts."""
+    import torch
+
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        rows = []
+        for name in names:
+            for mode in modes:
+                rows.append(compare(name, mode, "cuda", repeat))
+                torch.cuda.empty_cache()
+        return rows
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
+def format_table(rows: List[dict]) -> str:
+    """The rows as a text table, ending with the geometric mean speedup."""
+    import math
+
+    lines = [f"{'model':<16} {'mode':<28} {'batch':>5} {'torch ms':>9} {'cupyconv ms':>11} {'speedup':>8} "
+             f"{'torch err out/grad':>19} {'cupyconv err out/grad':>22}"]
+    for r in rows:
+        te, ce = r["torch_error"], r["error"]
+        lines.append(f"{r['model']:<16} {r['mode']:<28} {r['batch']:>5} {r['torch_ms']:>9.2f} {r['ms']:>11.2f} "
+                     f"{r['speedup']:>7.2f}x {te['output']:>9.1e}/{te['grads']:.1e} "
+                     f"{ce['output']:>12.1e}/{ce['grads']:.1e}")
+    if rows:
+        mean = math.exp(sum(math.log(r["speedup"]) for r in rows) / len(rows))
+        lines.append(f"geomean speedup: {mean:.2f}x over {len(rows)} rows")
+    return "\n".join(lines)
