@@ -126,6 +126,13 @@ def base_cases() -> List[Case]:
                 cases.append(Case(f"gemm-{name}-{tag}-{layout}", xs, ws, kw, True, dtype, precision, layout))
             cases.append(Case(f"gemm-{name}-{tag}-nhwc-unaligned", xs, ws, kw, True, dtype, precision, "nhwc",
                               unaligned=True))
+    # On sm_90 the fp16/bf16 forward and grad_input of the GEMM layers run the wgmma kernels.
+    # Here 256 one-pixel images with an 8x8 tile make 256 tiles: more than an H100 has SMs,
+    # so persistent blocks walk two tiles each and the producer runs ahead across tiles
+    # (its mbarriers wrap their phases).
+    for dtype, layout in (("float16", "nhwc"), ("bfloat16", "nchw")):
+        cases.append(Case(f"wgmma-persistent-{dtype}-{layout}", (256, 16, 1, 1), (16, 64, 3, 3), _kw(), True,
+                          dtype, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
     xs, ws, kw = GEMM_LAYERS["dense"]
     cases.append(Case("gemm-dense-float16-cupy", xs, ws, kw, True, "float16", api="cupy"))
     cases.append(Case("gemm-dense-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))
