@@ -275,12 +275,15 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
 
 
 def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List[Dict[str, object]]:
-    """Planner options worth timing: the heuristic, the other weight-ring depths with the heuristic
-    tile, then tiles whose N side fits the channels, whose patch fits the destination grid and
-    whose halo fits shared memory."""
+    """Planner options worth timing: the heuristic, the deepest weight ring with the heuristic tile,
+    then the largest tiles whose N side fits the channels, whose patch fits the destination grid
+    and whose halo fits shared memory."""
     grid_h, grid_w = dst_grid(g, pass_)
     n = _channels(g, pass_)[1]
-    found: List[Dict[str, object]] = [{}] + [{"stages": c} for c in STAGE_CHOICES if c != B_STAGES]
+    # Of the other ring depths only the deepest is raced: on the H100 the shallower ones never beat the
+    # default by more than noise on the dense suite layers (benchmarks/NOTES.md, v10), and each
+    # candidate costs a compile on a layer's first call.
+    found: List[Dict[str, object]] = [{}, {"stages": max(STAGE_CHOICES)}]
     # Larger patches first: they read the weights fewer times.
     for tile in sorted(TILES.values(), key=lambda t: -t.pixels * t.bn):
         if tile.bn > 32 and n <= tile.bn // 2:
@@ -298,7 +301,7 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List
 class WgmmaFamily(Family):
     name = "wgmma"
     passes = ("forward", "grad_input")
-    max_variants = 8
+    max_variants = 6
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
         """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
