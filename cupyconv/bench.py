@@ -542,6 +542,25 @@ def load_results(path: Path) -> Tuple[dict, List[dict]]:
     return data, rows
 
 
+# Fields that must agree between result files merged into one report.
+SAME_RUN_FIELDS = ("device", "commit", "dirty", "torch", "cupy", "cudnn")
+
+
+def merge_results(parts: Sequence[Tuple[dict, List[dict]]]) -> Tuple[dict, List[dict]]:
+    """One report from several runs of the same code on the same device (say, one per dtype, to fit a
+    time limit): the first run's environment, every run's rows, and a case measured twice kept once
+    (the later run's).  ValueError naming the field where two runs differ."""
+    env, merged = dict(parts[0][0]), {}
+    for other, rows in parts:
+        for field in SAME_RUN_FIELDS:
+            if other.get(field) != env.get(field):
+                raise ValueError(f"the results come from different runs: {field} {env.get(field)!r} "
+                                 f"against {other.get(field)!r}")
+        for r in rows:
+            merged[(r["name"], r["dtype"], r.get("layout", "nchw"), r["pass"])] = r
+    return env, list(merged.values())
+
+
 def select_rows(rows: List[dict], names: Optional[Sequence[str]] = None, dtypes: Optional[Sequence[str]] = None,
                 layouts: Optional[Sequence[str]] = None) -> List[dict]:
     """The rows matching every selection that is given (None selects all)."""
@@ -643,8 +662,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="draw the speedups into this image, needs matplotlib (default: no plot)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: one is shown)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--from-json", type=Path, metavar="PATH",
-                        help="report saved results instead of measuring; needs no GPU")
+    source.add_argument("--from-json", type=Path, metavar="PATH", action="append",
+                        help="report saved results instead of measuring; needs no GPU; repeat it to merge runs "
+                             "of one commit on one device (say, one per dtype) into one report")
     source.add_argument("--host-cost", action="store_true",
                         help="measure per-call host time against F.conv_transpose2d instead")
     source.add_argument("--models", action="store_true",
@@ -715,12 +735,18 @@ def main(argv: Optional[List[str]] = None) -> None:
             write_results(args.json, env, rows)
         return
     if args.from_json:
+        parts = []
+        for path in args.from_json:
+            try:
+                parts.append(load_results(path))
+            except OSError as exc:
+                _fail(f"cannot read {path}: {exc.strerror or exc}")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                _fail(f"{path} is not a results file written by --json")
         try:
-            env, rows = load_results(args.from_json)
-        except OSError as exc:
-            _fail(f"cannot read {args.from_json}: {exc.strerror or exc}")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            _fail(f"{args.from_json} is not a results file written by --json")
+            env, rows = merge_results(parts)
+        except ValueError as exc:
+            _fail(str(exc))
         rows = select_rows(rows, args.layer, args.dtype, args.layout)
     else:
         env = environment()

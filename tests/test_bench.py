@@ -155,6 +155,32 @@ def test_json_round_trip(tmp_path):
     assert rows == _rows()
 
 
+def test_runs_of_one_commit_merge_into_one_report(tmp_path):
+    rows = _rows()
+    first, second = rows[:2], rows[2:]
+    paths = []
+    for i, part in enumerate((first, second)):
+        paths.append(tmp_path / f"part{i}.json")
+        bench.write_results(paths[-1], {**ENV, "copy_gbps": 3000.0 - i}, part)
+    env, merged = bench.merge_results([bench.load_results(p) for p in paths])
+    assert env["copy_gbps"] == 3000.0 and merged == rows
+    # the same case measured twice is kept once, from the later run
+    again = dict(rows[0], ms=123.0)
+    _, merged = bench.merge_results([(ENV, rows), (ENV, [again])])
+    assert len(merged) == len(rows) and merged[0]["ms"] == 123.0
+    for field, value in (("commit", "def5678"), ("device", "NVIDIA H200"), ("dirty", True)):
+        with pytest.raises(ValueError, match=f"different runs: {field}"):
+            bench.merge_results([(ENV, first), ({**ENV, field: value}, second)])
+    out = tmp_path / "merged.json"
+    result = _cli("--from-json", str(paths[0]), "--from-json", str(paths[1]), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert bench.load_results(out)[1] == rows
+    bench.write_results(paths[1], {**ENV, "commit": "def5678"}, second)
+    result = _cli("--from-json", str(paths[0]), "--from-json", str(paths[1]))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "python -m cupyconv.bench: error: the results come from different runs: commit 'abc1234' against 'def5678'"]
+
+
 def test_select_rows():
     rows = _rows()
     assert bench.select_rows(rows) == rows
@@ -194,7 +220,7 @@ def test_bad_arguments_are_refused(argv, capsys):
 
 def test_saved_results_may_name_any_layer():
     args = bench.parse_args(["--from-json", "r.json", "--layer", "batch 4"])
-    assert args.layer == ["batch 4"] and args.from_json == Path("r.json")
+    assert args.layer == ["batch 4"] and args.from_json == [Path("r.json")]
 
 
 def test_run_refuses_unknown_dtypes_and_layouts_before_touching_the_gpu():
