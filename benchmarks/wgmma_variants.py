@@ -1,0 +1,197 @@
+"""Check and time every variant of the Hopper wgmma kernels, pinned, on one GPU (the v10 notes' tables).
+
+    python benchmarks/wgmma_variants.py sass                    # HGMMA and no local memory, via nvcc + cuobjdump
+    python benchmarks/wgmma_variants.py check [forward|grad_input]
+    python benchmarks/wgmma_variants.py time  [forward|grad_input] [LAYER,...]
+
+``check`` runs the dense suite layers (reduced) with every option and 20 random layers,
+fp16 and bf16, both layouts, against torch float64, and prints failures and a count.
+``time`` prints, per suite layer, dtype and layout: torch (better of cudnn.benchmark off and
+on), the mma.sync GEMM and each wgmma option, in median ms from CUDA events.  Needs an sm_90 GPU.
+"""
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import cupyconv.torch as ct
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import launch, wgmma
+from cupyconv.tuning import Variant, pinned
+
+SUITE = {
+    "asym_kernel": ((64, 64, 128, 256), (64, 128, 3, 5), dict()),
+    "big_square": ((8, 32, 512, 1024), (32, 32, 3, 3), dict()),
+    "dcgan_up": ((64, 512, 8, 8), (512, 256, 4, 4), dict(stride=2, padding=1)),
+    "unet_up2x2": ((16, 256, 64, 64), (256, 128, 2, 2), dict(stride=2)),
+    "outpad_up3x": ((8, 64, 32, 32), (64, 32, 3, 3), dict(stride=3, padding=1, output_padding=2)),
+}
+REDUCED = {"asym_kernel": (4, 64, 40, 70), "big_square": (2, 32, 64, 96), "unet_up2x2": (4, 256, 20, 24)}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _pairs(kw):
+    def pair(key, default):
+        value = kw.get(key, default)
+        return list(value) if isinstance(value, (list, tuple)) else [value, value]
+    return (pair("stride", 1), pair("padding", 0), pair("output_padding", 0), kw.get("groups", 1),
+            pair("dilation", 1))
+
+
+def _call(pass_, x, w, b, go, kw):
+    """One call of the pass through cupyconv's torch op."""
+    if pass_ == "forward":
+        return ct.conv_transpose2d(x, w, b, **kw)
+    stride, padding, output_padding, groups, dilation = _pairs(kw)
+    return torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, stride, padding, output_padding, groups, dilation, 0)
+
+
+def _torch_call(pass_, x, w, b, go, kw):
+    if pass_ == "forward":
+        return F.conv_transpose2d(x, w, b, **kw)
+    stride, padding, output_padding, groups, dilation = _pairs(kw)
+    return torch.ops.aten.convolution_backward(go, x, w, None, stride, padding, dilation, True, output_padding,
+                                               groups, [True, False, False])[0]
+
+
+def _tensors(xs, ws, kw, dtype, layout, bias):
+    dt = DTYPES[dtype]
+    x = torch.randn(xs, device="cuda", dtype=dt)
+    w = torch.randn(ws, device="cuda", dtype=dt) / (ws[0] * ws[2] * ws[3]) ** 0.5
+    b = torch.randn(ws[1] * kw.get("groups", 1), device="cuda", dtype=dt) if bias else None
+    go = torch.randn_like(F.conv_transpose2d(x, w, None, **kw))
+    if layout == "nhwc":
+        x, go = x.contiguous(memory_format=torch.channels_last), go.contiguous(memory_format=torch.channels_last)
+    return x, w, b, go
+
+
+def _relative(value, reference):
+    return float((value.double() - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def sass() -> None:
+    out = os.environ.get("OUT", "/tmp")
+    for name, (xs, ws, kw) in SUITE.items():
+        g = geometry(xs, ws, None, ConvParams.from_args(**kw))
+        for pass_, packed in (("forward", wgmma.plan_forward(g, "float16", True, "nhwc")),
+                              ("grad_input", wgmma.plan_grad_input(g, "float16", "nhwc"))):
+            source, cubin = f"{out}/{name}_{pass_}.cu", f"{out}/{name}_{pass_}.cubin"
+            with open(source, "w") as f:
+                f.write(packed.gemm.spec.source())
+            built = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                                    "-Xptxas=-v", "-o", cubin, source], capture_output=True, text=True)
+            report = [line.strip() for line in built.stderr.splitlines() if "registers" in line or "spill" in line]
+            text = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+            print(f"SASS {name:<12} {pass_:<10} HGMMA {text.count('HGMMA')} LDL {text.count('LDL')} "
+                  f"STL {text.count('STL')} {report}")
+
+
+def _random_layers(count, seed):
+    rng = random.Random(seed)
+    layers = []
+    while len(layers) < count:
+        k = (rng.randint(1, 5), rng.randint(1, 5))
+        s = (rng.randint(1, 3), rng.randint(1, 3))
+        d = (rng.randint(1, 2), rng.randint(1, 2))
+        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
+        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
+        groups = rng.choice([1, 1, 1, 2, 3])
+        cin_g, cout_g = rng.choice([16, 24, 40, 64, 72, 136, 200]), rng.choice([16, 24, 40, 64, 72, 136, 264])
+        size = (rng.randint(1, 30), rng.randint(1, 40))
+        kw = dict(stride=s, padding=p, output_padding=op, dilation=d, groups=groups)
+        if min((size[a] - 1) * s[a] - 2 * p[a] + d[a] * (k[a] - 1) + op[a] + 1 for a in range(2)) < 1:
+            continue
+        layers.append((f"random{len(layers)}", (rng.choice([1, 2, 3]), cin_g * groups) + size,
+                       (cin_g * groups, cout_g) + k, kw))
+    return layers
+
+
+def check(pass_: str) -> None:
+    layers = [(n, REDUCED.get(n, xs), ws, kw) for n, (xs, ws, kw) in SUITE.items()] + _random_layers(20, 11)
+    count = bad = 0
+    for name, xs, ws, kw in layers:
+        g = geometry(xs, ws, None, ConvParams.from_args(**kw))
+        options = [{}] + (wgmma.options(g, pass_)[1:] if name in SUITE else [])
+        for dtype in DTYPES:
+            if not wgmma.eligible(g, dtype, pass_):
+                continue
+            for layout in ("nchw", "nhwc"):
+                for option in options:
+                    variant = Variant.make("wgmma", **option)
+                    x, w, b, go = _tensors(xs, ws, kw, dtype, layout, bias=count % 3 != 0)
+                    x64, w64 = x.double().requires_grad_(), w.double()
+                    ref = F.conv_transpose2d(x64, w64, None if b is None else b.double(), **kw)
+                    if pass_ == "grad_input":
+                        ref.backward(go.double())
+                        ref = x64.grad
+                    theirs = _torch_call(pass_, x, w, b, go, kw)
+                    with pinned({pass_: variant}), launch.watch() as seen:
+                        ours = _call(pass_, x, w, b, go, kw)
+                    torch.cuda.synchronize()
+                    ran = any(plan.spec.function == "conv_transpose2d_wgmma" for _, plan in seen)
+                    error, torch_error = _relative(ours, ref.detach()), _relative(theirs, ref.detach())
+                    count += 1
+                    if not (ran and torch.isfinite(ours).all() and error <= 2 * torch_error + 1e-6):
+                        bad += 1
+                        print(f"FAIL {name} {dtype} {layout} {variant.name}: {error:.2e} against torch's "
+                              f"{torch_error:.2e}; wgmma ran: {ran}")
+    print(f"{pass_}: {count - bad}/{count} within twice torch's error")
+
+
+def _median_ms(fn, repeat=30):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def timing(pass_: str, names) -> None:
+    for name in names:
+        xs, ws, kw = SUITE[name]
+        g = geometry(xs, ws, None, ConvParams.from_args(**kw))
+        for dtype in DTYPES:
+            for layout in ("nchw", "nhwc"):
+                x, w, b, go = _tensors(xs, ws, kw, dtype, layout, bias=pass_ == "forward")
+                times = {}
+                for benchmark in (False, True):
+                    torch.backends.cudnn.benchmark = benchmark
+                    times[f"cudnn{'+benchmark' if benchmark else ''}"] = _median_ms(
+                        lambda: _torch_call(pass_, x, w, b, go, kw))
+                torch.backends.cudnn.benchmark = False
+                variants = [Variant("gemm")] + [Variant.make("wgmma", **o) for o in wgmma.options(g, pass_)]
+                for variant in variants:
+                    with pinned({pass_: variant}):
+                        times[variant.name] = _median_ms(lambda: _call(pass_, x, w, b, go, kw))
+                reference = min(times["cudnn"], times["cudnn+benchmark"])
+                ours = {k: v for k, v in times.items() if k.startswith("wgmma")}
+                best = min(ours, key=ours.get)
+                print(f"{pass_} {name:<12} {dtype:<9} {layout} torch {reference:.3f} gemm {times['gemm']:.3f} "
+                      f"best {best} {ours[best]:.3f} ({reference / ours[best]:.2f}x) "
+                      + " ".join(f"{k}={v:.3f}" for k, v in ours.items()), flush=True)
+
+
+if __name__ == "__main__":
+    command = sys.argv[1] if len(sys.argv) > 1 else "check"
+    which = sys.argv[2] if len(sys.argv) > 2 else "forward"
+    if command == "sass":
+        sass()
+    elif command == "check":
+        check(which)
+    elif command == "time":
+        timing(which, sys.argv[3].split(",") if len(sys.argv) > 3 else list(SUITE))
+    else:
+        raise SystemExit(__doc__)
