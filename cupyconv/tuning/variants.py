@@ -1,8 +1,8 @@
 """A variant: one way to run a pass, as a kernel family and its planner options.
 
 Its name is what the tuning file stores: ``direct``, ``gemm``, ``gemm:128x64``,
-``gemm:s3``, ``gemm:64x64:s2``, ``wgmma:4i8x8x128`` or ``wgmma:16x16x64:c4`` (family, then a
-block tile, then a pipeline depth, then a cluster size).
+``gemm:s3``, ``gemm:64x64:s2``, ``wgmma:4i8x8x128`` or ``wgmma:16x16x64:s6`` (family, then a
+block tile, then a pipeline depth).
 """
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from typing import Dict, Tuple
 
 _TILE = re.compile(r"(\d+i)?\d+x\d+(x\d+)?")   # rows x columns, or [images i] height x width x channels
 _STAGES = re.compile(r"s(\d+)")
-_CLUSTER = re.compile(r"c(\d+)")
 _FAMILY = re.compile(r"[a-z][a-z0-9_]*")
 # the order of options in a name
-_ORDER = ("tile", "stages", "cluster")
+_ORDER = ("tile", "stages")
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,6 @@ class Variant:
             parts.append(str(opts["tile"]))
         if "stages" in opts:
             parts.append(f"s{opts['stages']}")
-        if "cluster" in opts:
-            parts.append(f"c{opts['cluster']}")
         return ":".join(parts)
 
     @classmethod
@@ -66,13 +63,11 @@ class Variant:
             raise ValueError(f"not a cupyconv variant name: {name!r}")
         opts: Dict[str, object] = {}
         for part in rest:
-            stages, cluster = _STAGES.fullmatch(part), _CLUSTER.fullmatch(part)
+            stages = _STAGES.fullmatch(part)
             if _TILE.fullmatch(part) and not opts:
                 opts["tile"] = part
-            elif stages and "stages" not in opts and "cluster" not in opts:
+            elif stages and "stages" not in opts:
                 opts["stages"] = int(stages.group(1))
-            elif cluster and "cluster" not in opts:
-                opts["cluster"] = int(cluster.group(1))
             else:
                 raise ValueError(f"not a cupyconv variant name: {name!r}")
         return cls.make(family, **opts)
