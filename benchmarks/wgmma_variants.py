@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import cupyconv.torch as ct
+from cupyconv.bench import cuda_time_ms
 from cupyconv.core.geometry import ConvParams, geometry
 from cupyconv.plans import launch, wgmma
 from cupyconv.tuning import Variant, pinned
@@ -144,21 +144,6 @@ def check(pass_: str) -> None:
     print(f"{pass_}: {count - bad}/{count} within twice torch's error")
 
 
-def _median_ms(fn, repeat=30):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def timing(pass_: str, names) -> None:
     for name in names:
         xs, ws, kw = SUITE[name]
@@ -169,13 +154,13 @@ def timing(pass_: str, names) -> None:
                 times = {}
                 for benchmark in (False, True):
                     torch.backends.cudnn.benchmark = benchmark
-                    times[f"cudnn{'+benchmark' if benchmark else ''}"] = _median_ms(
-                        lambda: _torch_call(pass_, x, w, b, go, kw))
+                    times[f"cudnn{'+benchmark' if benchmark else ''}"] = cuda_time_ms(
+                        lambda: _torch_call(pass_, x, w, b, go, kw), repeat=30)
                 torch.backends.cudnn.benchmark = False
                 variants = [Variant("gemm")] + [Variant.make("wgmma", **o) for o in wgmma.options(g, pass_)]
                 for variant in variants:
                     with pinned({pass_: variant}):
-                        times[variant.name] = _median_ms(lambda: _call(pass_, x, w, b, go, kw))
+                        times[variant.name] = cuda_time_ms(lambda: _call(pass_, x, w, b, go, kw), repeat=30)
                 reference = min(times["cudnn"], times["cudnn+benchmark"])
                 ours = {k: v for k, v in times.items() if k.startswith("wgmma")}
                 best = min(ours, key=ours.get)

@@ -146,26 +146,20 @@ def _step(model, x, optimizer, autocast: bool) -> Tuple[object, List[object]]:
 
 
 def _wall_ms(fn: Callable[[], None], device, warmup: int, repeat: int) -> float:
-    """Median milliseconds of ``fn``: CUDA events on a GPU, the host clock otherwise."""
+    """Median milliseconds of ``fn``: CUDA events on a GPU (as the layer benchmark times), the host clock otherwise."""
     import statistics
 
-    import torch
+    if device.type == "cuda":
+        from .bench import cuda_time_ms
 
+        return cuda_time_ms(fn, warmup, repeat)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
+        begin = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - begin) * 1e3)
     return statistics.median(times)
 
 

@@ -70,3 +70,24 @@ def uses_gemm(g, dtype: str, device_id: int = 0) -> bool:
     from cupyconv.plans import table
 
     return any(f.name == "gemm" for f in table.eligible("forward", g, dtype, "nchw", device.get(device_id)))
+
+
+def tensor_core_layers(count: int, seed: int, in_per_group, out_per_group, groups=(1, 1, 1, 2, 3)):
+    """Random valid layers wide enough for the tensor-core kernels: channels per group drawn from
+    ``in_per_group`` and ``out_per_group``, kernels 1-5, strides 1-3, dilation 1-2, batch None (unbatched) to 3."""
+    rng = random.Random(seed)
+    layers = []
+    while len(layers) < count:
+        k = (rng.randint(1, 5), rng.randint(1, 5))
+        s = (rng.randint(1, 3), rng.randint(1, 3))
+        d = (rng.randint(1, 2), rng.randint(1, 2))
+        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
+        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
+        g = rng.choice(list(groups))
+        cin_g, cout_g = rng.choice(list(in_per_group)), rng.choice(list(out_per_group))
+        size = (rng.randint(1, 19), rng.randint(1, 23))
+        batch = rng.choice([None, 1, 2, 3])
+        layer = Layer(batch, cin_g * g, cout_g * g, k, s, p, op, d, g, rng.random() < 0.6, size, "")
+        if min(layer.out_size()) >= 1:
+            layers.append(layer)
+    return layers

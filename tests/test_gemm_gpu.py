@@ -9,7 +9,6 @@ error is taken as at least that of an exact computation on TF32-rounded operands
 """
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from cupyconv.plans import gemm, launch, table  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
 
-from layers import Layer, uses_gemm  # noqa: E402
+from layers import Layer, tensor_core_layers, uses_gemm  # noqa: E402
 
 CASES = [  # (dtype, allow_tf32)
     (torch.float32, False), (torch.float32, True), (torch.float16, False), (torch.bfloat16, False)]
@@ -36,22 +35,7 @@ CASE_IDS = ["fp32_strict", "tf32", "fp16", "bf16"]
 
 
 def gemm_layers(count: int, seed: int):
-    rng = random.Random(seed)
-    layers = []
-    while len(layers) < count:
-        k = (rng.randint(1, 5), rng.randint(1, 5))
-        s = (rng.randint(1, 3), rng.randint(1, 3))
-        d = (rng.randint(1, 2), rng.randint(1, 2))
-        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
-        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
-        groups = rng.choice([1, 1, 1, 2, 3])
-        cin_g, cout_g = rng.choice([16, 24, 40, 64, 72, 136]), rng.choice([16, 24, 40, 64, 72, 136])
-        size = (rng.randint(1, 19), rng.randint(1, 23))
-        batch = rng.choice([None, 1, 2, 3])
-        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, rng.random() < 0.6, size, "")
-        if min(layer.out_size()) >= 1:
-            layers.append(layer)
-    return layers
+    return tensor_core_layers(count, seed, (16, 24, 40, 64, 72, 136), (16, 24, 40, 64, 72, 136))
 
 
 LAYERS = gemm_layers(12, seed=7) + [

@@ -35,7 +35,7 @@ from cupyconv.plans import launch, table, wgmma  # noqa: E402
 from cupyconv.plans.launch import cdiv  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
-from layers import Layer  # noqa: E402
+from layers import Layer, tensor_core_layers  # noqa: E402
 
 FUNCTION = "conv_transpose2d_wgmma"
 WGMMA = Variant("wgmma")
@@ -103,22 +103,7 @@ OUT_PER_GROUP = (16, 24, 40, 64, 72, 136, 264)
 
 def wgmma_layers(count: int, seed: int):
     """Random layers the wgmma kernels run: whole 16-byte channel groups, at least 16 channels a group."""
-    rng = random.Random(seed)
-    layers = []
-    while len(layers) < count:
-        k = (rng.randint(1, 5), rng.randint(1, 5))
-        s = (rng.randint(1, 3), rng.randint(1, 3))
-        d = (rng.randint(1, 2), rng.randint(1, 2))
-        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
-        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
-        groups = rng.choice([1, 1, 2, 3])
-        cin_g, cout_g = rng.choice(IN_PER_GROUP), rng.choice(OUT_PER_GROUP)
-        size = (rng.randint(1, 19), rng.randint(1, 23))
-        batch = rng.choice([None, 1, 2, 3])
-        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, rng.random() < 0.6, size, "")
-        if min(layer.out_size()) >= 1:
-            layers.append(layer)
-    return layers
+    return tensor_core_layers(count, seed, IN_PER_GROUP, OUT_PER_GROUP, groups=(1, 1, 2, 3))
 
 
 # every dtype and layout on every layer would compile four times the kernels: each layer takes one
@@ -435,16 +420,22 @@ def test_several_images_a_tile_with_a_batch_they_do_not_divide(case, hopper):
     _check(replace(case, variant=WGMMA), seed=1, hopper=hopper)
 
 
+def _one_element_off(t):
+    """A channels_last copy of ``t`` that starts one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
+    off = torch.as_strided(flat, t.shape, t.stride(), 1)
+    off.copy_(t)
+    assert off.data_ptr() % 16 and off.is_contiguous(memory_format=torch.channels_last)
+    return off
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_unaligned_channels_last_runs_the_gemm(dtype, hopper):
     """A channels_last view that starts off a 16-byte boundary cannot feed the halo copies: the mma.sync GEMM
     runs instead, pinned wgmma or not."""
     case = Case(ASYM_LIKE, dtype, True)
     x, w, b = _inputs(case, *_data(case.layer, dtype, 5))
-    flat = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")
-    xu = torch.as_strided(flat, x.shape, x.stride(), 1)
-    xu.copy_(x)
-    assert xu.data_ptr() % 16 and xu.is_contiguous(memory_format=torch.channels_last)
+    xu = _one_element_off(x)
     y, seen = _run_ours(case, xu, w, b, expect_function="conv_transpose2d_igemm")
     assert FUNCTION not in {plan.spec.function for _, plan in seen}
     assert {p for _, p in seen} == set(case.plan(hopper, aligned=False).plans())
@@ -558,10 +549,7 @@ def test_unaligned_channels_last_grad_output_runs_the_gemm(dtype, hopper):
     GEMM runs grad_input instead, pinned wgmma or not."""
     case = Case(replace(ASYM_LIKE, bias=False), dtype, True, pass_=GRAD)
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, dtype, 5))
-    flat = torch.empty(go.numel() + 1, dtype=dtype, device="cuda")
-    gou = torch.as_strided(flat, go.shape, go.stride(), 1)
-    gou.copy_(go)
-    assert gou.data_ptr() % 16 and gou.is_contiguous(memory_format=torch.channels_last)
+    gou = _one_element_off(go)
     gi, seen = _run_grad_input(case, gou, x, w, expect_function="conv_transpose2d_igemm")
     assert FUNCTION not in {plan.spec.function for _, plan in seen}
     assert {p for _, p in seen} == set(case.plan(hopper, aligned=False).plans())

@@ -30,7 +30,8 @@ TARGET = "sm_90a"
 _KINDS = {"float16": 0, "bfloat16": 1}
 # Dynamic shared memory a block may use on an H100 (227 KB), less the kernel's static tap table.
 SMEM_LIMIT = 227 * 1024 - 4096
-B_STAGES = 4
+B_STAGES = 4   # weight buffers by default
+STAGE_CHOICES = (2, 3, 4, 6)
 
 
 @dataclass(frozen=True)
@@ -196,15 +197,6 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward") -> bool:
     if not any(_fits(g, dtype, t, pass_) for t in TILES.values()):
         return False
     return g.groups * cdiv(dst, 32) <= GRID_YZ_LIMIT
-
-
-def _tile_count(g: Geometry, tile: HaloTile) -> int:
-    sh, sw = g.params.stride
-    h_out, w_out = g.out_size
-    return cdiv(g.batch, tile.images) * cdiv(cdiv(h_out, sh), tile.tile_h) * cdiv(cdiv(w_out, sw), tile.tile_w)
-
-
-STAGE_CHOICES = (2, 3, 4, 6)
 
 
 @functools.lru_cache(maxsize=1024)
