@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import cupyconv.torch as ct
-from cupyconv.bench import cuda_time_ms
+from cupyconv.cuda_timing import cuda_time_ms
 from cupyconv.core.geometry import ConvParams, geometry
 from cupyconv.plans import launch, wgmma
 from cupyconv.tuning import Variant, pinned

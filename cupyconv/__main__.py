@@ -54,7 +54,7 @@ def _gpu_timings(x, w, go, kwargs, repeat):
     except ImportError:
         print("torch is not installed: no comparison timing")
         return rows
-    from cupyconv.bench import cuda_time_ms
+    from cupyconv.cuda_timing import cuda_time_ms
 
     tx, tw, tgo = (torch.from_numpy(a).cuda() for a in (x, w, go))
     tx.requires_grad_()

@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from .core import dtypes
 from .core.device import gpu_present
 from .core.geometry import output_size
 from .core.version import VERSION
+from .cuda_timing import cuda_time_ms
 
 PROG = "python -m cupyconv.bench"
 # model_bench's models, named here so that the command line needs no torch import
@@ -201,23 +201,6 @@ def case_rows(layer: BenchLayer, dtype: str, layout: str, setup: Callable[[], Ca
 
 
 # ----------------------------------------------------------------------------- timing (GPU)
-
-def cuda_time_ms(fn: Callable[[], None], warmup: int = 3, repeat: int = 20) -> float:
-    """Median milliseconds of ``fn`` over ``repeat`` runs, timed with CUDA events."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30, repeat: int = 20) -> float:
     """Device-to-device copy bandwidth in GB/s, counting both the read and the write."""

@@ -150,7 +150,7 @@ def _wall_ms(fn: Callable[[], None], device, warmup: int, repeat: int) -> float:
     import statistics
 
     if device.type == "cuda":
-        from .bench import cuda_time_ms
+        from .cuda_timing import cuda_time_ms
 
         return cuda_time_ms(fn, warmup, repeat)
     for _ in range(warmup):
