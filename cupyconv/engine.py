@@ -129,10 +129,11 @@ def _prefetch_backward(g: Geometry, dtype: str, layout: str, precision: str, dev
             continue
         pass_precision = "strict" if pass_ == table.GRAD_BIAS else precision
         cands = table.candidates(pass_, g, dtype, layout, pass_precision, device)
-        # A first call that times its candidates builds them all; otherwise the heuristic runs.
-        for v in cands if decide.enabled() else cands[:1]:
-            plan = table.plan(pass_, v, g, dtype, layout, pass_precision, False, True, device.sm_count)
-            specs += [p.spec for p in plan.plans()]
+        # What the backward's first call will run: a stored choice, else the heuristic (the tuner
+        # builds the other candidates itself, in the background).
+        v = decide.current(pass_, g, dtype, layout, pass_precision, device, cands)
+        plan = table.plan(pass_, v, g, dtype, layout, pass_precision, False, True, device.sm_count)
+        specs += [p.spec for p in plan.plans()]
     compiler.compile_in_background(specs, device.index)
 
 

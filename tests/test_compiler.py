@@ -380,3 +380,24 @@ def test_importing_compiles_nothing():
             "assert compiler.compile_count() == 0; "
             "assert 'cupy' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_tuners_candidates_build_on_a_lower_priority_pool(monkeypatch):
+    import os
+    import threading
+
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities on this platform")
+
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = nice()
+    low, normal = compiler._pool(True), compiler._pool(False)
+    assert low is not normal and compiler._pool(True) is low
+    assert normal.submit(nice).result() == mine
+    assert low.submit(nice).result() == min(19, mine + 10)
+    # nothing left to build: no future, nothing queued
+    monkeypatch.setattr(compiler, "device_arch", lambda device_id: "90")
+    monkeypatch.setattr(compiler, "_is_built", lambda spec, device_id, arch: True)
+    assert compiler.compile_in_background([KernelSpec.make("t.cu", "f", {})], 0, low_priority=True) == []

@@ -71,15 +71,29 @@ def test_no_backward_expected_or_no_gpu_hands_over_nothing(handed):
     assert handed == []
 
 
-def test_with_autotuning_every_candidate_the_backward_may_time_is_handed_over(handed, monkeypatch):
+def test_with_autotuning_the_stored_choice_or_the_heuristic_is_handed_over(handed, monkeypatch):
+    """The backward's first call runs what is stored, else the heuristic: only those kernels are prefetched
+    (the tuner builds the other candidates itself, at a lower priority)."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
     cands = table.candidates("grad_weight", THIN, "float16", "nchw", "strict", DEV)
     assert len(cands) > 1
+
+    def specs_of(v):
+        plan = table.plan("grad_weight", v, THIN, "float16", "nchw", "strict", False, True, DEV.sm_count)
+        return [p.spec for p in plan.plans()]
+
     engine._prefetch_backward(THIN, "float16", "nchw", "strict", DEV, (False, True, False))
     (specs, _), = handed
-    for v in cands:
-        plan = table.plan("grad_weight", v, THIN, "float16", "nchw", "strict", False, True, DEV.sm_count)
-        assert {p.spec for p in plan.plans()} <= set(specs)
+    assert specs == specs_of(cands[0])
+    stored = cands[-1]
+    assert specs_of(stored) != specs_of(cands[0])
+    tuning.TuningCache(tuning.cache_path()).put(
+        tuning.make_key("grad_weight", THIN, "float16", "nchw", "strict", DEV.name, DEV.arch),
+        {"variant": stored.name})
+    tuning.clear()
+    engine.clear()
+    engine._prefetch_backward(THIN, "float16", "nchw", "strict", DEV, (False, True, False))
+    assert handed[-1][0] == specs_of(stored)
 
 
 class CountingRecorder(Recorder):

@@ -2,7 +2,8 @@
 
 Timing itself needs a GPU (tests/test_tuning_gpu.py); here ``decide._measure`` is replaced
 by a fake that returns chosen times, and the engine runs on a :class:`Recorder` of a fake
-device, so everything around the timing is checked on the CPU.
+device, so everything around the timing is checked on the CPU.  The ``fresh`` fixture also
+takes every candidate as built; the background builds have tests of their own.
 """
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from cupyconv.tuning import decide, explicit, store
 from cupyconv.tuning.variants import DIRECT, GEMM, Variant
 
 ROOT = Path(__file__).resolve().parents[1]
+CANDIDATES_BUILT = decide._candidates_built
 
 
 def _g(x_shape, w_shape, **kwargs):
@@ -54,6 +57,7 @@ def fresh(tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(gemm.TENSOR_CORES_ENV, raising=False)
     monkeypatch.setattr(decide, "_capturing", lambda stream_ptr: False)
+    monkeypatch.setattr(decide, "_candidates_built", lambda key, cands, plans, device: True)
     tuning.clear()
     yield tmp_path / "cache"
     tuning.clear()
@@ -540,6 +544,76 @@ def test_first_call_times_candidates_keeps_the_fastest_and_persists_it(fresh, mo
     assert entry["repeat"] == decide.FIRST_CALL_REPEAT
     # another device of the process decides on its own
     assert tuning.chosen("forward", THIN, "float16", "nchw", "strict", 1) is None
+
+
+class FakeBackground:
+    """Stands in for the compiler's background builds: records what is handed over, finishes on demand."""
+
+    def __init__(self):
+        self.handed = []
+        self.futures = []
+
+    def __call__(self, specs, device_id, low_priority=False):
+        self.handed.append((list(specs), device_id, low_priority))
+        futures = [Future() for _ in specs]
+        self.futures += futures
+        return futures
+
+    def finish(self):
+        for f in self.futures:
+            if not f.done():
+                f.set_result(None)
+
+
+def test_a_first_call_runs_the_heuristic_while_the_candidates_build_in_the_background(fresh, monkeypatch):
+    from cupyconv.jit import compiler
+
+    monkeypatch.setattr(decide, "_candidates_built", CANDIDATES_BUILT)
+    background = FakeBackground()
+    monkeypatch.setattr(compiler, "compile_in_background", background)
+    cands = _cands()
+    fastest = cands[1]
+    timer = FakeTimer({fastest.name: 0.25})
+    monkeypatch.setattr(decide, "_measure", timer)
+    assert _choose()[0] == cands[0] == WGMMA
+    assert not timer.calls and tuning.chosen("forward", THIN, "float16", "nchw", "strict", 0) is None
+    (specs, device_id, low), = background.handed
+    others = [p.spec for v in cands[1:] for p in table.plan("forward", v, THIN, "float16", "nchw",
+                                                             "strict").plans()]
+    assert specs == others and device_id == 0 and low, "the heuristic's caller builds it; the rest wait"
+    assert not decide.settle(timeout=0.01)
+    # calls while they build keep the heuristic and hand nothing over again
+    assert _choose()[0] == WGMMA and not timer.calls and len(background.handed) == 1
+    background.finish()
+    assert decide.settle(timeout=1.0)
+    assert _choose()[0] == fastest and len(timer.calls) == 1
+    assert _entries(fresh)[_key()]["variant"] == fastest.name
+    assert _choose()[0] == fastest and len(timer.calls) == 1 and len(background.handed) == 1
+
+
+def test_candidates_already_built_are_timed_at_the_first_call(fresh, monkeypatch):
+    from cupyconv.jit import compiler
+
+    monkeypatch.setattr(decide, "_candidates_built", CANDIDATES_BUILT)
+    monkeypatch.setattr(compiler, "compile_in_background", lambda specs, device_id, low_priority=False: [])
+    timer = FakeTimer({_cands()[2].name: 0.5})
+    monkeypatch.setattr(decide, "_measure", timer)
+    assert _choose()[0] == _cands()[2] and len(timer.calls) == 1
+    assert decide.settle(timeout=0)
+
+
+def test_clear_forgets_the_background_builds(fresh, monkeypatch):
+    from cupyconv.jit import compiler
+
+    monkeypatch.setattr(decide, "_candidates_built", CANDIDATES_BUILT)
+    background = FakeBackground()
+    monkeypatch.setattr(compiler, "compile_in_background", background)
+    monkeypatch.setattr(decide, "_measure", FakeTimer())
+    _choose()
+    tuning.clear()
+    assert decide.settle(timeout=0)
+    _choose()
+    assert len(background.handed) == 2, "after clear() a first call hands its candidates over again"
 
 
 def test_the_tuner_times_the_candidates_it_is_handed(fresh, monkeypatch):

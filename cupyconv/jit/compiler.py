@@ -186,30 +186,51 @@ def device_arch(device_id: int) -> str:
     return _device.get(device_id).arch
 
 
-_background = None
-_background_lock = threading.Lock()
+# Two pools: kernels a call is about to need (the backward's, handed over by the first forward),
+# and the tuner's other candidates, which build at a lower CPU priority so that they do not
+# slow the first calls down.
+_pools: Dict[bool, object] = {}
+_pools_lock = threading.Lock()
 
 
-def compile_in_background(specs, device_id: int) -> None:
+def _lower_priority() -> None:
+    try:  # Linux gives each thread its own nice value
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+def _pool(low_priority: bool):
+    with _pools_lock:
+        pool = _pools.get(low_priority)
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            if low_priority:
+                workers = max(1, min(4, (os.cpu_count() or 2) // 4))
+                pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cupyconv-candidates",
+                                          initializer=_lower_priority)
+            else:
+                pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="cupyconv-compile")
+            _pools[low_priority] = pool
+        return pool
+
+
+def compile_in_background(specs, device_id: int, low_priority: bool = False) -> list:
     """Start building the kernels of ``specs`` that are not built yet, without waiting for them.
 
     A layer's first forward under autograd hands over its backward's kernels here, so they
-    compile while the forward's own kernel does.  A launch that needs one of them waits for
-    its build (the per-kernel lock in :func:`get_function`); a build that fails here is
-    simply tried again there, where the error reaches the caller.
+    compile while the forward's own kernel does; the tuner hands over the candidates it will
+    time (``low_priority``).  A launch that needs one of them waits for its build (the
+    per-kernel lock in :func:`get_function`); a build that fails here is simply tried again
+    there, where the error reaches the caller.  Returns the builds' futures.
     """
-    global _background
     arch = device_arch(device_id)
     todo = [s for s in dict.fromkeys(specs) if not _is_built(s, device_id, arch)]
     if not todo:
-        return
-    with _background_lock:
-        if _background is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="cupyconv-compile")
-        for spec in todo:
-            _background.submit(_build_quietly, spec, device_id, arch)
+        return []
+    pool = _pool(low_priority)
+    return [pool.submit(_build_quietly, spec, device_id, arch) for spec in todo]
 
 
 def _build_quietly(spec: KernelSpec, device_id: int, arch: str) -> None:

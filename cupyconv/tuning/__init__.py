@@ -7,11 +7,11 @@
 
 The tuner never plans or launches on its own: it chooses among the candidates it is handed.
 """
-from .decide import AUTOTUNE_ENV, chosen, clear, current, enabled, pinned
+from .decide import AUTOTUNE_ENV, chosen, clear, current, enabled, pinned, settle
 from .store import CACHE_DIR_ENV, CACHE_FILE, FILE_FORMAT, TuningCache, cache_dir, cache_path, code_hash, config_key, \
     make_key, read_entries
 from .variants import DIRECT, GEMM, Variant
 
 __all__ = ["AUTOTUNE_ENV", "CACHE_DIR_ENV", "CACHE_FILE", "DIRECT", "FILE_FORMAT", "GEMM", "TuningCache", "Variant",
            "cache_dir", "cache_path", "chosen", "clear", "code_hash", "config_key", "current", "enabled", "make_key",
-           "pinned", "read_entries"]
+           "pinned", "read_entries", "settle"]

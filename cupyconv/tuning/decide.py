@@ -3,8 +3,10 @@
 The caller (the engine) hands over the candidates the pass table lists for a
 configuration, heuristic first, with a function that runs one and one that lists its
 plans.  The first call of a configuration in a process takes a choice stored on disk
-for this GPU, else times the candidates with CUDA events and keeps the fastest; later
-calls cost one dict lookup (:func:`chosen`).
+for this GPU.  Without one, it runs the heuristic and hands the other candidates' kernels
+to a background compiler; the first call after they have built times every candidate
+with CUDA events and keeps the fastest.  (A first call that timed at once would wait for
+a dozen compiles.)  Once decided, a call costs one dict lookup (:func:`chosen`).
 
 ``CUPYCONV_AUTOTUNE=0`` keeps the heuristic: nothing is timed or read from disk.  A first
 call never times while its stream is being captured into a CUDA graph, nor under
@@ -53,6 +55,8 @@ _memo_locks_lock = threading.Lock()
 _local = threading.local()
 # pass -> Variant while pinned() runs
 _pins: Optional[Dict[str, Variant]] = None
+# the same keys -> futures of the candidates' background builds, until they are timed
+_building: Dict[tuple, list] = {}
 
 
 def enabled() -> bool:
@@ -65,7 +69,22 @@ def clear() -> None:
     with _memo_locks_lock:
         _memo.clear()
         _memo_locks.clear()
+        _building.clear()
     store.forget()
+
+
+def settle(timeout: Optional[float] = None) -> bool:
+    """Wait until the candidates that first calls handed to the background compiler have built.
+
+    The next call of each such configuration then times them and keeps the fastest.
+    Benchmarks call this after a warm-up, so that the choice is made before they time.
+    Returns False if ``timeout`` seconds passed first.
+    """
+    from concurrent.futures import wait
+
+    with _memo_locks_lock:
+        futures = [f for fs in _building.values() for f in fs]
+    return not wait(futures, timeout=timeout).not_done
 
 
 def chosen(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, device_id) -> Optional[Variant]:
@@ -195,6 +214,9 @@ def decide(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, dev
             return Decision(v, "stored", dict(times))
     if not explicit and _deterministic():
         return Decision(heuristic, "heuristic")
+    if not explicit and not _candidates_built((pass_, g, dtype, layout, precision, device.index), cands, plans,
+                                              device):
+        return Decision(heuristic, "heuristic", remember=False)
     times = _measure(cands, run, plans, device, stream_ptr, repeat)
     if not times:
         return Decision(heuristic, "heuristic")
@@ -204,6 +226,31 @@ def decide(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, dev
     _log.info("cupyconv: %s %s -> %s (%s)", pass_, store.config_key(pass_, g, dtype, layout, precision),
               winner.name, ", ".join(f"{n} {ms:.4f} ms" for n, ms in named.items()))
     return Decision(winner, "tuned", named)
+
+
+def _candidates_built(key: tuple, cands: Sequence[Variant], plans: Plans, device: Device) -> bool:
+    """Whether every candidate's kernels have built (or failed to), so that timing them waits for no
+    compile.  The first time a configuration asks, the candidates other than the heuristic (which
+    its caller builds now) start building in the background, at low priority."""
+    from ..jit.compiler import compile_in_background
+
+    with _memo_locks_lock:
+        futures = _building.get(key)
+    if futures is None:
+        specs = []
+        for v in cands[1:]:
+            try:
+                specs += [p.spec for p in plans(v)]
+            except Exception as exc:  # a variant this layer cannot plan is not a candidate
+                _log.debug("cupyconv: cannot plan %s: %s", v.name, exc)
+        futures = compile_in_background(specs, device.index, low_priority=True)
+        with _memo_locks_lock:
+            _building[key] = futures
+    if not all(f.done() for f in futures):
+        return False
+    with _memo_locks_lock:
+        _building.pop(key, None)
+    return True
 
 
 def _build(cands: Sequence[Variant], plans: Plans, device: Device) -> List[Variant]:
