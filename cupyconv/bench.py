@@ -660,9 +660,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="time training steps of published models, original against converted, instead")
     parser.add_argument("--model", action="append", choices=MODEL_NAMES,
                         help="with --models: only this model (repeatable; default: all)")
+    parser.add_argument("--per-layer", action="store_true",
+                        help="with --models: also time each model's transposed convolutions on their own")
     args = parser.parse_args(argv)
     if args.model and not args.models:
         parser.error("--model selects models of --models")
+    if args.per_layer and not args.models:
+        parser.error("--per-layer breaks down the models of --models")
     args.dtypes = list(dict.fromkeys(args.dtype or DTYPES))
     args.layouts = list(dict.fromkeys(args.layout or LAYOUTS))
     suite = SEED_LAYERS if args.suite == "seeds" else SUITE
@@ -708,10 +712,17 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         env = environment()
         print(f"device {env['device']}, torch {env['torch']}, cupy {env['cupy']}, commit {commit_text(env)}")
-        rows = model_bench.run(args.model or model_bench.MODELS, repeat=args.repeat)
+        names = args.model or model_bench.MODELS
+        rows = model_bench.run(names, repeat=args.repeat)
         print(model_bench.format_table(rows))
         if args.json:
             write_results(args.json, env, rows)
+        if args.per_layer:
+            layer_rows = [r for name in names for mode in model_bench.MODES
+                          for r in model_bench.layer_rows(name, mode, args.repeat)]
+            print(model_bench.format_layer_table(layer_rows))
+            if args.json:
+                write_results(args.json.with_name(args.json.stem + "_layers.json"), env, layer_rows)
         return
     if args.host_cost:
         env = environment()

@@ -234,6 +234,93 @@ def run(names: Sequence[str] = tuple(MODELS), modes: Sequence[str] = MODES, repe
         torch.backends.cudnn.benchmark = saved
 
 
+def layer_rows(name: str, mode: str, repeat: int = 10, shape: Optional[Sequence[int]] = None,
+               builder_args: Optional[dict] = None) -> List[dict]:
+    """Each distinct transposed convolution of model ``name`` in ``mode``, forward+backward on its own:
+    torch against cupyconv on the shapes, dtype and layout the model's step gives it.
+
+    Where a model's step is slower converted, this says which of its layers are the cause.  Under
+    ``bf16_autocast_channels_last`` the layers run in bfloat16, as autocast runs them.  ``shape`` and
+    ``builder_args`` are as for :func:`compare`.  Needs a CUDA GPU.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from .cuda_timing import cuda_time_ms
+    from .torch import conv_transpose2d
+
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    builder, kwargs, default_shape = MODELS[name]
+    shape = tuple(shape or default_shape)
+    torch.manual_seed(0)
+    model = builder(**{**kwargs, **(builder_args or {})}).cuda()
+    channels_last = mode == "bf16_autocast_channels_last"
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    dtype = torch.bfloat16 if channels_last else torch.float32
+    model = model.to(memory_format=fmt)
+    seen: Dict[tuple, dict] = {}
+
+    def record(module, args):
+        key = (tuple(args[0].shape), tuple(module.weight.shape), module.stride, module.padding,
+               module.output_padding, module.groups, module.dilation, module.bias is not None)
+        seen.setdefault(key, dict(count=0, module=module))["count"] += 1
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, nn.ConvTranspose2d)]
+    try:
+        with torch.no_grad():
+            model(torch.randn(shape, device="cuda").contiguous(memory_format=fmt))
+    finally:
+        for h in hooks:
+            h.remove()
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    rows = []
+    try:
+        for (x_shape, w_shape, stride, padding, output_padding, groups, dilation, bias), seen_as in seen.items():
+            args = dict(stride=stride, padding=padding, output_padding=output_padding, groups=groups,
+                        dilation=dilation)
+            x = torch.randn(x_shape, device="cuda", dtype=dtype).contiguous(memory_format=fmt).requires_grad_()
+            w = seen_as["module"].weight.detach().to(dtype).requires_grad_()
+            b = torch.randn(w_shape[1] * groups, device="cuda", dtype=dtype, requires_grad=True) if bias else None
+            out = F.conv_transpose2d(x.detach(), w.detach(), None, **args)
+            go = torch.randn_like(out).contiguous(memory_format=fmt)
+            row = dict(model=name, mode=mode, input=list(x_shape), weight=list(w_shape), stride=list(stride),
+                       padding=list(padding), output_padding=list(output_padding), groups=groups,
+                       dilation=list(dilation), bias=bias, count=seen_as["count"])
+            for side, conv in (("torch", F.conv_transpose2d), ("cupyconv", conv_transpose2d)):
+                def step(conv=conv):
+                    x.grad = w.grad = None
+                    if b is not None:
+                        b.grad = None
+                    conv(x, w, b, **args).backward(go)
+                step()
+                settle_tuning()
+                row["torch_ms" if side == "torch" else "ms"] = cuda_time_ms(step, 3, repeat)
+            row["speedup"] = row["torch_ms"] / row["ms"]
+            rows.append(row)
+            del x, w, b, go, out
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cudnn.benchmark = saved
+    return rows
+
+
+def format_layer_table(rows: List[dict]) -> str:
+    """The per-layer rows as a text table: shapes, how often the step runs each, and the times."""
+    lines = [f"{'model':<16} {'mode':<28} {'input':<20} {'weight':<18} {'stride':>6} {'pad':>5} {'runs':>4} "
+             f"{'torch ms':>9} {'cupyconv ms':>11} {'speedup':>8}"]
+    for r in rows:
+        lines.append(f"{r['model']:<16} {r['mode']:<28} {'x'.join(map(str, r['input'])):<20} "
+                     f"{'x'.join(map(str, r['weight'])):<18} {'x'.join(map(str, r['stride'])):>6} "
+                     f"{'x'.join(map(str, r['padding'])):>5} {r['count']:>4} {r['torch_ms']:>9.3f} {r['ms']:>11.3f} "
+                     f"{r['speedup']:>7.2f}x")
+    return "\n".join(lines)
+
+
 def format_table(rows: List[dict]) -> str:
     """The rows as a text table, ending with the geometric mean speedup."""
     import math

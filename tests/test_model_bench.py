@@ -96,7 +96,17 @@ def test_table_lists_every_row_and_the_geomean():
     assert table.splitlines()[-1] == "geomean speedup: 1.00x over 2 rows"
 
 
+def test_layer_table_lists_shapes_runs_and_times():
+    row = dict(model="unet", mode="fp32_nchw", input=[8, 1024, 16, 16], weight=[1024, 512, 2, 2], stride=[2, 2],
+               padding=[0, 0], count=1, torch_ms=0.5, ms=0.25, speedup=2.0)
+    lines = model_bench.format_layer_table([row]).splitlines()
+    assert len(lines) == 2 and "8x1024x16x16" in lines[1] and "1024x512x2x2" in lines[1] and "2.00x" in lines[1]
+
+
 def test_model_selection_needs_models():
+    assert bench.parse_args(["--models", "--model", "unet", "--per-layer"]).per_layer
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--per-layer"])
     assert bench.parse_args(["--models", "--model", "unet"]).model == ["unet"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", "unet"])
@@ -115,3 +125,16 @@ def test_converted_models_train_like_the_originals_on_the_gpu(mode):
         for key in ("output", "grads"):
             floor = 1e-3 if mode == "fp32_nchw" else 1e-2
             assert row["error"][key] <= 2 * row["torch_error"][key] + floor, (name, key, row)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+@pytest.mark.parametrize("mode", model_bench.MODES)
+def test_the_per_layer_breakdown_times_each_distinct_layer(mode):
+    for name, (args, shape) in SMALL.items():
+        rows = model_bench.layer_rows(name, mode, repeat=2, shape=shape, builder_args=args)
+        layers = _transposed(model_bench.MODELS[name][0](**args))
+        assert 1 <= len(rows) <= len(layers) and sum(r["count"] for r in rows) == len(layers), name
+        assert len({(tuple(r["input"]), tuple(r["weight"])) for r in rows}) == len(rows)
+        for r in rows:
+            assert r["torch_ms"] > 0 and r["ms"] > 0 and math.isclose(r["speedup"], r["torch_ms"] / r["ms"])
