@@ -292,7 +292,7 @@ def layer_rows(name: str, mode: str, repeat: int = 10, shape: Optional[Sequence[
                        padding=list(padding), output_padding=list(output_padding), groups=groups,
                        dilation=list(dilation), bias=bias, count=seen_as["count"])
             for side, conv in (("torch", F.conv_transpose2d), ("cupyconv", conv_transpose2d)):
-                def step(conv=conv):
+                def step(conv=conv, x=x, w=w, b=b, go=go):
                     x.grad = w.grad = None
                     if b is not None:
                         b.grad = None
