@@ -401,3 +401,29 @@ def test_the_tuners_candidates_build_on_a_lower_priority_pool(monkeypatch):
     monkeypatch.setattr(compiler, "device_arch", lambda device_id: "90")
     monkeypatch.setattr(compiler, "_is_built", lambda spec, device_id, arch: True)
     assert compiler.compile_in_background([KernelSpec.make("t.cu", "f", {})], 0, low_priority=True) == []
+
+
+def test_on_sm_90_every_kernel_builds_with_one_set_of_options():
+    plain = KernelSpec.make("reduce_partials.cu", "reduce_partials", {"SCALAR_T": "float"})
+    hopper = KernelSpec.make("t.cu", "f", {}, target="sm_90a")
+    assert compiler.build_options(plain, "90") == compiler.build_options(hopper, "90")
+    assert "-arch=sm_90a" in compiler.build_options(plain, "90")
+    assert compiler.build_options(plain, "80") == plain.options and "-arch" not in " ".join(plain.options)
+
+
+def test_candidate_builds_wait_until_no_build_a_call_needs_is_in_flight(monkeypatch):
+    import threading
+
+    built = []
+    monkeypatch.setattr(compiler, "_build_quietly", lambda spec, device_id, arch: built.append(spec))
+    monkeypatch.setattr(compiler, "_foreground", 1)
+    spec = KernelSpec.make("t.cu", "f", {})
+    worker = threading.Thread(target=compiler._build_when_idle, args=(spec, 0, "90"))
+    worker.start()
+    worker.join(0.2)
+    assert worker.is_alive() and not built, "a candidate must not build beside a call's own kernels"
+    with compiler._foreground_idle:
+        compiler._foreground = 0
+        compiler._foreground_idle.notify_all()
+    worker.join(5)
+    assert not worker.is_alive() and built == [spec]

@@ -146,7 +146,7 @@ def _build(spec: KernelSpec, device_id: int):
     import cupy
 
     source = spec.source()
-    options = spec.options
+    options = build_options(spec, device_arch(device_id))
     with cupy.cuda.Device(device_id):
         try:
             kernel = cupy.RawModule(code=source, options=options).get_function(spec.function)
@@ -162,9 +162,28 @@ def _build(spec: KernelSpec, device_id: int):
     return kernel
 
 
+def build_options(spec: KernelSpec, arch: str) -> Tuple[str, ...]:
+    """The options ``spec`` builds with on a device of ``arch``.
+
+    On an sm_90 device every kernel builds for sm_90a, as the wgmma kernels must: CuPy checks
+    its compiler once per set of options (an empty-file compile of some 15 ms), so a new
+    process that loads its kernels from the disk cache pays that once instead of twice.
+    """
+    if arch == "90" and not spec.target:
+        return spec.options + ("-arch=sm_90a",)
+    return spec.options
+
+
+# Builds a call waits for (its own kernels, the backward's handed over by the first forward)
+# in flight.  The tuner's candidates wait until there are none, so they never slow a first call.
+_foreground = 0
+_foreground_idle = threading.Condition()
+_FOREGROUND_WAIT_S = 10.0
+
+
 def get_function(spec: KernelSpec, device_id: int, arch: Optional[str] = None):
     """The compiled kernel for ``spec`` on ``device_id``, building it at most once per process."""
-    global _compile_count
+    global _compile_count, _foreground
     if arch is None:
         arch = device_arch(device_id)
     key = _key(spec, device_id, arch)
@@ -173,9 +192,19 @@ def get_function(spec: KernelSpec, device_id: int, arch: Optional[str] = None):
         return entry.function
     with _entries_lock:
         entry = _entries.setdefault(key, _Entry())
+    background = threading.current_thread().name.startswith(_CANDIDATE_THREADS)
     with entry.lock:
         if entry.function is None:
-            entry.function = _build(spec, device_id)
+            if not background:
+                with _foreground_idle:
+                    _foreground += 1
+            try:
+                entry.function = _build(spec, device_id)
+            finally:
+                if not background:
+                    with _foreground_idle:
+                        _foreground -= 1
+                        _foreground_idle.notify_all()
             with _entries_lock:
                 _compile_count += 1
     return entry.function
@@ -191,6 +220,7 @@ def device_arch(device_id: int) -> str:
 # slow the first calls down.
 _pools: Dict[bool, object] = {}
 _pools_lock = threading.Lock()
+_CANDIDATE_THREADS = "cupyconv-candidates"
 
 
 def _lower_priority() -> None:
@@ -208,7 +238,7 @@ def _pool(low_priority: bool):
 
             if low_priority:
                 workers = max(1, min(4, (os.cpu_count() or 2) // 4))
-                pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cupyconv-candidates",
+                pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=_CANDIDATE_THREADS,
                                           initializer=_lower_priority)
             else:
                 pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="cupyconv-compile")
@@ -230,7 +260,15 @@ def compile_in_background(specs, device_id: int, low_priority: bool = False) -> 
     if not todo:
         return []
     pool = _pool(low_priority)
-    return [pool.submit(_build_quietly, spec, device_id, arch) for spec in todo]
+    build = _build_when_idle if low_priority else _build_quietly
+    return [pool.submit(build, spec, device_id, arch) for spec in todo]
+
+
+def _build_when_idle(spec: KernelSpec, device_id: int, arch: str) -> None:
+    """A candidate's build: after the builds calls wait for (up to a bound, so none starves)."""
+    with _foreground_idle:
+        _foreground_idle.wait_for(lambda: _foreground == 0, timeout=_FOREGROUND_WAIT_S)
+    _build_quietly(spec, device_id, arch)
 
 
 def _build_quietly(spec: KernelSpec, device_id: int, arch: str) -> None:
