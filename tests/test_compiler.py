@@ -403,14 +403,6 @@ def test_the_tuners_candidates_build_on_a_lower_priority_pool(monkeypatch):
     assert compiler.compile_in_background([KernelSpec.make("t.cu", "f", {})], 0, low_priority=True) == []
 
 
-def test_on_sm_90_every_kernel_builds_with_one_set_of_options():
-    plain = KernelSpec.make("reduce_partials.cu", "reduce_partials", {"SCALAR_T": "float"})
-    hopper = KernelSpec.make("t.cu", "f", {}, target="sm_90a")
-    assert compiler.build_options(plain, "90") == compiler.build_options(hopper, "90")
-    assert "-arch=sm_90a" in compiler.build_options(plain, "90")
-    assert compiler.build_options(plain, "80") == plain.options and "-arch" not in " ".join(plain.options)
-
-
 def test_candidate_builds_wait_until_no_build_a_call_needs_is_in_flight(monkeypatch):
     import threading
 

@@ -146,7 +146,7 @@ def _build(spec: KernelSpec, device_id: int):
     import cupy
 
     source = spec.source()
-    options = build_options(spec, device_arch(device_id))
+    options = spec.options
     with cupy.cuda.Device(device_id):
         try:
             kernel = cupy.RawModule(code=source, options=options).get_function(spec.function)
@@ -160,18 +160,6 @@ def _build(spec: KernelSpec, device_id: int):
             kernel = cupy.RawModule(code=source, options=options).get_function(spec.function)
             kernel.kernel
     return kernel
-
-
-def build_options(spec: KernelSpec, arch: str) -> Tuple[str, ...]:
-    """The options ``spec`` builds with on a device of ``arch``.
-
-    On an sm_90 device every kernel builds for sm_90a, as the wgmma kernels must: CuPy checks
-    its compiler once per set of options (an empty-file compile of some 15 ms), so a new
-    process that loads its kernels from the disk cache pays that once instead of twice.
-    """
-    if arch == "90" and not spec.target:
-        return spec.options + ("-arch=sm_90a",)
-    return spec.options
 
 
 # Builds a call waits for (its own kernels, the backward's handed over by the first forward)
