@@ -6,10 +6,8 @@ memory once per channel chunk, and every tap's MMA reads that one tile from a sh
 origin (``kernels/conv_transpose2d_wgmma.cu``).  grad_input's halo is stored split by
 stride phase, so each tap still reads contiguous rows.  The weight is repacked per tap as
 for the ``mma.sync`` GEMMs, and NCHW sources are copied into channels_last scratch first,
-as there.  grad_weight is the ``mma.sync`` family's split-K GEMM per tap with wgmma for
-its math (``kernels/conv_transpose2d_grad_weight_wgmma.cu``): pixel tiles land channel
-group by channel group, which makes both operands MN-major.  Built for exactly sm_90
-(``sm_90a`` code runs on no other architecture); other GPUs keep the ``gemm`` family.
+as there.  Built for exactly sm_90 (``sm_90a`` code runs on no other architecture); other
+GPUs keep the ``gemm`` family.
 """
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ from ..tuning.variants import Variant
 from . import gemm
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
-from .reduction import finishing_reduce, split_k_scratch
-from .sequences import PackedGemm, PassPlan, SplitK
+from .sequences import PackedGemm, PassPlan
 
 TARGET = "sm_90a"
 # wgmma kinds, as mma.cuh numbers them; float32 (TF32 and 3xTF32) is not built yet.
@@ -188,9 +185,7 @@ def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
 def eligible(g: Geometry, dtype: str, pass_: str = "forward") -> bool:
     """Whether the kernel can run this pass of the layer: fp16/bf16, source channels in whole
     16-byte groups, 16 or more channels a group on both sides, a tile whose halo fits shared
-    memory, and grid limits (grad_weight: :func:`grad_weight_eligible`)."""
-    if pass_ == "grad_weight":
-        return grad_weight_eligible(g, dtype)
+    memory, and grid limits."""
     src, dst = _channels(g, pass_)
     if dtype not in _KINDS or src % (16 // _itemsize(dtype)) or min(src, dst) < 16:
         return False
@@ -295,93 +290,9 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List
     return found
 
 
-@dataclass(frozen=True)
-class WeightTile:
-    """grad_weight's block tile for one tap: ``bm`` input channels (64 a warpgroup) x ``bn`` output channels."""
-
-    bm: int
-    bn: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.bm}x{self.bn}"
-
-    @property
-    def warpgroups(self) -> int:
-        return self.bm // 64
-
-
-WEIGHT_TILES = {t.name: t for t in (WeightTile(128, 128), WeightTile(64, 128), WeightTile(128, 64),
-                                    WeightTile(64, 64), WeightTile(64, 256), WeightTile(128, 256))}
-WEIGHT_BK = 64        # pixels (K) a pipeline stage holds
-WEIGHT_STAGES = 4
-
-
-def weight_tile(g: Geometry) -> WeightTile:
-    """The heuristic grad_weight tile: 128 channels a side where the group has more than 64, else 64."""
-    return WEIGHT_TILES[f"{128 if g.in_per_group > 64 else 64}x{128 if g.out_per_group > 64 else 64}"]
-
-
-def weight_smem_bytes(tile: WeightTile, stages: int) -> int:
-    """Shared memory of the grad_weight ring: per stage, a plane of WEIGHT_BK + 1 16-byte slots per channel group."""
-    return stages * (tile.bm + tile.bn) // 8 * (WEIGHT_BK + 1) * 16
-
-
-def grad_weight_eligible(g: Geometry, dtype: str) -> bool:
-    """fp16/bf16 with whole 16-byte channel runs on both sides, 16 or more channels a group, and the GEMMs' grid
-    limits."""
-    return (dtype in _KINDS and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
-            and min(g.in_per_group, g.out_per_group) >= 16 and gemm.gemm_fits(g, dtype))
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str = "nchw",
-                     tile: Optional[WeightTile] = None, stages: Optional[int] = None) -> SplitK:
-    """grad_weight as a split-K wgmma GEMM per (group, tap) and the fixed-order reduction; NCHW sources are
-    copied into channels_last first (the ``mma.sync`` GEMM's copies)."""
-    tile = tile or weight_tile(g)
-    stages = stages or WEIGHT_STAGES
-    if stages not in STAGE_CHOICES:
-        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
-    if weight_smem_bytes(tile, stages) > SMEM_LIMIT:
-        raise ValueError(f"grad_weight tile {tile.name} with {stages} stages does not fit shared memory")
-    taps = g.kernel[0] * g.kernel[1]
-    h, w = g.in_size
-    k_tiles = cdiv(g.batch * h * w, WEIGHT_BK)
-    channel_tiles = cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn)
-    # About two blocks per SM in all, each K range at least four tiles long.
-    splits = max(1, min(cdiv(2 * sm_count, channel_tiles * g.groups * taps), cdiv(k_tiles, 4), 512))
-    per_split = cdiv(k_tiles, splits)
-    splits = cdiv(k_tiles, per_split)
-    weight_elems = numel(g.weight_shape)
-    index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
-    constants = layer_constants(g, dtype, index_t)
-    constants.update(MMA_KIND=_KINDS[dtype], WARPGROUPS=tile.warpgroups, BN=tile.bn, BK=WEIGHT_BK, STAGES=stages,
-                     SINGLE_CHUNK=splits == 1)
-    spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma.cu", "conv_transpose2d_grad_weight_wgmma", constants,
-                           TARGET)
-    partial = Plan(spec, (g.groups * taps, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
-                   (g.batch, h, w) + g.out_size + (per_split,), index_t,
-                   scratch_bytes=split_k_scratch(splits, weight_elems, 4), smem_bytes=weight_smem_bytes(tile, stages))
-    sources = gemm.plan_grad_weight_sources(g, dtype) if layout == "nchw" else None
-    return SplitK(partial, finishing_reduce(dtype, weight_elems, splits, index_t), sources)
-
-
-def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
-    """The heuristic, the deepest ring, then the other tiles whose sides the channels fill at least halfway."""
-    found: List[Dict[str, object]] = [{}, {"stages": max(STAGE_CHOICES)}]
-    heuristic = weight_tile(g)
-    for tile in sorted(WEIGHT_TILES.values(), key=lambda t: -t.bm * t.bn):
-        if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
-                or (tile.bn > 64 and g.out_per_group <= tile.bn // 2):
-            continue
-        found.append({"tile": tile.name})
-    return found
-
-
 class WgmmaFamily(Family):
     name = "wgmma"
-    passes = ("forward", "grad_input", "grad_weight")
+    passes = ("forward", "grad_input")
     max_variants = 6
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
@@ -390,18 +301,11 @@ class WgmmaFamily(Family):
                 and _eligible(g, dtype, pass_))
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        found = grad_weight_options(g) if pass_ == "grad_weight" else options(g, pass_, dtype)
-        return [Variant.make(self.name, **opts) for opts in found]
+        return [Variant.make(self.name, **opts) for opts in options(g, pass_, dtype)]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         kwargs = dict(variant.kwargs)
-        if pass_ == "grad_weight":
-            if layout == "nhwc" and not aligned:
-                partial, reduce = gemm.plan_grad_weight_gemm(g, dtype, sm_count, layout, aligned=False)
-                return SplitK(partial, reduce)
-            tile = WEIGHT_TILES[kwargs["tile"]] if "tile" in kwargs else None
-            return plan_grad_weight(g, dtype, sm_count, layout, tile, kwargs.get("stages"))
         tile = TILES[kwargs["tile"]] if "tile" in kwargs else None
         forward = _mode(pass_) == 0
         if layout == "nhwc" and not aligned:
@@ -416,7 +320,6 @@ class WgmmaFamily(Family):
     def clear(self) -> None:
         plan_forward.cache_clear()
         plan_grad_input.cache_clear()
-        plan_grad_weight.cache_clear()
         _eligible.cache_clear()
 
 
