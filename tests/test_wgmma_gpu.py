@@ -585,3 +585,140 @@ def test_autograd_runs_grad_input_on_wgmma_on_sm_90(channels_last, hopper, monke
         _compare_grad_input(case, x.grad, go, x.detach(), w.detach())
     finally:
         tuning.clear()
+
+
+# ------------------------------------------------------------------------ grad_weight
+
+WEIGHT = "grad_weight"
+WEIGHT_FUNCTION = "conv_transpose2d_grad_weight_wgmma"
+WEIGHT_PER_GROUP = (16, 24, 40, 64, 72, 136, 200)
+
+
+def grad_weight_layers(count: int, seed: int):
+    """Random layers whose grad_weight the wgmma kernel runs (channels in whole 16-byte runs): kernels 1 to 5,
+    strides 1 to 3, dilation 1 to 2, padding, output_padding, groups 1 to 3, odd sizes, batch 1 to 3 or
+    unbatched."""
+    rng = random.Random(seed)
+    layers = []
+    while len(layers) < count:
+        k = (rng.randint(1, 5), rng.randint(1, 5))
+        s = (rng.randint(1, 3), rng.randint(1, 3))
+        d = (rng.randint(1, 2), rng.randint(1, 2))
+        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
+        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
+        groups = rng.choice([1, 1, 2, 3])
+        cin_g, cout_g = rng.choice(WEIGHT_PER_GROUP), rng.choice(WEIGHT_PER_GROUP)
+        size = (rng.randint(1, 19), rng.randint(1, 23))
+        batch = rng.choice([None, 1, 2, 3])
+        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, False, size, "")
+        if min(layer.out_size()) >= 1:
+            layers.append(layer)
+    return layers
+
+
+WEIGHT_SWEEP = [Case(layer, *ROTATION[i % 4], pass_=WEIGHT) for i, layer in enumerate(grad_weight_layers(20, 37))]
+
+
+def _weight_suite_cases():
+    """Every grad_weight option of the five suite layers at their smaller sizes."""
+    cases = []
+    for name, (batch, size) in SUITE.items():
+        layer = replace(_suite_layer(name, batch, size), bias=False)
+        g = Case(layer, torch.float16, False).geometry
+        for i, opts in enumerate(wgmma.grad_weight_options(g)):
+            dtype, channels_last = ROTATION[i % 4]
+            variant = Variant.make("wgmma", **opts)
+            cases.append(pytest.param(Case(layer, dtype, channels_last, variant, pass_=WEIGHT),
+                                      id=f"{name}-{variant.name}-{SHORT[dtype]}-{'nhwc' if channels_last else 'nchw'}"))
+    return cases
+
+
+WEIGHT_SUITE_CASES = _weight_suite_cases()
+
+
+def _run_grad_weight(case: Case, go, x, w, expect_function: Optional[str] = WEIGHT_FUNCTION):
+    """cupyconv's grad_weight alone (``cupyconv::_conv_transpose2d_grad``), with the launches it made."""
+    _poison(tuple(w.shape), case.dtype)
+    kw = case.layer.kwargs()
+    with torch.no_grad(), tuning.pinned({WEIGHT: case.variant}), launch.watch() as seen:
+        gw = torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, list(kw["stride"]), list(kw["padding"]),
+                                                        list(kw["output_padding"]), kw["groups"],
+                                                        list(kw["dilation"]), 1)
+        torch.cuda.synchronize()
+    functions = [plan.spec.function for _, plan in seen]
+    if expect_function is not None:
+        assert expect_function in functions, f"{expect_function} did not run: {functions}"
+    return gw, seen
+
+
+def _torch_grad_weight(go, x, w, kwargs):
+    """torch's grad_weight of conv_transpose2d(x, w) for grad_output ``go`` (linear in go and x, not in w)."""
+    wr = w.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        y = F.conv_transpose2d(x, wr, None, **kwargs)
+        (gw,) = torch.autograd.grad(y, wr, go)
+    return gw
+
+
+def _check_grad_weight(case: Case, seed=0, hopper=None):
+    assert case.pass_ == WEIGHT
+    x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
+    gw, seen = _run_grad_weight(case, go, x, w)
+    if hopper is not None:
+        assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
+    kwargs = case.layer.kwargs()
+    ref = _torch_grad_weight(go.double(), x.double(), w.double(), kwargs)
+    magnitude = _torch_grad_weight(go.double().abs(), x.double().abs(), w.double(), kwargs)
+    theirs = _torch_grad_weight(go, x, w, kwargs)
+    # grad_weight's layout is the weight's own (cupyconv returns it contiguous or as the weight is)
+    check = replace(case, channels_last=False) if not w.is_contiguous(memory_format=torch.channels_last) else case
+    _near_float64(check, gw, ref, magnitude, theirs)
+    return gw
+
+
+@pytest.mark.parametrize("case", _params("gw_sweep", WEIGHT_SWEEP))
+def test_grad_weight_random_layers_match_float64(case, hopper):
+    assert wgmma.grad_weight_eligible(case.geometry, NAMES[case.dtype])
+    _check_grad_weight(case, seed=200 + WEIGHT_SWEEP.index(case), hopper=hopper)
+
+
+@pytest.mark.parametrize("case", WEIGHT_SUITE_CASES)
+def test_every_grad_weight_option_of_the_suite_layers(case, hopper):
+    _check_grad_weight(case, hopper=hopper)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_grad_weight_of_a_long_reduction_splits_it_in_fixed_order(dtype, hopper):
+    """A layer with many pixels per channel pair splits K across blocks; the reduction's order is fixed, so two
+    runs agree bit for bit."""
+    layer = Layer(8, 64, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (32, 32), "")
+    case = Case(layer, dtype, True, pass_=WEIGHT)
+    assert case.plan(hopper).reduce is not None, "this layer's K is split"
+    first = _check_grad_weight(case, seed=3, hopper=hopper)
+    x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 3))
+    again, _ = _run_grad_weight(case, go, x, w)
+    assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
+def test_autograd_runs_grad_weight_on_wgmma_on_sm_90(channels_last, hopper, monkeypatch):
+    """Untuned, the backward of an fp16 layer like the suite's asym_kernel runs grad_weight on the wgmma kernel,
+    and w.grad is right."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    try:
+        case = Case(replace(ASYM_LIKE, bias=False), torch.float16, channels_last, pass_=WEIGHT)
+        g = case.geometry
+        assert table.candidates(WEIGHT, g, "float16", case.layout, "strict", hopper)[0] == WGMMA
+        x, w, go = _grad_inputs(case, *_grad_data(case.layer, torch.float16, 11))
+        w.requires_grad_()
+        y = ct.conv_transpose2d(x, w, None, **case.layer.kwargs())
+        with launch.watch() as seen:
+            y.backward(go)
+            torch.cuda.synchronize()
+        assert WEIGHT_FUNCTION in {plan.spec.function for _, plan in seen}
+        kwargs = case.layer.kwargs()
+        ref = _torch_grad_weight(go.double(), x.double(), w.detach().double(), kwargs)
+        assert _rel(w.grad, ref) <= 2 * _rel(_torch_grad_weight(go, x, w.detach(), kwargs), ref) + 1e-6
+    finally:
+        tuning.clear()

@@ -6,8 +6,10 @@ memory once per channel chunk, and every tap's MMA reads that one tile from a sh
 origin (``kernels/conv_transpose2d_wgmma.cu``).  grad_input's halo is stored split by
 stride phase, so each tap still reads contiguous rows.  The weight is repacked per tap as
 for the ``mma.sync`` GEMMs, and NCHW sources are copied into channels_last scratch first,
-as there.  Built for exactly sm_90 (``sm_90a`` code runs on no other architecture); other
-GPUs keep the ``gemm`` family.
+as there.  grad_weight is the ``mma.sync`` family's split-K GEMM per tap with wgmma for
+its math (``kernels/conv_transpose2d_grad_weight_wgmma.cu``): pixel tiles land channel
+group by channel group, which makes both operands MN-major.  Built for exactly sm_90
+(``sm_90a`` code runs on no other architecture); other GPUs keep the ``gemm`` family.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from ..tuning.variants import Variant
 from . import gemm
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
-from .sequences import PackedGemm, PassPlan
+from .reduction import finishing_reduce, split_k_scratch
+from .sequences import PackedGemm, PassPlan, SplitK
 
 TARGET = "sm_90a"
 # wgmma kinds, as mma.cuh numbers them; float32 (TF32 and 3xTF32) is not built yet.
@@ -185,7 +188,9 @@ def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
 def eligible(g: Geometry, dtype: str, pass_: str = "forward") -> bool:
     """Whether the kernel can run this pass of the layer: fp16/bf16, source channels in whole
     16-byte groups, 16 or more channels a group on both sides, a tile whose halo fits shared
-    memory, and grid limits."""
+    memory, and grid limits (grad_weight: :func:`grad_weight_eligible`)."""
+    if pass_ == "grad_weight":
+        return grad_weight_eligible(g, dtype)
     src, dst = _channels(g, pass_)
     if dtype not in _KINDS or src % (16 // _itemsize(dtype)) or min(src, dst) < 16:
         return False
@@ -290,9 +295,134 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List
     return found
 
 
+@dataclass(frozen=True)
+class WeightTile:
+    """grad_weight's block tile: ``bm`` input channels (64 a warpgroup) x ``bn`` output channels, for up to
+    ``taps`` taps of one stride phase side by side."""
+
+    bm: int
+    bn: int
+    taps: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.taps}"
+
+    @property
+    def warpgroups(self) -> int:
+        return self.bm // 64
+
+
+# At most 128 accumulators a thread (taps x bn / 2).
+WEIGHT_TILES = {t.name: t for t in (WeightTile(128, 64, 4), WeightTile(128, 128, 2), WeightTile(64, 64, 4),
+                                    WeightTile(64, 128, 2), WeightTile(128, 128, 1), WeightTile(128, 256, 1))}
+WEIGHT_TILE_H = 8     # a K tile is 8 x 8 input pixels
+WEIGHT_STAGES = 4
+
+
+def weight_phases(g: Geometry) -> Tuple[int, int, int]:
+    """(the most taps one stride phase has, the widest spread of one phase's row shifts, of its column shifts).
+
+    Tap (kh, kw) reads grad_output row SH*(i + ah) + rh: rh = (kh*DH - PH) mod SH, ah = floor((kh*DH - PH) / SH).
+    """
+    def shifts(k, s, d, p):
+        by_phase: Dict[int, List[int]] = {}
+        for t in range(k):
+            by_phase.setdefault((t * d - p) % s, []).append((t * d - p) // s)
+        return max(len(a) for a in by_phase.values()), max(max(a) - min(a) for a in by_phase.values())
+
+    (kh, kw), (sh, sw) = g.kernel, g.params.stride
+    rows, span_h = shifts(kh, sh, g.params.dilation[0], g.params.padding[0])
+    cols, span_w = shifts(kw, sw, g.params.dilation[1], g.params.padding[1])
+    return rows * cols, span_h, span_w
+
+
+def weight_tile(g: Geometry) -> WeightTile:
+    """The heuristic grad_weight tile: 128 input channels where the group has more than 64; four taps of 64
+    output channels where a phase has four taps or more, else two of 128 (one where it has one)."""
+    bm = 128 if g.in_per_group > 64 else 64
+    phase_taps = weight_phases(g)[0]
+    if phase_taps >= 4:
+        return WEIGHT_TILES[f"{bm}x64x4"]
+    if phase_taps >= 2 or bm == 64:
+        return WEIGHT_TILES[f"{bm}x128x2"]
+    return WEIGHT_TILES["128x128x1"]
+
+
+def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
+    """Shared memory of the grad_weight ring: per stage an x tile and a grad_output halo, a plane per channel
+    group with one spare 16-byte slot."""
+    _, span_h, span_w = weight_phases(g)
+    halo = (WEIGHT_TILE_H + span_h) * (8 + span_w)
+    return stages * (tile.bm // 8 * (WEIGHT_TILE_H * 8 + 1) + tile.bn // 8 * (halo + 1)) * 16
+
+
+def grad_weight_eligible(g: Geometry, dtype: str) -> bool:
+    """fp16/bf16 with whole 16-byte channel runs on both sides, 16 or more channels a group, the GEMMs' grid
+    limits, and a halo that fits shared memory."""
+    return (dtype in _KINDS and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
+            and min(g.in_per_group, g.out_per_group) >= 16 and gemm.gemm_fits(g, dtype)
+            and weight_smem_bytes(g, WEIGHT_TILES["64x64x4"], 2) <= SMEM_LIMIT)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str = "nchw",
+                     tile: Optional[WeightTile] = None, stages: Optional[int] = None) -> SplitK:
+    """grad_weight as split-K wgmma GEMMs per (group, stride phase, group of taps) and the fixed-order reduction;
+    NCHW sources are copied into channels_last first (the ``mma.sync`` GEMM's copies).  ``stages`` defaults
+    to :data:`WEIGHT_STAGES`, fewer where shared memory runs out."""
+    tile = tile or weight_tile(g)
+    if stages is not None and stages not in STAGE_CHOICES:
+        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
+    ring = stages or WEIGHT_STAGES
+    while stages is None and ring > 2 and weight_smem_bytes(g, tile, ring) > SMEM_LIMIT:
+        ring -= 1
+    smem = weight_smem_bytes(g, tile, ring)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"grad_weight tile {tile.name} with {ring} stages does not fit shared memory")
+    phase_taps, span_h, span_w = weight_phases(g)
+    tap_chunks = cdiv(phase_taps, tile.taps)
+    phases = g.params.stride[0] * g.params.stride[1]
+    h, w = g.in_size
+    k_tiles = g.batch * cdiv(h, WEIGHT_TILE_H) * cdiv(w, 8)
+    channel_tiles = cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn)
+    blocks = g.groups * phases * tap_chunks * channel_tiles
+    # About two blocks per SM in all, each K range at least two tiles long.
+    splits = max(1, min(cdiv(2 * sm_count, blocks), cdiv(k_tiles, 2), 512))
+    per_split = cdiv(k_tiles, splits)
+    splits = cdiv(k_tiles, per_split)
+    weight_elems = numel(g.weight_shape)
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(MMA_KIND=_KINDS[dtype], WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps,
+                     TAP_CHUNKS=tap_chunks, TILE_H=WEIGHT_TILE_H, SPAN_H=span_h, SPAN_W=span_w, STAGES=ring,
+                     SINGLE_CHUNK=splits == 1)
+    spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma.cu", "conv_transpose2d_grad_weight_wgmma", constants,
+                           TARGET)
+    partial = Plan(spec, (blocks // channel_tiles, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
+                   (g.batch, h, w) + g.out_size + (per_split,), index_t,
+                   scratch_bytes=split_k_scratch(splits, weight_elems, 4), smem_bytes=smem)
+    sources = gemm.plan_grad_weight_sources(g, dtype) if layout == "nchw" else None
+    return SplitK(partial, finishing_reduce(dtype, weight_elems, splits, index_t), sources)
+
+
+def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
+    """The heuristic, the deepest ring, then the other tiles whose channel sides the layer fills at least
+    halfway and whose tap groups its phases fill."""
+    found: List[Dict[str, object]] = [{}, {"stages": max(STAGE_CHOICES)}]
+    heuristic = weight_tile(g)
+    phase_taps = weight_phases(g)[0]
+    for tile in WEIGHT_TILES.values():
+        if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
+                or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps):
+            continue
+        found.append({"tile": tile.name})
+    return found
+
+
 class WgmmaFamily(Family):
     name = "wgmma"
-    passes = ("forward", "grad_input")
+    passes = ("forward", "grad_input", "grad_weight")
     max_variants = 6
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
@@ -301,11 +431,18 @@ class WgmmaFamily(Family):
                 and _eligible(g, dtype, pass_))
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        return [Variant.make(self.name, **opts) for opts in options(g, pass_, dtype)]
+        found = grad_weight_options(g) if pass_ == "grad_weight" else options(g, pass_, dtype)
+        return [Variant.make(self.name, **opts) for opts in found]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         kwargs = dict(variant.kwargs)
+        if pass_ == "grad_weight":
+            if layout == "nhwc" and not aligned:
+                partial, reduce = gemm.plan_grad_weight_gemm(g, dtype, sm_count, layout, aligned=False)
+                return SplitK(partial, reduce)
+            tile = WEIGHT_TILES[kwargs["tile"]] if "tile" in kwargs else None
+            return plan_grad_weight(g, dtype, sm_count, layout, tile, kwargs.get("stages"))
         tile = TILES[kwargs["tile"]] if "tile" in kwargs else None
         forward = _mode(pass_) == 0
         if layout == "nhwc" and not aligned:
@@ -320,6 +457,7 @@ class WgmmaFamily(Family):
     def clear(self) -> None:
         plan_forward.cache_clear()
         plan_grad_input.cache_clear()
+        plan_grad_weight.cache_clear()
         _eligible.cache_clear()
 
 

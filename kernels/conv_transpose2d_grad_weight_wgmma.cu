@@ -1,0 +1,194 @@
+// grad_weight of a transposed convolution on Hopper's warpgroup MMA (wgmma, sm_90a): per
+// group, a split-K GEMM with M = input channels, N = output channels and K = every input
+// pixel, for a few taps at once:
+//   grad_weight[ic, oc, kh, kw] = sum over (n, i, j) of
+//       x[n, i, j, ic] * grad_out[n, SH*i - PH + kh*DH, SW*j - PW + kw*DW, oc]
+// Tap (kh, kw) reads grad_out row SH*(i + ah) + rh, where rh = (kh*DH - PH) mod SH is its
+// row phase and ah its shift; columns likewise.  A block takes up to TAP_GROUP taps of one
+// phase (rh, rw), so for a K tile of TILE_H x 8 input pixels it needs the x tile and one
+// "halo" of the phase's grad_out pixels, (TILE_H + SPAN_H) x (8 + SPAN_W), and each tap is
+// that halo read from a moved origin.  Both land by cp.async as [16-byte channel group]
+// [pixel][16 bytes]: eight pixels of a row of one group form a core matrix whose rows run
+// along K, so x^T (A) and grad_out (B) are MN-major operands, read with wgmma's transpose
+// bits.  Both sources are channels_last with whole 16-byte channel runs (NCHW ones are
+// copied into that form first).
+// blockIdx.z picks a fixed range of K tiles; each block writes its partial products (no
+// atomics) and reduce_partials.cu adds the ranges in a fixed order, so the result is bitwise
+// reproducible.  With a single range (SINGLE_CHUNK) it writes grad_weight itself.
+#include "layer.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+#include "cp_async_pipeline.cuh"
+
+constexpr int KIND = {{MMA_KIND}};
+constexpr int WARPGROUPS = {{WARPGROUPS}};   // each owns 64 input channels of the tile
+constexpr int BM = 64 * WARPGROUPS, BN = {{BN}};
+constexpr int TAP_GROUP = {{TAP_GROUP}};     // taps a block accumulates side by side
+constexpr int TILE_H = {{TILE_H}}, TILE_W = 8;
+constexpr int SPAN_H = {{SPAN_H}}, SPAN_W = {{SPAN_W}};   // the widest spread of one phase's tap shifts
+constexpr int STAGES = {{STAGES}};
+constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};
+typedef PartialOut<SINGLE_CHUNK, scalar_t, float>::type partial_t;
+
+constexpr int THREADS = 128 * WARPGROUPS;
+constexpr int VEC = 8;   // 16-bit channels in one 16-byte run
+constexpr int PHASES = SH * SW;
+constexpr int TAP_CHUNKS = {{TAP_CHUNKS}};   // tap groups of the phase with the most taps
+constexpr int M_TILES = (CIN_G + BM - 1) / BM, N_TILES = (COUT_G + BN - 1) / BN;
+constexpr int TILE_PIXELS = TILE_H * TILE_W;
+constexpr int HALO_H = TILE_H + SPAN_H, HALO_W = TILE_W + SPAN_W, HALO_PIXELS = HALO_H * HALO_W;
+// A channel group's plane holds its pixels and one spare 16-byte slot, so that the copies of
+// one pixel's groups (neighbouring threads) fall on different banks.
+constexpr int A_PLANE = (TILE_PIXELS + 1) * 16, B_PLANE = (HALO_PIXELS + 1) * 16;
+constexpr int A_BYTES = BM / VEC * A_PLANE, B_BYTES = BN / VEC * B_PLANE;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int A_RUNS = BM / VEC, B_RUNS = BN / VEC;
+
+static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "MN-major operands exist for 16-bit types only");
+static_assert(CIN_G % VEC == 0 && COUT_G % VEC == 0, "channels in whole 16-byte runs");
+static_assert(TILE_H % 2 == 0, "one MMA takes two rows of eight pixels");
+static_assert(STAGES >= 2, "a ring of at least two tiles");
+static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
+
+// floor(a / b) for b > 0
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+conv_transpose2d_grad_weight_wgmma(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
+                                   partial_t* __restrict__ partial, index_t N, index_t H, index_t W,
+                                   index_t H_out, index_t W_out, index_t k_tiles_per_split) {
+    extern __shared__ __align__(128) unsigned char smem[];   // STAGES x (x tile, grad_out halo)
+    __shared__ int tap_ids[TAP_GROUP], tap_offsets[TAP_GROUP];
+    __shared__ int tap_count, base_h, base_w;
+
+    const int tid = threadIdx.x, wg = tid / 128, warp = tid % 128 / 32, lane = tid % 32;
+    const int phase = blockIdx.x % PHASES, chunk = blockIdx.x / PHASES % TAP_CHUNKS;
+    const int g = blockIdx.x / (PHASES * TAP_CHUNKS);
+    const int rh = phase / SW, rw = phase % SW;
+    const int m0 = (blockIdx.y / N_TILES) * BM, n0 = (blockIdx.y % N_TILES) * BN;
+
+    if (tid == 0) {
+        // The phase's taps in row-major order; this block takes chunk `chunk` of them.  The halo
+        // starts at the smallest shift of the phase, so every chunk of it fits SPAN_H x SPAN_W.
+        int seen = 0, count = 0, lo_h = 1 << 30, lo_w = 1 << 30;
+        for (int kh = 0; kh < KH; ++kh) {
+            if (((kh * DH - PH) % SH + SH) % SH != rh) continue;
+            for (int kw = 0; kw < KW; ++kw) {
+                if (((kw * DW - PW) % SW + SW) % SW != rw) continue;
+                lo_h = min(lo_h, floor_div(kh * DH - PH, SH));
+                lo_w = min(lo_w, floor_div(kw * DW - PW, SW));
+                if (seen / TAP_GROUP == chunk) tap_ids[count++] = kh * KW + kw;
+                ++seen;
+            }
+        }
+        for (int t = 0; t < count; ++t) {
+            const int kh = tap_ids[t] / KW, kw = tap_ids[t] % KW;
+            tap_offsets[t] = ((floor_div(kh * DH - PH, SH) - lo_h) * HALO_W + floor_div(kw * DW - PW, SW) - lo_w) * 16;
+        }
+        tap_count = count;
+        base_h = lo_h;
+        base_w = lo_w;
+    }
+    __syncthreads();
+    const int taps = tap_count;
+    if (taps == 0) return;   // a phase with fewer taps than chunks of the widest phase (uniform per block)
+    const int lo_h = base_h, lo_w = base_w;
+
+    const index_t tiles_w = (W + TILE_W - 1) / TILE_W, tiles_h = (H + TILE_H - 1) / TILE_H;
+    const index_t k_tiles_total = N * tiles_h * tiles_w;
+    const index_t kt0 = static_cast<index_t>(blockIdx.z) * k_tiles_per_split;
+    const index_t kt1 = kt0 + k_tiles_per_split < k_tiles_total ? kt0 + k_tiles_per_split : k_tiles_total;
+    const int k_tiles = kt1 > kt0 ? static_cast<int>(kt1 - kt0) : 0;
+    const scalar_t* x_group = x + g * CIN_G + m0;
+    const scalar_t* go_group = grad_out + g * COUT_G + n0;
+
+    auto issue = [&](int kt, int s) {
+        unsigned char* a_tile = smem + s * STAGE_BYTES;
+        unsigned char* b_tile = a_tile + A_BYTES;
+        const index_t tile = kt0 + kt;
+        const index_t n = tile / (tiles_h * tiles_w);
+        const index_t i0 = tile / tiles_w % tiles_h * TILE_H, j0 = tile % tiles_w * TILE_W;
+        for (int v = tid; v < TILE_PIXELS * A_RUNS; v += THREADS) {
+            const int r = v / A_RUNS, c = v % A_RUNS;
+            const index_t i = i0 + r / TILE_W, j = j0 + r % TILE_W;
+            const bool ok = i < H && j < W && m0 + c * VEC < CIN_G;
+            cp_async_16(smem_addr(a_tile + c * A_PLANE + r * 16),
+                        ok ? x_group + ((n * H + i) * W + j) * CIN + c * VEC : x, ok);
+        }
+        for (int v = tid; v < HALO_PIXELS * B_RUNS; v += THREADS) {
+            const int r = v / B_RUNS, c = v % B_RUNS;
+            const index_t oh = static_cast<index_t>(SH) * (i0 + r / HALO_W + lo_h) + rh;
+            const index_t ow = static_cast<index_t>(SW) * (j0 + r % HALO_W + lo_w) + rw;
+            const bool ok = oh >= 0 && oh < H_out && ow >= 0 && ow < W_out && n0 + c * VEC < COUT_G;
+            cp_async_16(smem_addr(b_tile + c * B_PLANE + r * 16),
+                        ok ? go_group + ((n * H_out + oh) * W_out + ow) * COUT + c * VEC : grad_out, ok);
+        }
+    };
+
+    float acc[TAP_GROUP][BN / 2];
+#pragma unroll
+    for (int t = 0; t < TAP_GROUP; ++t)
+#pragma unroll
+        for (int e = 0; e < BN / 2; ++e) acc[t][e] = 0.0f;
+
+    // The ring of cp_async_pipeline, with the fence that hands cp.async's writes to the
+    // tensor cores' async proxy before the barrier.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < k_tiles) issue(s, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        fence_async_shared();
+        // Tile kt has landed for every thread, and the MMAs that read the buffer the next
+        // issue overwrites (tile kt - 1) have completed.
+        __syncthreads();
+        const int next = kt + STAGES - 1;
+        if (next < k_tiles) issue(next, next % STAGES);
+        cp_async_commit();
+        const unsigned a_base = smem_addr(smem + (kt % STAGES) * STAGE_BYTES) + wg * (64 / VEC) * A_PLANE;
+        const unsigned b_base = smem_addr(smem + (kt % STAGES) * STAGE_BYTES + A_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < TAP_GROUP; ++t) {
+            if (t < taps) {
+#pragma unroll
+                for (int kk = 0; kk < TILE_H / 2; ++kk) {
+                    // Input rows 2kk and 2kk + 1: two core matrices along K, a pixel row apart.
+                    const unsigned long long a = smem_descriptor(a_base + kk * 2 * TILE_W * 16, TILE_W * 16, A_PLANE);
+                    const unsigned long long b = smem_descriptor(b_base + tap_offsets[t] + kk * 2 * HALO_W * 16,
+                                                                 HALO_W * 16, B_PLANE);
+                    wgmma_async<KIND, BN, 1>(acc[t], a, b, 1);
+                }
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int t = 0; t < TAP_GROUP; ++t) fence_registers(acc[t]);
+    }
+    cp_async_wait<0>();
+
+    // partial[split][g*CIN_G + ic][oc][tap]: the weight's own layout, one copy per split
+    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * CIN * COUT_G * TAPS
+                     + static_cast<index_t>(g) * CIN_G * COUT_G * TAPS;
+#pragma unroll
+    for (int t = 0; t < TAP_GROUP; ++t) {
+        if (t >= taps) continue;
+        const int tap = tap_ids[t];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int ic = m0 + wg * 64 + warp * 16 + lane / 4 + h * 8;
+            if (ic >= CIN_G) continue;
+#pragma unroll
+            for (int jn = 0; jn < BN / 8; ++jn)
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    const int oc = n0 + jn * 8 + (lane % 4) * 2 + q;
+                    if (oc < COUT_G)
+                        store(out + (static_cast<index_t>(ic) * COUT_G + oc) * TAPS + tap, acc[t][jn * 4 + h * 2 + q]);
+                }
+        }
+    }
+}
