@@ -133,6 +133,12 @@ def base_cases() -> List[Case]:
     for dtype, layout in (("float16", "nhwc"), ("bfloat16", "nchw")):
         cases.append(Case(f"wgmma-persistent-{dtype}-{layout}", (256, 16, 1, 1), (16, 64, 3, 3), _kw(), True,
                           dtype, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
+    # grad_weight's wgmma kernel races the GEMM, so it runs pinned: four taps a block on a 4 x 4 stride-2 layer,
+    # and on a 3 x 3 stride-1 one a last group of one tap; both split K across blocks.
+    cases.append(Case("wgmma-grad-weight-float16-nhwc", (4, 64, 12, 10), (64, 48, 4, 4), _kw(stride=2, padding=1),
+                      False, "float16", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
+    cases.append(Case("wgmma-grad-weight-bfloat16-nchw", (3, 32, 11, 9), (32, 64, 3, 3), _kw(padding=1), False,
+                      "bfloat16", layout="nchw", variants=(("grad_weight", "wgmma"),)))
     xs, ws, kw = GEMM_LAYERS["dense"]
     cases.append(Case("gemm-dense-float16-cupy", xs, ws, kw, True, "float16", api="cupy"))
     cases.append(Case("gemm-dense-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))
@@ -231,8 +237,8 @@ def template_functions() -> Dict[str, str]:
 
 def kernel_label(function: str, constants: dict) -> str:
     """A kernel and the constants that make its variants: dtype, MMA kind, layout, tile, stages."""
-    keys = ("SCALAR_T", "MMA_KIND", "MODE", "SRC_CL", "DST_CL", "CHANNELS_LAST", "A_VEC", "BM", "BN", "STAGES",
-            "ELEMENT_BYTES")
+    keys = ("SCALAR_T", "MMA_KIND", "MODE", "SRC_CL", "DST_CL", "CHANNELS_LAST", "A_VEC", "BM", "BN", "TAP_GROUP",
+            "STAGES", "ELEMENT_BYTES")
     parts = [f"{k}={constants[k]}" for k in keys if k in constants]
     return function + ("[" + ",".join(parts) + "]" if parts else "")
 

@@ -21,6 +21,7 @@ ARCHS = ("compute_80", "compute_90")
 # alone: sm_90a code (wgmma) exists for no other GPU.
 TARGET_ARCHS = {"sm_90a": "compute_90a"}
 WGMMA_TEMPLATE = "conv_transpose2d_wgmma.cu"
+WGMMA_GRAD_WEIGHT_TEMPLATE = "conv_transpose2d_grad_weight_wgmma.cu"
 DTYPES = dtypes.NAMES
 
 # Layers chosen to reach every tiling branch of the planners: one or many stride phases,
@@ -138,6 +139,18 @@ WGMMA_GRAD_INPUT_TILES = (("wgmma_dense_3x5", "16x16x128"), ("wgmma_dense_3x5", 
                           ("wgmma_small_grid", "2i8x8x128"))
 
 
+# grad_weight on wgmma: every tile on a 4 x 4 stride-2 layer (four taps a stride phase), a 3 x 5 stride-1 one
+# (15 taps, a halo two rows and four columns wider) and a 2 x 2 stride-2 one (one tap a phase), in fp16 and bf16
+WGMMA_GRAD_WEIGHT_LAYERS = {
+    "4x4_stride2": _layer((4, 128, 12, 10), (128, 64, 4, 4), stride=2, padding=1),
+    "3x5_stride1": _wgmma_layer("wgmma_dense_3x5"),
+    "2x2_stride2": _layer((2, 256, 9, 7), (256, 128, 2, 2), stride=2),
+    # dilation 2 at stride 2: three taps a phase, so two-tap groups, the last one half full
+    "3x1_dilated": _layer((2, 64, 9, 9), (64, 128, 3, 1), stride=2, padding=1, dilation=2),
+    # one 8 x 8 pixel tile: a single K range writes grad_weight itself
+    "one_tile": _layer((1, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1),
+}
+
 def _wgmma_plans():
     seen = {}
 
@@ -170,6 +183,12 @@ def _wgmma_plans():
         dtype, layout, _ = WGMMA_CASES[i % len(WGMMA_CASES)]
         add(f"{name}-grad_input-tile-{tile}-{dtype}-{layout}",
             wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS[name], dtype, layout, wgmma.TILES[tile]))
+    # grad_weight: every tile option of each layer, both kinds and layouts
+    for name, g in WGMMA_GRAD_WEIGHT_LAYERS.items():
+        for i, opts in enumerate(wgmma.grad_weight_options(g)):
+            dtype, layout, _ = WGMMA_CASES[i % len(WGMMA_CASES)]
+            add(f"{name}-grad_weight-{opts.get('tile', 'heuristic')}-{dtype}-{layout}",
+                wgmma.plan_grad_weight(g, dtype, 132, layout, wgmma.WEIGHT_TILES.get(opts.get("tile"))))
     return seen
 
 
@@ -194,8 +213,12 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(gemm.STAGE_CHOICES)
     assert {c["VEC"] for c in grad_weight} == {True, False}
     hopper = [dict(s.constants) for s in PLANS if s.template == WGMMA_TEMPLATE]
-    assert {s.target for s in PLANS if s.template == WGMMA_TEMPLATE} == {wgmma.TARGET}
-    assert {s.target for s in PLANS if s.template != WGMMA_TEMPLATE} == {""}
+    hopper_templates = (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE)
+    assert {s.target for s in PLANS if s.template in hopper_templates} == {wgmma.TARGET}
+    assert {s.target for s in PLANS if s.template not in hopper_templates} == {""}
+    weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]
+    assert {c["TAP_GROUP"] for c in weights} == {t.taps for t in wgmma.WEIGHT_TILES.values()}
+    assert {c["SINGLE_CHUNK"] for c in weights} == {True, False} and {c["MMA_KIND"] for c in weights} == {0, 1}
     assert {c["MMA_KIND"] for c in hopper} == {0, 1} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
     assert {(c["DST_CL"], c["HAS_BIAS"]) for c in hopper} == {(False, False), (False, True), (True, False),
                                                               (True, True)}
@@ -240,7 +263,7 @@ def test_template_compiles(spec, arch):
     assert f".entry {spec.function}" in ptx
     assert f".target sm_{arch.split('_')[1]}" in ptx
     # warpgroup MMAs only where the target allows them, and there for real
-    assert ("wgmma.mma_async" in ptx) == (spec.template == WGMMA_TEMPLATE)
+    assert ("wgmma.mma_async" in ptx) == (spec.template in (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE))
     if spec.template == WGMMA_TEMPLATE:
         assert ".target sm_90a" in ptx and "wgmma.fence" in ptx and "wgmma.wait_group" in ptx
 
@@ -419,3 +442,24 @@ def test_candidate_builds_wait_until_no_build_a_call_needs_is_in_flight(monkeypa
         compiler._foreground_idle.notify_all()
     worker.join(5)
     assert not worker.is_alive() and built == [spec]
+
+
+WEIGHT_SPILL_CASES = [(layer, tile, dtype) for layer in WGMMA_GRAD_WEIGHT_LAYERS
+                      for tile in [None] + [o["tile"] for o in wgmma.grad_weight_options(WGMMA_GRAD_WEIGHT_LAYERS[layer])
+                                            if "tile" in o]
+                      for dtype in ("float16", "bfloat16")]
+
+
+@pytest.mark.parametrize("layer,tile,dtype", WEIGHT_SPILL_CASES,
+                         ids=[f"{layer}-{tile or 'heuristic'}-{dtype}" for layer, tile, dtype in WEIGHT_SPILL_CASES])
+def test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile, dtype):
+    g = WGMMA_GRAD_WEIGHT_LAYERS[layer]
+    split = wgmma.plan_grad_weight(g, dtype, 132, "nhwc", wgmma.WEIGHT_TILES.get(tile))
+    spec = split.partial.spec
+    assert spec.target == "sm_90a"
+    log = _ptxas_log(spec)
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found and found.groups() == ("0", "0", "0"), log
+    assert "serialized" not in log and "Performance Loss" not in log, log
+    static = re.search(r"(\d+) bytes smem", log)
+    assert split.partial.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log

@@ -204,10 +204,14 @@ def test_code_hash_is_stable_and_short():
 
 # ----------------------------------------------------------------------- candidates
 
-def _tile(v):
-    """The tile a variant names (a gemm Tile, or a wgmma HaloTile), or None for the planner's own."""
+def _tile(v, pass_="forward"):
+    """The tile a variant names (a gemm Tile, a wgmma HaloTile or WeightTile), or None for the planner's own."""
     name = v.kwargs.get("tile")
-    return None if name is None else (wgmma.TILES if v.family == "wgmma" else gemm.TILES)[name]
+    if name is None:
+        return None
+    if v.family == "wgmma":
+        return (wgmma.WEIGHT_TILES if pass_ == "grad_weight" else wgmma.TILES)[name]
+    return gemm.TILES[name]
 
 
 @pytest.mark.parametrize("pass_", TUNED)
@@ -220,14 +224,16 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
             cands = table.candidates(pass_, g, dtype, layout, precision)
             assert isinstance(cands, tuple)
             # on the assumed H100 the fp16/bf16 forward and grad_input run Hopper's wgmma kernels, ahead of the
-            # GEMMs (these layers have whole 16-byte channel groups on both sides)
-            hopper = pass_ in wgmma.FAMILY.passes and dtype != "float32"
-            assert hopper == (pass_ in wgmma.FAMILY.passes and wgmma.eligible(g, dtype, pass_))
-            assert cands[0] == (WGMMA if hopper else GEMM), \
+            # GEMMs (these layers have whole 16-byte channel groups on both sides); grad_weight's wgmma kernel
+            # races the GEMM, which stays its heuristic
+            hopper = dtype != "float32"
+            assert hopper == wgmma.eligible(g, dtype, pass_)
+            assert cands[0] == (WGMMA if hopper and pass_ != "grad_weight" else GEMM), \
                 "the heuristic must come first: it is the fallback and tie-breaker"
             assert len(cands) == len(set(cands))
             assert sum(v.family == "gemm" for v in cands) <= gemm.FAMILY.max_variants == 7
-            assert sum(v.family == "wgmma" for v in cands) <= (wgmma.FAMILY.max_variants if hopper else 0)
+            assert (sum(v.family == "wgmma" for v in cands) >= 1) == hopper
+            assert sum(v.family == "wgmma" for v in cands) <= wgmma.FAMILY.max_variants
             assert set(v.family for v in cands) <= {"wgmma", "gemm", "direct"} and cands.count(DIRECT) <= 1
             identities = set()
             for v in cands:
@@ -337,16 +343,19 @@ def test_direct_kernels_race_below_64_channels_per_group(pass_):
         assert direct.FAMILY.races(pass_, g, "float16") == races
         # the forward and grad_input of whole 16-byte groups of source channels (the input's for the forward,
         # grad_output's for grad_input) run Hopper's wgmma kernels first (the assumed H100)
-        hopper = pass_ in wgmma.FAMILY.passes and wgmma.eligible(g, "float16", pass_)
-        source = g.in_per_group if pass_ == "forward" else g.out_per_group
-        assert hopper == (pass_ in wgmma.FAMILY.passes and source % 8 == 0)
+        # (grad_weight's needs whole runs on both sides, and races the GEMM, which stays its heuristic)
+        hopper = wgmma.eligible(g, "float16", pass_)
+        source = {"forward": (g.in_per_group,), "grad_input": (g.out_per_group,)}.get(
+            pass_, (g.in_per_group, g.out_per_group))
+        assert hopper == all(c % 8 == 0 for c in source)
+        first = hopper and pass_ != "grad_weight"
         for layout in launch.LAYOUTS:
             cands = table.candidates(pass_, g, "float16", layout, "strict")
-            assert cands[0] == (WGMMA if hopper else GEMM) and (DIRECT in cands) == races, \
+            assert cands[0] == (WGMMA if first else GEMM) and (DIRECT in cands) == races, \
                 (g.in_per_group, g.out_per_group)
             assert GEMM in cands
             assert [f.name for f in table.eligible(pass_, g, "float16", layout)] == \
-                ["wgmma"] * hopper + ["gemm", "direct"]
+                ["wgmma"] * first + ["gemm"] + ["wgmma"] * (hopper and not first) + ["direct"]
 
 
 @pytest.mark.parametrize("pass_", TUNED)

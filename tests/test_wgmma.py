@@ -260,7 +260,9 @@ def test_only_an_sm_90_device_runs_the_family(arch, runs):
             assert ("wgmma" in names) == runs and "gemm" in names, names
             assert (table.candidates("forward", DENSE, "float16", layout, "strict", dev)[0] == WGMMA) == runs
             assert (wgmma.FAMILY in table.eligible("grad_input", DENSE, "float16", layout, dev)) == runs
-            assert wgmma.FAMILY not in table.eligible("grad_weight", DENSE, "float16", layout, dev)
+            # grad_weight's wgmma kernel races the GEMM, which stays the heuristic
+            assert (wgmma.FAMILY in table.eligible("grad_weight", DENSE, "float16", layout, dev)) == runs
+            assert table.eligible("grad_weight", DENSE, "float16", layout, dev)[0] is gemm.FAMILY
         rec = Recorder(dev)
         engine.forward(DENSE, "float16", _X, _W, _B, _Y, rec, "nhwc", "strict")
         functions = {plan.spec.function for _, plan in rec.launches}
@@ -335,18 +337,21 @@ def test_suite_options():
 
 
 def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
-    assert wgmma.FAMILY.passes == ("forward", "grad_input")
+    assert wgmma.FAMILY.passes == ("forward", "grad_input", "grad_weight")
     for name in SUITE:
         g = _suite_layer(name)
         for layout in launch.LAYOUTS:
-            for pass_ in wgmma.FAMILY.passes:
+            for pass_ in ("forward", "grad_input"):
                 cands = table.candidates(pass_, g, "float16", layout)
                 assert cands[0] == WGMMA, (name, pass_)
                 families = [v.family for v in cands]
                 assert "gemm" in families and families == sorted(families, key=["wgmma", "gemm", "direct"].index)
                 assert families.count("wgmma") <= wgmma.FAMILY.max_variants
-            # grad_weight is no pass of the family: the mma.sync GEMM still runs it
-            assert table.candidates("grad_weight", g, "float16", layout)[0] == GEMM
+            # grad_weight: the mma.sync GEMM is the heuristic, and the wgmma kernel's tiles race it
+            cands = table.candidates("grad_weight", g, "float16", layout)
+            families = [v.family for v in cands]
+            assert cands[0] == GEMM and "wgmma" in families
+            assert families == sorted(families, key=["gemm", "wgmma", "direct"].index)
 
 
 def test_every_option_of_the_suite_layers_plans():
@@ -577,8 +582,8 @@ def test_grad_input_pass_helpers():
         for helper in (wgmma.phase_planes, wgmma.dst_grid, wgmma.fewest_taps, wgmma.options):
             with pytest.raises(ValueError, match="forward and grad_input"):
                 helper(g, pass_)
-        with pytest.raises(ValueError, match="forward and grad_input"):
-            wgmma.eligible(g, "float16", pass_)
+    with pytest.raises(ValueError, match="forward and grad_input"):
+        wgmma.eligible(g, "float16", "backward")
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -870,3 +875,66 @@ def test_compile_ahead_lists_the_grad_input_kernels_on_sm_90_only():
     for layout in launch.LAYOUTS:
         assert modes(device.ASSUMED, layout) == {0, 1}
         assert modes(device.fake(0, arch="80"), layout) == set()
+
+
+# ------------------------------------------------------------------------ grad_weight
+
+def test_grad_weight_groups_the_taps_of_a_stride_phase():
+    # 4 x 4, stride 2, padding 1: rows 1 and 3 (shifts 0 and 1) share phase 0, rows 0 and 2 (-1 and 0) phase 1
+    assert wgmma.weight_phases(_g((2, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1)) == (4, 1, 1)
+    # kernel == stride: one tap a phase, no spread
+    assert wgmma.weight_phases(_g((2, 64, 8, 8), (64, 64, 2, 2), stride=2)) == (1, 0, 0)
+    # stride 1: one phase of every tap
+    assert wgmma.weight_phases(_g((2, 64, 8, 8), (64, 64, 3, 5))) == (15, 2, 4)
+    # dilation 2 at stride 2: all three rows in one phase, shifts -1, 0, 1
+    assert wgmma.weight_phases(_g((2, 64, 8, 8), (64, 64, 3, 1), stride=2, padding=1, dilation=2)) == (3, 2, 0)
+
+
+def test_grad_weight_heuristic_tiles_and_options():
+    four = _g((2, 128, 8, 8), (128, 64, 4, 4), stride=2, padding=1)
+    assert wgmma.weight_tile(four).name == "64x64x4"
+    assert wgmma.weight_tile(_g((2, 64, 8, 8), (64, 64, 3, 1), stride=2, padding=1, dilation=2)).name == "64x128x2"
+    assert wgmma.weight_tile(_g((2, 256, 8, 8), (256, 128, 2, 2), stride=2)).name == "128x128x1"
+    options = wgmma.grad_weight_options(four)
+    assert options[0] == {} and len({o.get("tile") for o in options}) == len(options)
+    # no tile of four taps for a layer whose phases have one, and no 128-channel side for 64 channels or fewer
+    one = _g((2, 64, 8, 8), (64, 64, 2, 2), stride=2)
+    names = {o.get("tile") for o in wgmma.grad_weight_options(one)}
+    assert not any(wgmma.WEIGHT_TILES[n].taps > 1 or wgmma.WEIGHT_TILES[n].bm > 64 for n in names if n)
+
+
+def test_grad_weight_eligibility():
+    g = _g((2, 64, 8, 8), (64, 48, 4, 4), stride=2, padding=1)
+    assert wgmma.grad_weight_eligible(g, "float16") and wgmma.grad_weight_eligible(g, "bfloat16")
+    assert not wgmma.grad_weight_eligible(g, "float32")
+    assert not wgmma.grad_weight_eligible(_g((2, 60, 8, 8), (60, 48, 4, 4), stride=2), "float16"), "runs of 8"
+    assert not wgmma.grad_weight_eligible(_g((2, 64, 8, 8), (64, 12, 4, 4), stride=2), "float16"), "16 or more"
+    assert wgmma.eligible(g, "float16", "grad_weight") == wgmma.grad_weight_eligible(g, "float16")
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_grad_weight_plans_a_split_k_over_pixel_tiles(layout):
+    g = _g((8, 128, 32, 32), (128, 64, 4, 4), stride=2, padding=1, groups=2)
+    split = wgmma.plan_grad_weight(g, "float16", 132, layout)
+    tile = wgmma.weight_tile(g)
+    assert (tile.bm, tile.bn, tile.taps) == (64, 64, 4)
+    phase_taps = wgmma.weight_phases(g)[0]
+    blocks_x, channel_tiles, splits = split.partial.grid
+    assert blocks_x == 2 * 4 * cdiv(phase_taps, tile.taps) and channel_tiles == 1
+    k_tiles = 8 * cdiv(32, wgmma.WEIGHT_TILE_H) * cdiv(32, 8)
+    per_split = split.partial.scalars[-1]
+    assert splits == cdiv(k_tiles, per_split) and splits > 1 and split.reduce is not None
+    assert split.partial.scratch_bytes == splits * 128 * 64 * 16 * 4   # fp32 partials of the whole weight
+    assert split.partial.smem_bytes <= wgmma.SMEM_LIMIT
+    assert (split.sources is not None) == (layout == "nchw"), "NCHW sources are copied to channels_last first"
+    constants = dict(split.partial.spec.constants)
+    assert constants["SINGLE_CHUNK"] is False and constants["TAP_CHUNKS"] == 1
+    # one pixel tile: a single K range writes grad_weight itself
+    small = wgmma.plan_grad_weight(_g((1, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1), "float16", 132, "nhwc")
+    assert small.reduce is None and dict(small.partial.spec.constants)["SINGLE_CHUNK"] is True
+
+
+def test_unaligned_channels_last_grad_weight_runs_the_gemm():
+    g = _g((2, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1)
+    split = wgmma.FAMILY.plan("grad_weight", Variant("wgmma"), g, "float16", "nhwc", "strict", False, False, 132)
+    assert split.partial.spec.function == "conv_transpose2d_grad_weight_igemm"

@@ -701,24 +701,29 @@ def test_grad_weight_of_a_long_reduction_splits_it_in_fixed_order(dtype, hopper)
 
 
 @pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
-def test_autograd_runs_grad_weight_on_wgmma_on_sm_90(channels_last, hopper, monkeypatch):
-    """Untuned, the backward of an fp16 layer like the suite's asym_kernel runs grad_weight on the wgmma kernel,
-    and w.grad is right."""
+def test_autograd_runs_the_pinned_wgmma_grad_weight(channels_last, hopper, monkeypatch):
+    """Untuned, grad_weight runs the mma.sync GEMM (the wgmma kernel races it when tuning); pinned, autograd's
+    backward runs the wgmma kernel, with grad_output's channels_last copy shared with grad_input, and w.grad is
+    right."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     tuning.clear()
     try:
         case = Case(replace(ASYM_LIKE, bias=False), torch.float16, channels_last, pass_=WEIGHT)
         g = case.geometry
-        assert table.candidates(WEIGHT, g, "float16", case.layout, "strict", hopper)[0] == WGMMA
+        cands = table.candidates(WEIGHT, g, "float16", case.layout, "strict", hopper)
+        assert cands[0] == tuning.GEMM and WGMMA in cands
         x, w, go = _grad_inputs(case, *_grad_data(case.layer, torch.float16, 11))
+        x.requires_grad_()
         w.requires_grad_()
         y = ct.conv_transpose2d(x, w, None, **case.layer.kwargs())
-        with launch.watch() as seen:
+        with tuning.pinned({WEIGHT: WGMMA}), launch.watch() as seen:
             y.backward(go)
             torch.cuda.synchronize()
         assert WEIGHT_FUNCTION in {plan.spec.function for _, plan in seen}
+        copies = [plan for stage, plan in seen if stage == "to_channels_last"]
+        assert len(copies) == (0 if channels_last else 2), "NCHW: grad_output once (shared) and x once"
         kwargs = case.layer.kwargs()
-        ref = _torch_grad_weight(go.double(), x.double(), w.detach().double(), kwargs)
-        assert _rel(w.grad, ref) <= 2 * _rel(_torch_grad_weight(go, x, w.detach(), kwargs), ref) + 1e-6
+        ref = _torch_grad_weight(go.double(), x.detach().double(), w.detach().double(), kwargs)
+        assert _rel(w.grad, ref) <= 2 * _rel(_torch_grad_weight(go, x.detach(), w.detach(), kwargs), ref) + 1e-6
     finally:
         tuning.clear()

@@ -28,6 +28,10 @@ PASSES = (FORWARD, GRAD_INPUT, GRAD_WEIGHT, GRAD_BIAS)
 FAMILIES: Tuple[Family, ...] = (wgmma.FAMILY, gemm.FAMILY, direct.FAMILY, large_kernel.FAMILY, reduction.FAMILY)
 
 _BY_PASS: Dict[str, Tuple[Family, ...]] = {p: tuple(f for f in FAMILIES if p in f.passes) for p in PASSES}
+# grad_weight's wgmma kernel wins on some layers only (benchmarks/NOTES.md, v11): there the mma.sync GEMM stays
+# the heuristic and the wgmma kernel races it.
+_BY_PASS[GRAD_WEIGHT] = (gemm.FAMILY, wgmma.FAMILY) + tuple(f for f in _BY_PASS[GRAD_WEIGHT]
+                                                           if f not in (gemm.FAMILY, wgmma.FAMILY))
 _BY_NAME: Dict[str, Family] = {f.name: f for f in FAMILIES}
 
 

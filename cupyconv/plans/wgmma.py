@@ -314,8 +314,8 @@ class WeightTile:
 
 
 # At most 128 accumulators a thread (taps x bn / 2).
-WEIGHT_TILES = {t.name: t for t in (WeightTile(128, 64, 4), WeightTile(128, 128, 2), WeightTile(64, 64, 4),
-                                    WeightTile(64, 128, 2), WeightTile(128, 128, 1), WeightTile(128, 256, 1))}
+WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(64, 128, 2), WeightTile(128, 64, 4),
+                                    WeightTile(128, 128, 1), WeightTile(128, 256, 1))}
 WEIGHT_TILE_H = 8     # a K tile is 8 x 8 input pixels
 WEIGHT_STAGES = 4
 
@@ -338,14 +338,14 @@ def weight_phases(g: Geometry) -> Tuple[int, int, int]:
 
 
 def weight_tile(g: Geometry) -> WeightTile:
-    """The heuristic grad_weight tile: 128 input channels where the group has more than 64; four taps of 64
-    output channels where a phase has four taps or more, else two of 128 (one where it has one)."""
-    bm = 128 if g.in_per_group > 64 else 64
+    """The grad_weight tile tried first: four taps of 64 x 64 channels where a stride phase has four taps or
+    more (the best tile on the H100 wherever it applied, v11 notes), two taps of 64 x 128 where it has two or
+    three, else one tap of 128 x 128."""
     phase_taps = weight_phases(g)[0]
     if phase_taps >= 4:
-        return WEIGHT_TILES[f"{bm}x64x4"]
-    if phase_taps >= 2 or bm == 64:
-        return WEIGHT_TILES[f"{bm}x128x2"]
+        return WEIGHT_TILES["64x64x4"]
+    if phase_taps >= 2:
+        return WEIGHT_TILES["64x128x2"]
     return WEIGHT_TILES["128x128x1"]
 
 
@@ -407,9 +407,9 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
 
 
 def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
-    """The heuristic, the deepest ring, then the other tiles whose channel sides the layer fills at least
-    halfway and whose tap groups its phases fill."""
-    found: List[Dict[str, object]] = [{}, {"stages": max(STAGE_CHOICES)}]
+    """The heuristic, then the other tiles whose channel sides the layer fills at least halfway and whose
+    tap groups its stride phases fill.  (A deeper ring never won on the H100.)"""
+    found: List[Dict[str, object]] = [{}]
     heuristic = weight_tile(g)
     phase_taps = weight_phases(g)[0]
     for tile in WEIGHT_TILES.values():
