@@ -135,9 +135,9 @@ def base_cases() -> List[Case]:
                           dtype, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
     # grad_weight's wgmma kernel races the GEMM, so it runs pinned: four taps a block on a 4 x 4 stride-2 layer,
     # and on a 3 x 3 stride-1 one a last group of one tap; both split K across blocks.
-    cases.append(Case("wgmma-grad-weight-float16-nhwc", (4, 64, 12, 10), (64, 48, 4, 4), _kw(stride=2, padding=1),
+    cases.append(Case("wgmma-grad-weight-float16-nhwc", (2, 16, 10, 9), (16, 16, 4, 4), _kw(stride=2, padding=1),
                       False, "float16", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
-    cases.append(Case("wgmma-grad-weight-bfloat16-nchw", (3, 32, 11, 9), (32, 64, 3, 3), _kw(padding=1), False,
+    cases.append(Case("wgmma-grad-weight-bfloat16-nchw", (3, 16, 9, 9), (16, 32, 3, 3), _kw(padding=1), False,
                       "bfloat16", layout="nchw", variants=(("grad_weight", "wgmma"),)))
     xs, ws, kw = GEMM_LAYERS["dense"]
     cases.append(Case("gemm-dense-float16-cupy", xs, ws, kw, True, "float16", api="cupy"))

@@ -444,10 +444,8 @@ def test_candidate_builds_wait_until_no_build_a_call_needs_is_in_flight(monkeypa
     assert not worker.is_alive() and built == [spec]
 
 
-WEIGHT_SPILL_CASES = [(layer, tile, dtype) for layer in WGMMA_GRAD_WEIGHT_LAYERS
-                      for tile in [None] + [o["tile"] for o in wgmma.grad_weight_options(WGMMA_GRAD_WEIGHT_LAYERS[layer])
-                                            if "tile" in o]
-                      for dtype in ("float16", "bfloat16")]
+WEIGHT_SPILL_CASES = [(layer, opts.get("tile"), dtype) for layer, g in WGMMA_GRAD_WEIGHT_LAYERS.items()
+                      for opts in wgmma.grad_weight_options(g) for dtype in ("float16", "bfloat16")]
 
 
 @pytest.mark.parametrize("layer,tile,dtype", WEIGHT_SPILL_CASES,

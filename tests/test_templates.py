@@ -20,13 +20,25 @@ DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu"}
 LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_large_kernel_grad_input.cu",
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
 WGMMA = {"conv_transpose2d_wgmma.cu"}
+WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
 
 
 def test_every_template_is_found():
-    assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA
+    assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
+
+
+def test_the_wgmma_grad_weight_template_inlines_the_mma_headers():
+    name, = WGMMA_GRAD_WEIGHT
+    text = templates.expanded(name)
+    assert "#include" not in text
+    assert "wgmma_async" in text and "smem_descriptor" in text and "cp_async_16" in text
+    layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
+    tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TILE_H", "SPAN_H", "SPAN_W", "STAGES",
+            "SINGLE_CHUNK"}
+    assert {"SCALAR_T", "INDEX_T"} | layer | tile == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(WGMMA))

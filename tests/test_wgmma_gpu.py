@@ -200,9 +200,10 @@ GRAD_IN_PER_GROUP = (16, 17, 20, 24, 40, 64, 72, 136)
 GRAD_OUT_PER_GROUP = (16, 24, 40, 64, 72, 136, 200)
 
 
-def grad_input_layers(count: int, seed: int):
-    """Random layers whose grad_input the wgmma kernel runs: strides 1 to 3, dilation 1 to 2, padding,
-    output_padding, groups 1 to 3, odd sizes, batch 1 to 3 or unbatched."""
+def grad_input_layers(count: int, seed: int, in_per_group=GRAD_IN_PER_GROUP, out_per_group=GRAD_OUT_PER_GROUP):
+    """Random layers of the given channel counts a group (by default those whose grad_input the wgmma kernel
+    runs): strides 1 to 3, dilation 1 to 2, padding, output_padding, groups 1 to 3, odd sizes, batch 1 to 3 or
+    unbatched."""
     rng = random.Random(seed)
     layers = []
     while len(layers) < count:
@@ -212,7 +213,7 @@ def grad_input_layers(count: int, seed: int):
         p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
         op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
         groups = rng.choice([1, 1, 2, 3])
-        cin_g, cout_g = rng.choice(GRAD_IN_PER_GROUP), rng.choice(GRAD_OUT_PER_GROUP)
+        cin_g, cout_g = rng.choice(in_per_group), rng.choice(out_per_group)
         size = (rng.randint(1, 19), rng.randint(1, 23))
         batch = rng.choice([None, 1, 2, 3])
         layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, False, size, "")
@@ -594,29 +595,9 @@ WEIGHT_FUNCTION = "conv_transpose2d_grad_weight_wgmma"
 WEIGHT_PER_GROUP = (16, 24, 40, 64, 72, 136, 200)
 
 
-def grad_weight_layers(count: int, seed: int):
-    """Random layers whose grad_weight the wgmma kernel runs (channels in whole 16-byte runs): kernels 1 to 5,
-    strides 1 to 3, dilation 1 to 2, padding, output_padding, groups 1 to 3, odd sizes, batch 1 to 3 or
-    unbatched."""
-    rng = random.Random(seed)
-    layers = []
-    while len(layers) < count:
-        k = (rng.randint(1, 5), rng.randint(1, 5))
-        s = (rng.randint(1, 3), rng.randint(1, 3))
-        d = (rng.randint(1, 2), rng.randint(1, 2))
-        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
-        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
-        groups = rng.choice([1, 1, 2, 3])
-        cin_g, cout_g = rng.choice(WEIGHT_PER_GROUP), rng.choice(WEIGHT_PER_GROUP)
-        size = (rng.randint(1, 19), rng.randint(1, 23))
-        batch = rng.choice([None, 1, 2, 3])
-        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, False, size, "")
-        if min(layer.out_size()) >= 1:
-            layers.append(layer)
-    return layers
-
-
-WEIGHT_SWEEP = [Case(layer, *ROTATION[i % 4], pass_=WEIGHT) for i, layer in enumerate(grad_weight_layers(20, 37))]
+# random layers with whole 16-byte channel runs on both sides, as grad_weight's wgmma kernel needs
+WEIGHT_SWEEP = [Case(layer, *ROTATION[i % 4], pass_=WEIGHT)
+                for i, layer in enumerate(grad_input_layers(20, 37, WEIGHT_PER_GROUP, WEIGHT_PER_GROUP))]
 
 
 def _weight_suite_cases():
