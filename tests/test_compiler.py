@@ -461,3 +461,16 @@ def test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile
     assert "serialized" not in log and "Performance Loss" not in log, log
     static = re.search(r"(\d+) bytes smem", log)
     assert split.partial.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
+
+
+def test_the_wgmma_transpose_immediates_follow_the_operand_majors():
+    """The forward and grad_input read K-major operands (transpose immediates 0, 0); grad_weight reads both
+    MN-major (1, 1)."""
+    def immediates(spec):
+        ptx = compile_ptx(spec.source(), spec.function, "compute_90a", spec.options[:1])
+        return set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S))
+
+    g = WGMMA_GRAD_WEIGHT_LAYERS["4x4_stride2"]
+    assert immediates(wgmma.plan_grad_weight(g, "bfloat16", 132, "nhwc").partial.spec) == {("1", "1")}
+    assert immediates(wgmma.plan_forward(g, "bfloat16", False, "nhwc").gemm.spec) == {("0", "0")}
+    assert immediates(wgmma.plan_grad_input(g, "float16", "nhwc").gemm.spec) == {("0", "0")}
