@@ -1,8 +1,8 @@
 """Check and time every variant of the Hopper wgmma kernels, pinned, on one GPU (the v10 notes' tables).
 
     python benchmarks/wgmma_variants.py sass                    # HGMMA and no local memory, via nvcc + cuobjdump
-    python benchmarks/wgmma_variants.py check [forward|grad_input]
-    python benchmarks/wgmma_variants.py time  [forward|grad_input] [LAYER,...]
+    python benchmarks/wgmma_variants.py check [forward|grad_input|grad_weight]
+    python benchmarks/wgmma_variants.py time  [forward|grad_input|grad_weight] [LAYER,...]
 
 ``check`` runs the dense suite layers (reduced) with every option and 20 random layers,
 fp16 and bf16, both layouts, against torch float64, and prints failures and a count.
@@ -44,20 +44,32 @@ def _pairs(kw):
             pair("dilation", 1))
 
 
+GRADIENTS = ("grad_input", "grad_weight")
+FUNCTIONS = {"forward": "conv_transpose2d_wgmma", "grad_input": "conv_transpose2d_wgmma",
+             "grad_weight": "conv_transpose2d_grad_weight_wgmma"}
+
+
+def _options(g, pass_):
+    """The pass's wgmma planner options, the heuristic first."""
+    return wgmma.grad_weight_options(g) if pass_ == "grad_weight" else wgmma.options(g, pass_)
+
+
 def _call(pass_, x, w, b, go, kw):
     """One call of the pass through cupyconv's torch op."""
     if pass_ == "forward":
         return ct.conv_transpose2d(x, w, b, **kw)
     stride, padding, output_padding, groups, dilation = _pairs(kw)
-    return torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, stride, padding, output_padding, groups, dilation, 0)
+    return torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, stride, padding, output_padding, groups, dilation,
+                                                     GRADIENTS.index(pass_))
 
 
 def _torch_call(pass_, x, w, b, go, kw):
     if pass_ == "forward":
         return F.conv_transpose2d(x, w, b, **kw)
     stride, padding, output_padding, groups, dilation = _pairs(kw)
+    which = GRADIENTS.index(pass_)
     return torch.ops.aten.convolution_backward(go, x, w, None, stride, padding, dilation, True, output_padding,
-                                               groups, [True, False, False])[0]
+                                               groups, [which == 0, which == 1, False])[which]
 
 
 def _tensors(xs, ws, kw, dtype, layout, bias):
@@ -79,11 +91,12 @@ def sass() -> None:
     out = os.environ.get("OUT", "/tmp")
     for name, (xs, ws, kw) in SUITE.items():
         g = geometry(xs, ws, None, ConvParams.from_args(**kw))
-        for pass_, packed in (("forward", wgmma.plan_forward(g, "float16", True, "nhwc")),
-                              ("grad_input", wgmma.plan_grad_input(g, "float16", "nhwc"))):
+        for pass_, spec in (("forward", wgmma.plan_forward(g, "float16", True, "nhwc").gemm.spec),
+                            ("grad_input", wgmma.plan_grad_input(g, "float16", "nhwc").gemm.spec),
+                            ("grad_weight", wgmma.plan_grad_weight(g, "float16", 132, "nhwc").partial.spec)):
             source, cubin = f"{out}/{name}_{pass_}.cu", f"{out}/{name}_{pass_}.cubin"
             with open(source, "w") as f:
-                f.write(packed.gemm.spec.source())
+                f.write(spec.source())
             built = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
                                     "-Xptxas=-v", "-o", cubin, source], capture_output=True, text=True)
             report = [line.strip() for line in built.stderr.splitlines() if "registers" in line or "spill" in line]
@@ -117,7 +130,7 @@ def check(pass_: str) -> None:
     count = bad = 0
     for name, xs, ws, kw in layers:
         g = geometry(xs, ws, None, ConvParams.from_args(**kw))
-        options = [{}] + (wgmma.options(g, pass_)[1:] if name in SUITE else [])
+        options = [{}] + (_options(g, pass_)[1:] if name in SUITE else [])
         for dtype in DTYPES:
             if not wgmma.eligible(g, dtype, pass_):
                 continue
@@ -125,16 +138,16 @@ def check(pass_: str) -> None:
                 for option in options:
                     variant = Variant.make("wgmma", **option)
                     x, w, b, go = _tensors(xs, ws, kw, dtype, layout, bias=count % 3 != 0)
-                    x64, w64 = x.double().requires_grad_(), w.double()
+                    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
                     ref = F.conv_transpose2d(x64, w64, None if b is None else b.double(), **kw)
-                    if pass_ == "grad_input":
+                    if pass_ in GRADIENTS:
                         ref.backward(go.double())
-                        ref = x64.grad
+                        ref = x64.grad if pass_ == "grad_input" else w64.grad
                     theirs = _torch_call(pass_, x, w, b, go, kw)
                     with pinned({pass_: variant}), launch.watch() as seen:
                         ours = _call(pass_, x, w, b, go, kw)
                     torch.cuda.synchronize()
-                    ran = any(plan.spec.function == "conv_transpose2d_wgmma" for _, plan in seen)
+                    ran = any(plan.spec.function == FUNCTIONS[pass_] for _, plan in seen)
                     error, torch_error = _relative(ours, ref.detach()), _relative(theirs, ref.detach())
                     count += 1
                     if not (ran and torch.isfinite(ours).all() and error <= 2 * torch_error + 1e-6):
@@ -157,7 +170,7 @@ def timing(pass_: str, names) -> None:
                     times[f"cudnn{'+benchmark' if benchmark else ''}"] = cuda_time_ms(
                         lambda: _torch_call(pass_, x, w, b, go, kw), repeat=30)
                 torch.backends.cudnn.benchmark = False
-                variants = [Variant("gemm")] + [Variant.make("wgmma", **o) for o in wgmma.options(g, pass_)]
+                variants = [Variant("gemm")] + [Variant.make("wgmma", **o) for o in _options(g, pass_)]
                 for variant in variants:
                     with pinned({pass_: variant}):
                         times[variant.name] = cuda_time_ms(lambda: _call(pass_, x, w, b, go, kw), repeat=30)
