@@ -72,9 +72,11 @@ def uses_gemm(g, dtype: str, device_id: int = 0) -> bool:
     return any(f.name == "gemm" for f in table.eligible("forward", g, dtype, "nchw", device.get(device_id)))
 
 
-def tensor_core_layers(count: int, seed: int, in_per_group, out_per_group, groups=(1, 1, 1, 2, 3)):
+def tensor_core_layers(count: int, seed: int, in_per_group, out_per_group, groups=(1, 1, 1, 2, 3),
+                       bias: Optional[bool] = None):
     """Random valid layers wide enough for the tensor-core kernels: channels per group drawn from
-    ``in_per_group`` and ``out_per_group``, kernels 1-5, strides 1-3, dilation 1-2, batch None (unbatched) to 3."""
+    ``in_per_group`` and ``out_per_group``, kernels 1-5, strides 1-3, dilation 1-2, batch None (unbatched) to 3.
+    ``bias`` None draws it per layer; a bool gives every layer that (the backward passes read no bias)."""
     rng = random.Random(seed)
     layers = []
     while len(layers) < count:
@@ -87,7 +89,8 @@ def tensor_core_layers(count: int, seed: int, in_per_group, out_per_group, group
         cin_g, cout_g = rng.choice(list(in_per_group)), rng.choice(list(out_per_group))
         size = (rng.randint(1, 19), rng.randint(1, 23))
         batch = rng.choice([None, 1, 2, 3])
-        layer = Layer(batch, cin_g * g, cout_g * g, k, s, p, op, d, g, rng.random() < 0.6, size, "")
+        with_bias = rng.random() < 0.6 if bias is None else bias
+        layer = Layer(batch, cin_g * g, cout_g * g, k, s, p, op, d, g, with_bias, size, "")
         if min(layer.out_size()) >= 1:
             layers.append(layer)
     return layers

@@ -12,7 +12,6 @@ GPUs other than sm_90: the kernels are sm_90a code.
 from __future__ import annotations
 
 import contextlib
-import random
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -202,24 +201,8 @@ GRAD_OUT_PER_GROUP = (16, 24, 40, 64, 72, 136, 200)
 
 def grad_input_layers(count: int, seed: int, in_per_group=GRAD_IN_PER_GROUP, out_per_group=GRAD_OUT_PER_GROUP):
     """Random layers of the given channel counts a group (by default those whose grad_input the wgmma kernel
-    runs): strides 1 to 3, dilation 1 to 2, padding, output_padding, groups 1 to 3, odd sizes, batch 1 to 3 or
-    unbatched."""
-    rng = random.Random(seed)
-    layers = []
-    while len(layers) < count:
-        k = (rng.randint(1, 5), rng.randint(1, 5))
-        s = (rng.randint(1, 3), rng.randint(1, 3))
-        d = (rng.randint(1, 2), rng.randint(1, 2))
-        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
-        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
-        groups = rng.choice([1, 1, 2, 3])
-        cin_g, cout_g = rng.choice(in_per_group), rng.choice(out_per_group)
-        size = (rng.randint(1, 19), rng.randint(1, 23))
-        batch = rng.choice([None, 1, 2, 3])
-        layer = Layer(batch, cin_g * groups, cout_g * groups, k, s, p, op, d, groups, False, size, "")
-        if min(layer.out_size()) >= 1:
-            layers.append(layer)
-    return layers
+    runs), groups 1 to 3, no bias."""
+    return tensor_core_layers(count, seed, in_per_group, out_per_group, groups=(1, 1, 2, 3), bias=False)
 
 
 # 18 random layers, then stride 3 with a 3 x 3 kernel, and a dilation of 2 at stride 3 x 2 (the three
@@ -482,22 +465,25 @@ def _grad_inputs(case: Case, x, w, go):
     return x, w, go
 
 
-def _run_grad_input(case: Case, go, x, w, expect_function: Optional[str] = FUNCTION):
-    """cupyconv's grad_input alone (``cupyconv::_conv_transpose2d_grad``), with the launches it made."""
-    _poison(tuple(x.shape), case.dtype)
+def _run_grad(case: Case, go, x, w, expect_function: Optional[str] = None):
+    """cupyconv's grad_input or grad_weight alone (``cupyconv::_conv_transpose2d_grad``, as the case's pass), with
+    the launches it made; ``expect_function`` (default: the pass's wgmma kernel) must be among them."""
+    grad_input = case.pass_ == GRAD
+    if expect_function is None:
+        expect_function = FUNCTION if grad_input else WEIGHT_FUNCTION
+    _poison(tuple((x if grad_input else w).shape), case.dtype)
     kw = case.layer.kwargs()
-    with torch.no_grad(), tuning.pinned({GRAD: case.variant}), launch.watch() as seen:
-        gi = torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, list(kw["stride"]), list(kw["padding"]),
-                                                        list(kw["output_padding"]), kw["groups"],
-                                                        list(kw["dilation"]), 0)
+    with torch.no_grad(), tuning.pinned({case.pass_: case.variant}), launch.watch() as seen:
+        grad = torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, list(kw["stride"]), list(kw["padding"]),
+                                                          list(kw["output_padding"]), kw["groups"],
+                                                          list(kw["dilation"]), 0 if grad_input else 1)
         torch.cuda.synchronize()
     functions = [plan.spec.function for _, plan in seen]
-    if expect_function is not None:
-        assert expect_function in functions, f"{expect_function} did not run: {functions}"
+    assert expect_function in functions, f"{expect_function} did not run: {functions}"
     if expect_function == FUNCTION:
         modes = {dict(plan.spec.constants)["MODE"] for _, plan in seen if plan.spec.function == FUNCTION}
         assert modes == {1}, "the wgmma kernel ran as grad_input"
-    return gi, seen
+    return grad, seen
 
 
 def _torch_grad_input(go, x, w, kwargs):
@@ -520,7 +506,7 @@ def _compare_grad_input(case: Case, gi, go, x, w):
 def _check_grad_input(case: Case, seed=0, hopper=None):
     assert case.pass_ == GRAD
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
-    gi, seen = _run_grad_input(case, go, x, w)
+    gi, seen = _run_grad(case, go, x, w)
     if hopper is not None:
         assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
     _compare_grad_input(case, gi, go, x, w)
@@ -551,7 +537,7 @@ def test_unaligned_channels_last_grad_output_runs_the_gemm(dtype, hopper):
     case = Case(replace(ASYM_LIKE, bias=False), dtype, True, pass_=GRAD)
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, dtype, 5))
     gou = _one_element_off(go)
-    gi, seen = _run_grad_input(case, gou, x, w, expect_function="conv_transpose2d_igemm")
+    gi, seen = _run_grad(case, gou, x, w, expect_function="conv_transpose2d_igemm")
     assert FUNCTION not in {plan.spec.function for _, plan in seen}
     assert {p for _, p in seen} == set(case.plan(hopper, aligned=False).plans())
     _compare_grad_input(case, gi, go, x, w)
@@ -617,21 +603,6 @@ def _weight_suite_cases():
 WEIGHT_SUITE_CASES = _weight_suite_cases()
 
 
-def _run_grad_weight(case: Case, go, x, w, expect_function: Optional[str] = WEIGHT_FUNCTION):
-    """cupyconv's grad_weight alone (``cupyconv::_conv_transpose2d_grad``), with the launches it made."""
-    _poison(tuple(w.shape), case.dtype)
-    kw = case.layer.kwargs()
-    with torch.no_grad(), tuning.pinned({WEIGHT: case.variant}), launch.watch() as seen:
-        gw = torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, list(kw["stride"]), list(kw["padding"]),
-                                                        list(kw["output_padding"]), kw["groups"],
-                                                        list(kw["dilation"]), 1)
-        torch.cuda.synchronize()
-    functions = [plan.spec.function for _, plan in seen]
-    if expect_function is not None:
-        assert expect_function in functions, f"{expect_function} did not run: {functions}"
-    return gw, seen
-
-
 def _torch_grad_weight(go, x, w, kwargs):
     """torch's grad_weight of conv_transpose2d(x, w) for grad_output ``go`` (linear in go and x, not in w)."""
     wr = w.detach().clone().requires_grad_()
@@ -644,7 +615,7 @@ def _torch_grad_weight(go, x, w, kwargs):
 def _check_grad_weight(case: Case, seed=0, hopper=None):
     assert case.pass_ == WEIGHT
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
-    gw, seen = _run_grad_weight(case, go, x, w)
+    gw, seen = _run_grad(case, go, x, w)
     if hopper is not None:
         assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
     kwargs = case.layer.kwargs()
@@ -677,7 +648,7 @@ def test_grad_weight_of_a_long_reduction_splits_it_in_fixed_order(dtype, hopper)
     assert case.plan(hopper).reduce is not None, "this layer's K is split"
     first = _check_grad_weight(case, seed=3, hopper=hopper)
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 3))
-    again, _ = _run_grad_weight(case, go, x, w)
+    again, _ = _run_grad(case, go, x, w)
     assert torch.equal(first, again)
 
 

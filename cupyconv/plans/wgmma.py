@@ -386,9 +386,9 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     h, w = g.in_size
     k_tiles = g.batch * cdiv(h, WEIGHT_TILE_H) * cdiv(w, 8)
     channel_tiles = cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn)
-    blocks = g.groups * phases * tap_chunks * channel_tiles
+    tap_blocks = g.groups * phases * tap_chunks   # grid x: (group, tap chunk, stride phase), phase fastest
     # About two blocks per SM in all, each K range at least two tiles long.
-    splits = max(1, min(cdiv(2 * sm_count, blocks), cdiv(k_tiles, 2), 512))
+    splits = max(1, min(cdiv(2 * sm_count, tap_blocks * channel_tiles), cdiv(k_tiles, 2), 512))
     per_split = cdiv(k_tiles, splits)
     splits = cdiv(k_tiles, per_split)
     weight_elems = numel(g.weight_shape)
@@ -399,7 +399,7 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
                      SINGLE_CHUNK=splits == 1)
     spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma.cu", "conv_transpose2d_grad_weight_wgmma", constants,
                            TARGET)
-    partial = Plan(spec, (blocks // channel_tiles, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
+    partial = Plan(spec, (tap_blocks, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
                    (g.batch, h, w) + g.out_size + (per_split,), index_t,
                    scratch_bytes=split_k_scratch(splits, weight_elems, 4), smem_bytes=smem)
     sources = gemm.plan_grad_weight_sources(g, dtype) if layout == "nchw" else None
