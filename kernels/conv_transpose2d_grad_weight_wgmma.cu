@@ -13,8 +13,11 @@
 // bits.  Both sources are channels_last with whole 16-byte channel runs (NCHW ones are
 // copied into that form first).
 // blockIdx.z picks a fixed range of K tiles; each block writes its partial products (no
-// atomics) and reduce_partials.cu adds the ranges in a fixed order, so the result is bitwise
-// reproducible.  With a single range (SINGLE_CHUNK) it writes grad_weight itself.
+// atomics) tap-major, partial[range][tap][ic][oc], so that a warp's stores fill whole sectors
+// (in the weight's own layout a block's four taps leave every 4-byte store its own sector).
+// reduce_tap_major_partials.cu adds the ranges in a fixed order, so the result is bitwise
+// reproducible, and moves the taps last.  A single range of a one-tap layer (SINGLE_CHUNK),
+// whose two layouts agree, writes grad_weight itself.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -34,6 +37,7 @@ constexpr int THREADS = 128 * WARPGROUPS;
 constexpr int VEC = 8;   // 16-bit channels in one 16-byte run
 constexpr int PHASES = SH * SW;
 constexpr int TAP_CHUNKS = {{TAP_CHUNKS}};   // tap groups of the phase with the most taps
+constexpr int TAP_COUNTS = {{TAP_COUNTS}};   // bit t: some block has t taps
 constexpr int M_TILES = (CIN_G + BM - 1) / BM, N_TILES = (COUT_G + BN - 1) / BN;
 constexpr int TILE_PIXELS = TILE_H * TILE_W;
 constexpr int HALO_H = TILE_H + SPAN_H, HALO_W = TILE_W + SPAN_W, HALO_PIXELS = HALO_H * HALO_W;
@@ -47,11 +51,64 @@ constexpr int A_RUNS = BM / VEC, B_RUNS = BN / VEC;
 static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "MN-major operands exist for 16-bit types only");
 static_assert(CIN_G % VEC == 0 && COUT_G % VEC == 0, "channels in whole 16-byte runs");
 static_assert(TILE_H % 2 == 0, "one MMA takes two rows of eight pixels");
-static_assert(STAGES >= 2, "a ring of at least two tiles");
+static_assert(!SINGLE_CHUNK || TAPS == 1, "the tap-major partials are the weight's layout only for one tap");
+static_assert(TAP_GROUP >= 1 && TAP_GROUP <= 4, "a block accumulates one to four taps");
+static_assert(STAGES >= 3, "one tile copied ahead and one whose MMAs are in flight");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
 
 // floor(a / b) for b > 0
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// A ring of STAGES buffers with LOOKAHEAD tiles copied ahead, and each step's MMAs left in
+// flight while the next step waits, issues its copies and starts its own: the buffer a step
+// refills held the tile two steps back, whose MMAs the previous step's wait<1> retired.
+// Where every block has TAP_GROUP taps no branch falls between the MMAs of a step (ptxas would
+// make each tap's first MMA wait for its registers); RAGGED layers test each tap.  (A loop built
+// per tap count instead ran out of registers for ptxas's wgmma pipeline on some tiles.)
+constexpr int LOOKAHEAD = STAGES - 2;
+template <bool RAGGED, typename Issue>
+__device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], const int (&offsets)[TAP_GROUP],
+                                           int taps, unsigned char* smem, int k_tiles, int wg, Issue& issue) {
+#pragma unroll
+    for (int s = 0; s < LOOKAHEAD; ++s) {
+        if (s < k_tiles) issue(s, s);
+        cp_async_commit();   // empty groups keep the wait count uniform
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<LOOKAHEAD - 1>();
+        fence_async_shared();   // hands cp.async's writes to the tensor cores' async proxy
+        // Tile kt has landed for every thread, and every warpgroup has retired the MMAs of tile kt - 2.
+        __syncthreads();
+        const int next = kt + LOOKAHEAD;
+        if (next < k_tiles) issue(next, next % STAGES);
+        cp_async_commit();
+        const unsigned a_base = smem_addr(smem + (kt % STAGES) * STAGE_BYTES) + wg * (64 / VEC) * A_PLANE;
+        const unsigned b_base = smem_addr(smem + (kt % STAGES) * STAGE_BYTES + A_BYTES);
+#pragma unroll
+        for (int t = 0; t < TAP_GROUP; ++t) fence_registers(acc[t]);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < TAP_GROUP; ++t) {
+            if (RAGGED && t >= taps) continue;
+#pragma unroll
+            for (int kk = 0; kk < TILE_H / 2; ++kk) {
+                // Input rows 2kk and 2kk + 1: two core matrices along K, a pixel row apart.
+                const unsigned long long a = smem_descriptor(a_base + kk * 2 * TILE_W * 16, TILE_W * 16, A_PLANE);
+                const unsigned long long b = smem_descriptor(b_base + offsets[t] + kk * 2 * HALO_W * 16,
+                                                             HALO_W * 16, B_PLANE);
+                wgmma_async<KIND, BN, 1>(acc[t], a, b, 1);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+#pragma unroll
+        for (int t = 0; t < TAP_GROUP; ++t) fence_registers(acc[t]);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int t = 0; t < TAP_GROUP; ++t) fence_registers(acc[t]);
+    cp_async_wait<0>();
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 conv_transpose2d_grad_weight_wgmma(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
@@ -125,58 +182,24 @@ conv_transpose2d_grad_weight_wgmma(const scalar_t* __restrict__ x, const scalar_
         }
     };
 
+    int offsets[TAP_GROUP];   // the taps' halo origins, in registers for the descriptors
+#pragma unroll
+    for (int t = 0; t < TAP_GROUP; ++t) offsets[t] = tap_offsets[t < taps ? t : 0];
     float acc[TAP_GROUP][BN / 2];
 #pragma unroll
     for (int t = 0; t < TAP_GROUP; ++t)
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[t][e] = 0.0f;
 
-    // The ring of cp_async_pipeline, with the fence that hands cp.async's writes to the
-    // tensor cores' async proxy before the barrier.
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < k_tiles) issue(s, s);
-        cp_async_commit();
-    }
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        cp_async_wait<STAGES - 2>();
-        fence_async_shared();
-        // Tile kt has landed for every thread, and the MMAs that read the buffer the next
-        // issue overwrites (tile kt - 1) have completed.
-        __syncthreads();
-        const int next = kt + STAGES - 1;
-        if (next < k_tiles) issue(next, next % STAGES);
-        cp_async_commit();
-        const unsigned a_base = smem_addr(smem + (kt % STAGES) * STAGE_BYTES) + wg * (64 / VEC) * A_PLANE;
-        const unsigned b_base = smem_addr(smem + (kt % STAGES) * STAGE_BYTES + A_BYTES);
-        wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < TAP_GROUP; ++t) {
-            if (t < taps) {
-#pragma unroll
-                for (int kk = 0; kk < TILE_H / 2; ++kk) {
-                    // Input rows 2kk and 2kk + 1: two core matrices along K, a pixel row apart.
-                    const unsigned long long a = smem_descriptor(a_base + kk * 2 * TILE_W * 16, TILE_W * 16, A_PLANE);
-                    const unsigned long long b = smem_descriptor(b_base + tap_offsets[t] + kk * 2 * HALO_W * 16,
-                                                                 HALO_W * 16, B_PLANE);
-                    wgmma_async<KIND, BN, 1>(acc[t], a, b, 1);
-                }
-            }
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int t = 0; t < TAP_GROUP; ++t) fence_registers(acc[t]);
-    }
-    cp_async_wait<0>();
+    accumulate<TAP_COUNTS != 1 << TAP_GROUP>(acc, offsets, taps, smem, k_tiles, wg, issue);
 
-    // partial[split][g*CIN_G + ic][oc][tap]: the weight's own layout, one copy per split
-    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * CIN * COUT_G * TAPS
-                     + static_cast<index_t>(g) * CIN_G * COUT_G * TAPS;
+    // partial[split][tap][g*CIN_G + ic][oc], one copy per split (grad_weight itself for SINGLE_CHUNK)
+    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G
+                     + static_cast<index_t>(g) * CIN_G * COUT_G;
 #pragma unroll
     for (int t = 0; t < TAP_GROUP; ++t) {
         if (t >= taps) continue;
-        const int tap = tap_ids[t];
+        partial_t* tap_out = out + static_cast<index_t>(tap_ids[t]) * CIN * COUT_G;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int ic = m0 + wg * 64 + warp * 16 + lane / 4 + h * 8;
@@ -186,8 +209,7 @@ conv_transpose2d_grad_weight_wgmma(const scalar_t* __restrict__ x, const scalar_
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     const int oc = n0 + jn * 8 + (lane % 4) * 2 + q;
-                    if (oc < COUT_G)
-                        store(out + (static_cast<index_t>(ic) * COUT_G + oc) * TAPS + tap, acc[t][jn * 4 + h * 2 + q]);
+                    if (oc < COUT_G) store(tap_out + static_cast<index_t>(ic) * COUT_G + oc, acc[t][jn * 4 + h * 2 + q]);
                 }
         }
     }

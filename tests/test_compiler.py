@@ -147,8 +147,10 @@ WGMMA_GRAD_WEIGHT_LAYERS = {
     "2x2_stride2": _layer((2, 256, 9, 7), (256, 128, 2, 2), stride=2),
     # dilation 2 at stride 2: three taps a phase, so two-tap groups, the last one half full
     "3x1_dilated": _layer((2, 64, 9, 9), (64, 128, 3, 1), stride=2, padding=1, dilation=2),
-    # one 8 x 8 pixel tile: a single K range writes grad_weight itself
+    # one 8 x 8 pixel tile: a single K range, whose tap-major partial the reduce still transposes
     "one_tile": _layer((1, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1),
+    # one tile of a 1x1 kernel: the single K range writes grad_weight itself
+    "one_tile_1x1": _layer((1, 64, 8, 8), (64, 64, 1, 1), stride=2),
 }
 
 def _wgmma_plans():
@@ -219,6 +221,7 @@ def test_variants_reach_every_template_and_both_index_widths():
     weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]
     assert {c["TAP_GROUP"] for c in weights} == {t.taps for t in wgmma.WEIGHT_TILES.values()}
     assert {c["SINGLE_CHUNK"] for c in weights} == {True, False} and {c["MMA_KIND"] for c in weights} == {0, 1}
+    assert {c["TAP_COUNTS"] == 1 << c["TAP_GROUP"] for c in weights} == {True, False}, "uniform and ragged tap groups"
     assert {c["MMA_KIND"] for c in hopper} == {0, 1} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
     assert {(c["DST_CL"], c["HAS_BIAS"]) for c in hopper} == {(False, False), (False, True), (True, False),
                                                               (True, True)}

@@ -202,3 +202,18 @@ def test_nhwc_blocks_walking_several_images(name, dtype, monkeypatch):
     *_, gi = cuda_emulator.run(gi_plan, [_nhwc(go), w, _nhwc(_empty(g.input_shape, dtype))], [ctype] * 3)
     want_gi = reference.conv_transpose2d_backward(go64, x64, w64, **args)[0]
     _close(_nchw(gi), want_gi, tol, f"{name} grad_input", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows, taps, chunks", [(64 * 48, 16, 3), (37, 9, 1), (70, 49, 2), (5, 1, 4)])
+def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(rows, taps, chunks, dtype):
+    """grad_weight's wgmma partials are [chunk][tap][row]; the reduce writes [row][tap], the chunks added in
+    order in fp32 and rounded once (several 32 x 32 tiles of taps, ragged rows, one chunk, one tap)."""
+    plan = reduction.plan_tap_major_reduce(dtype, rows, taps, chunks, "int")
+    partials = np.random.default_rng(rows + taps).standard_normal((chunks, taps, rows)).astype(np.float32)
+    _, out = cuda_emulator.run(plan, [partials.ravel(), _empty(rows * taps, dtype)], ["float", C_TYPE[dtype]])
+    total = partials[0].copy()
+    for c in range(1, chunks):
+        total += partials[c]   # fp32, in chunk order, as the kernel adds them
+    expected = _values(_storage(total.T.astype(np.float64), dtype), dtype).ravel()
+    np.testing.assert_array_equal(_values(out, dtype), expected)

@@ -11,6 +11,7 @@ EXPECTED = {
     "conv_transpose2d_grad_weight.cu",
     "conv_transpose2d_grad_bias.cu",
     "reduce_partials.cu",
+    "reduce_tap_major_partials.cu",
     "conv_transpose2d_forward_nhwc.cu",
     "conv_transpose2d_grad_input_nhwc.cu",
     "conv_transpose2d_grad_weight_nhwc.cu",
@@ -36,8 +37,8 @@ def test_the_wgmma_grad_weight_template_inlines_the_mma_headers():
     assert "#include" not in text
     assert "wgmma_async" in text and "smem_descriptor" in text and "cp_async_16" in text
     layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
-    tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TILE_H", "SPAN_H", "SPAN_W", "STAGES",
-            "SINGLE_CHUNK"}
+    tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TAP_COUNTS", "TILE_H", "SPAN_H", "SPAN_W",
+            "STAGES", "SINGLE_CHUNK"}
     assert {"SCALAR_T", "INDEX_T"} | layer | tile == templates.placeholders(name)
 
 

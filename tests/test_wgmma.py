@@ -929,9 +929,30 @@ def test_grad_weight_plans_a_split_k_over_pixel_tiles(layout):
     assert (split.sources is not None) == (layout == "nchw"), "NCHW sources are copied to channels_last first"
     constants = dict(split.partial.spec.constants)
     assert constants["SINGLE_CHUNK"] is False and constants["TAP_CHUNKS"] == 1
-    # one pixel tile: a single K range writes grad_weight itself
+    assert split.reduce.spec.function == "reduce_tap_major_partials", "the partials are tap-major"
+    assert split.reduce.scalars == (128 * 64, splits) and dict(split.reduce.spec.constants)["TAPS"] == 16
+    # one pixel tile of a 4x4 kernel: a single K range, whose tap-major partial still needs the reduce's transpose
     small = wgmma.plan_grad_weight(_g((1, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1), "float16", 132, "nhwc")
-    assert small.reduce is None and dict(small.partial.spec.constants)["SINGLE_CHUNK"] is True
+    assert small.partial.grid[2] == 1 and small.reduce.scalars == (64 * 64, 1)
+    assert small.partial.scratch_bytes == 64 * 64 * 16 * 4
+    # a single K range of a one-tap layer: both layouts agree, and it writes grad_weight itself
+    one_tap = wgmma.plan_grad_weight(_g((1, 64, 8, 8), (64, 64, 1, 1), stride=2), "float16", 132, "nhwc")
+    assert one_tap.partial.grid[2] == 1 and one_tap.reduce is None
+    assert dict(one_tap.partial.spec.constants)["SINGLE_CHUNK"] is True and one_tap.partial.scratch_bytes == 0
+
+
+@pytest.mark.parametrize("kernel, stride, padding, tap_group, counts", [
+    ((4, 4), 2, 1, 4, {4}),            # every phase two rows by two columns
+    ((3, 5), 1, 0, 4, {4, 3}),         # one phase of 15 taps: chunks of 4, 4, 4, 3
+    ((3, 3), 2, 1, 4, {4, 2, 1}),      # phases of 4, 2, 2 and 1 taps
+    ((3, 3), 2, 1, 2, {2, 1}),         # the phase of 4 in two chunks, the others one chunk each
+    ((2, 2), 2, 0, 1, {1}),
+    ((1, 1), 2, 0, 4, {1}),            # phases without taps hold no block
+])
+def test_grad_weight_tap_counts_name_every_block_size(kernel, stride, padding, tap_group, counts):
+    g = _g((1, 16, 8, 8), (16, 16) + kernel, stride=stride, padding=padding)
+    mask = wgmma.weight_tap_counts(g, tap_group)
+    assert {t for t in range(1, 5) if mask >> t & 1} == counts and mask & 1 == 0
 
 
 def test_unaligned_channels_last_grad_weight_runs_the_gemm():

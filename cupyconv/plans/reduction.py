@@ -67,6 +67,15 @@ def finishing_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Op
 
 
 @functools.lru_cache(maxsize=1024)
+def plan_tap_major_reduce(dtype: str, rows: int, taps: int, chunks: int, index_t: str) -> Plan:
+    """The reduce of partials written tap-major, ``[chunk][tap][row]``: adds the chunks in order and writes
+    ``out[row][tap]`` (the weight's layout), through 32 x 32 tiles of (rows, taps)."""
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, TAPS=taps)
+    spec = KernelSpec.make("reduce_tap_major_partials.cu", "reduce_tap_major_partials", constants)
+    return Plan(spec, (cdiv(rows, 32), cdiv(taps, 32), 1), (256, 1, 1), (rows, chunks), index_t)
+
+
+@functools.lru_cache(maxsize=1024)
 def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
     constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK)
     spec = KernelSpec.make("reduce_partials.cu", "reduce_partials", constants)
@@ -87,6 +96,7 @@ class ReductionFamily(Family):
     def clear(self) -> None:
         plan_grad_bias.cache_clear()
         plan_reduce.cache_clear()
+        plan_tap_major_reduce.cache_clear()
 
 
 FAMILY = ReductionFamily()

@@ -25,7 +25,7 @@ from ..tuning.variants import Variant
 from . import gemm
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
-from .reduction import finishing_reduce, split_k_scratch
+from .reduction import plan_tap_major_reduce
 from .sequences import PackedGemm, PassPlan, SplitK
 
 TARGET = "sm_90a"
@@ -318,6 +318,8 @@ WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(64, 128, 2
                                     WeightTile(128, 128, 1), WeightTile(128, 256, 1))}
 WEIGHT_TILE_H = 8     # a K tile is 8 x 8 input pixels
 WEIGHT_STAGES = 4
+# a step's MMAs stay in flight while the next tile lands, so grad_weight's ring needs three buffers or more
+WEIGHT_STAGE_CHOICES = (3, 4, 6)
 
 
 def weight_phases(g: Geometry) -> Tuple[int, int, int]:
@@ -335,6 +337,25 @@ def weight_phases(g: Geometry) -> Tuple[int, int, int]:
     rows, span_h = shifts(kh, sh, g.params.dilation[0], g.params.padding[0])
     cols, span_w = shifts(kw, sw, g.params.dilation[1], g.params.padding[1])
     return rows * cols, span_h, span_w
+
+
+def weight_tap_counts(g: Geometry, tap_group: int) -> int:
+    """The taps a grad_weight block can hold with ``tap_group`` taps a block, as a bit mask (bit t: some block
+    has t taps): each stride phase's taps in chunks of ``tap_group``.  The kernel builds its loop once per count."""
+    def per_phase(k, s, d, p):
+        counts = [0] * s
+        for t in range(k):
+            counts[(t * d - p) % s] += 1
+        return counts
+
+    (kh, kw), (sh, sw) = g.kernel, g.params.stride
+    rows = per_phase(kh, sh, g.params.dilation[0], g.params.padding[0])
+    cols = per_phase(kw, sw, g.params.dilation[1], g.params.padding[1])
+    mask = 0
+    for taps in (r * c for r in rows for c in cols):
+        for start in range(0, taps, tap_group):
+            mask |= 1 << min(tap_group, taps - start)
+    return mask
 
 
 def weight_tile(g: Geometry) -> WeightTile:
@@ -362,7 +383,7 @@ def grad_weight_eligible(g: Geometry, dtype: str) -> bool:
     limits, and a halo that fits shared memory."""
     return (dtype in _KINDS and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
             and min(g.in_per_group, g.out_per_group) >= 16 and gemm.gemm_fits(g, dtype)
-            and weight_smem_bytes(g, WEIGHT_TILES["64x64x4"], 2) <= SMEM_LIMIT)
+            and weight_smem_bytes(g, WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -372,10 +393,10 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     NCHW sources are copied into channels_last first (the ``mma.sync`` GEMM's copies).  ``stages`` defaults
     to :data:`WEIGHT_STAGES`, fewer where shared memory runs out."""
     tile = tile or weight_tile(g)
-    if stages is not None and stages not in STAGE_CHOICES:
-        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
+    if stages is not None and stages not in WEIGHT_STAGE_CHOICES:
+        raise ValueError(f"stages must be one of {WEIGHT_STAGE_CHOICES} for grad_weight, got {stages}")
     ring = stages or WEIGHT_STAGES
-    while stages is None and ring > 2 and weight_smem_bytes(g, tile, ring) > SMEM_LIMIT:
+    while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and weight_smem_bytes(g, tile, ring) > SMEM_LIMIT:
         ring -= 1
     smem = weight_smem_bytes(g, tile, ring)
     if smem > SMEM_LIMIT:
@@ -392,29 +413,35 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     per_split = cdiv(k_tiles, splits)
     splits = cdiv(k_tiles, per_split)
     weight_elems = numel(g.weight_shape)
+    taps = g.kernel[0] * g.kernel[1]
+    # The partials are tap-major ([split][tap][ic][oc]); only one split of a one-tap layer is the weight itself.
+    direct = splits == 1 and taps == 1
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
     constants = layer_constants(g, dtype, index_t)
     constants.update(MMA_KIND=_KINDS[dtype], WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps,
-                     TAP_CHUNKS=tap_chunks, TILE_H=WEIGHT_TILE_H, SPAN_H=span_h, SPAN_W=span_w, STAGES=ring,
-                     SINGLE_CHUNK=splits == 1)
+                     TAP_CHUNKS=tap_chunks, TAP_COUNTS=weight_tap_counts(g, tile.taps), TILE_H=WEIGHT_TILE_H,
+                     SPAN_H=span_h, SPAN_W=span_w, STAGES=ring, SINGLE_CHUNK=direct)
     spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma.cu", "conv_transpose2d_grad_weight_wgmma", constants,
                            TARGET)
     partial = Plan(spec, (tap_blocks, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
                    (g.batch, h, w) + g.out_size + (per_split,), index_t,
-                   scratch_bytes=split_k_scratch(splits, weight_elems, 4), smem_bytes=smem)
+                   scratch_bytes=0 if direct else splits * weight_elems * 4, smem_bytes=smem)
+    reduce = None if direct else plan_tap_major_reduce(dtype, weight_elems // taps, taps, splits, index_t)
     sources = gemm.plan_grad_weight_sources(g, dtype) if layout == "nchw" else None
-    return SplitK(partial, finishing_reduce(dtype, weight_elems, splits, index_t), sources)
+    return SplitK(partial, reduce, sources)
 
 
 def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
-    """The heuristic, then the other tiles whose channel sides the layer fills at least halfway and whose
-    tap groups its stride phases fill.  (A deeper ring never won on the H100.)"""
+    """The heuristic, then the other tiles whose channel sides the layer fills at least halfway, whose tap
+    groups its stride phases fill and whose shortest ring fits shared memory.  (A deeper ring never won on the
+    H100.)"""
     found: List[Dict[str, object]] = [{}]
     heuristic = weight_tile(g)
     phase_taps = weight_phases(g)[0]
     for tile in WEIGHT_TILES.values():
         if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
-                or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps):
+                or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps) \
+                or weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) > SMEM_LIMIT:
             continue
         found.append({"tile": tile.name})
     return found
