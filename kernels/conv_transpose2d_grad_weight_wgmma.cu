@@ -41,9 +41,10 @@ constexpr int TAP_COUNTS = {{TAP_COUNTS}};   // bit t: some block has t taps
 constexpr int M_TILES = (CIN_G + BM - 1) / BM, N_TILES = (COUT_G + BN - 1) / BN;
 constexpr int TILE_PIXELS = TILE_H * TILE_W;
 constexpr int HALO_H = TILE_H + SPAN_H, HALO_W = TILE_W + SPAN_W, HALO_PIXELS = HALO_H * HALO_W;
-// A channel group's plane holds its pixels and one spare 16-byte slot, so that the copies of
-// one pixel's groups (neighbouring threads) fall on different banks.
-constexpr int A_PLANE = (TILE_PIXELS + 1) * 16, B_PLANE = (HALO_PIXELS + 1) * 16;
+// A channel group's plane holds its pixels and one or two spare 16-byte slots, an odd count in
+// all: eight neighbouring threads copy one pixel's eight groups, and 16-byte stores conflict
+// only within a quarter warp, so an odd plane puts those eight on different banks.
+constexpr int A_PLANE = (TILE_PIXELS + 1 + TILE_PIXELS % 2) * 16, B_PLANE = (HALO_PIXELS + 1 + HALO_PIXELS % 2) * 16;
 constexpr int A_BYTES = BM / VEC * A_PLANE, B_BYTES = BN / VEC * B_PLANE;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int A_RUNS = BM / VEC, B_RUNS = BN / VEC;

@@ -11,7 +11,6 @@ EXPECTED = {
     "conv_transpose2d_grad_weight.cu",
     "conv_transpose2d_grad_bias.cu",
     "reduce_partials.cu",
-    "reduce_tap_major_partials.cu",
     "conv_transpose2d_forward_nhwc.cu",
     "conv_transpose2d_grad_input_nhwc.cu",
     "conv_transpose2d_grad_weight_nhwc.cu",
@@ -22,10 +21,12 @@ LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_la
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
 WGMMA = {"conv_transpose2d_wgmma.cu"}
 WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
+TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its 32 x 8 block is its transpose tile, not a setting
 
 
 def test_every_template_is_found():
-    assert set(templates.template_names()) == EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
+    assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
+                                               | TAP_MAJOR_REDUCE)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
@@ -40,6 +41,12 @@ def test_the_wgmma_grad_weight_template_inlines_the_mma_headers():
     tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TAP_COUNTS", "TILE_H", "SPAN_H", "SPAN_W",
             "STAGES", "SINGLE_CHUNK"}
     assert {"SCALAR_T", "INDEX_T"} | layer | tile == templates.placeholders(name)
+
+
+def test_the_tap_major_reduce_takes_its_types_and_tap_count():
+    name, = TAP_MAJOR_REDUCE
+    assert "#include" not in templates.expanded(name) and "store(" in templates.expanded(name)
+    assert templates.placeholders(name) == {"SCALAR_T", "INDEX_T", "TAPS"}
 
 
 @pytest.mark.parametrize("name", sorted(WGMMA))

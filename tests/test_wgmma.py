@@ -925,7 +925,8 @@ def test_grad_weight_plans_a_split_k_over_pixel_tiles(layout):
     per_split = split.partial.scalars[-1]
     assert splits == cdiv(k_tiles, per_split) and splits > 1 and split.reduce is not None
     assert split.partial.scratch_bytes == splits * 128 * 64 * 16 * 4   # fp32 partials of the whole weight
-    assert split.partial.smem_bytes <= wgmma.SMEM_LIMIT
+    # per stage 8 groups of the x tile's 64 pixels and 8 of the 9 x 9 halo, each plane an odd count of 16-byte slots
+    assert split.partial.smem_bytes == wgmma.WEIGHT_STAGES * (8 * 65 + 8 * 83) * 16 <= wgmma.SMEM_LIMIT
     assert (split.sources is not None) == (layout == "nchw"), "NCHW sources are copied to channels_last first"
     constants = dict(split.partial.spec.constants)
     assert constants["SINGLE_CHUNK"] is False and constants["TAP_CHUNKS"] == 1

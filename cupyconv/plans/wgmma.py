@@ -372,10 +372,13 @@ def weight_tile(g: Geometry) -> WeightTile:
 
 def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
     """Shared memory of the grad_weight ring: per stage an x tile and a grad_output halo, a plane per channel
-    group with one spare 16-byte slot."""
+    group padded to an odd count of 16-byte slots."""
+    def odd_slots(pixels):   # as the kernel pads a plane: a quarter warp's 16-byte copies then miss each other
+        return pixels + 1 if pixels % 2 == 0 else pixels + 2
+
     _, span_h, span_w = weight_phases(g)
     halo = (WEIGHT_TILE_H + span_h) * (8 + span_w)
-    return stages * (tile.bm // 8 * (WEIGHT_TILE_H * 8 + 1) + tile.bn // 8 * (halo + 1)) * 16
+    return stages * (tile.bm // 8 * odd_slots(WEIGHT_TILE_H * 8) + tile.bn // 8 * odd_slots(halo)) * 16
 
 
 def grad_weight_eligible(g: Geometry, dtype: str) -> bool:
