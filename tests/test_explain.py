@@ -379,10 +379,10 @@ def test_explain_reports_the_layouts_kernels(layout):
     stages = [k.stage for k in dense.kernels]
     # NCHW sources go through channels_last copies; grad_output's is made once for both grads
     assert stages.count("to_channels_last") == (0 if nhwc else 3)
-    # the assumed H100 runs Hopper's wgmma kernels (sm_90a) for the forward and grad_input, and the
-    # mma.sync GEMM for grad_weight
+    # the assumed H100 runs Hopper's wgmma kernels (sm_90a) for every pass of this 3x5 stride-2 layer (two
+    # or three taps a stride phase, so grad_weight's leads too)
     assert dense.pass_("forward").variant == dense.pass_("grad_input").variant == "wgmma"
-    assert dense.pass_("grad_weight").variant == "gemm"
+    assert dense.pass_("grad_weight").variant == "wgmma"
     mains = {k.pass_name: k for k in dense.kernels if k.stage == "main"}
     assert mains["grad_input"].function == mains["forward"].function == "conv_transpose2d_wgmma"
     assert (mains["forward"].constants["MODE"], mains["grad_input"].constants["MODE"]) == (0, 1)

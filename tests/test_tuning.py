@@ -223,12 +223,12 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
         for layout in launch.LAYOUTS:
             cands = table.candidates(pass_, g, dtype, layout, precision)
             assert isinstance(cands, tuple)
-            # on the assumed H100 the fp16/bf16 forward and grad_input run Hopper's wgmma kernels, ahead of the
-            # GEMMs (these layers have whole 16-byte channel groups on both sides); grad_weight's wgmma kernel
-            # races the GEMM, which stays its heuristic
+            # on the assumed H100 the fp16/bf16 passes run Hopper's wgmma kernels, ahead of the GEMMs (these
+            # layers have whole 16-byte channel groups on both sides, and stride phases of several taps, where
+            # grad_weight's wgmma kernel leads too)
             hopper = dtype != "float32"
             assert hopper == wgmma.eligible(g, dtype, pass_)
-            assert cands[0] == (WGMMA if hopper and pass_ != "grad_weight" else GEMM), \
+            assert cands[0] == (WGMMA if hopper else GEMM), \
                 "the heuristic must come first: it is the fallback and tie-breaker"
             assert len(cands) == len(set(cands))
             assert sum(v.family == "gemm" for v in cands) <= gemm.FAMILY.max_variants == 7
@@ -343,12 +343,13 @@ def test_direct_kernels_race_below_64_channels_per_group(pass_):
         assert direct.FAMILY.races(pass_, g, "float16") == races
         # the forward and grad_input of whole 16-byte groups of source channels (the input's for the forward,
         # grad_output's for grad_input) run Hopper's wgmma kernels first (the assumed H100)
-        # (grad_weight's needs whole runs on both sides, and races the GEMM, which stays its heuristic)
+        # (grad_weight's needs whole runs on both sides; it leads too, this 3x3 stride-2 layer's phases having
+        # up to four taps)
         hopper = wgmma.eligible(g, "float16", pass_)
         source = {"forward": (g.in_per_group,), "grad_input": (g.out_per_group,)}.get(
             pass_, (g.in_per_group, g.out_per_group))
         assert hopper == all(c % 8 == 0 for c in source)
-        first = hopper and pass_ != "grad_weight"
+        first = hopper
         for layout in launch.LAYOUTS:
             cands = table.candidates(pass_, g, "float16", layout, "strict")
             assert cands[0] == (WGMMA if first else GEMM) and (DIRECT in cands) == races, \
@@ -854,8 +855,8 @@ def test_pinned_runs_the_given_variants_and_the_heuristic_elsewhere(fresh, monke
         assert forward.variant == pin and {p for _, p in forward.launches} == set(_plans("forward", pin, has_bias=True))
         # unpinned passes run their heuristic, whatever was chosen before, and time nothing
         assert _run_engine(launcher, "grad_input").variant == WGMMA
-        assert _run_engine(launcher, "grad_weight").variant == GEMM
-        assert _choose("grad_weight")[0] == GEMM
+        assert _run_engine(launcher, "grad_weight").variant == WGMMA
+        assert _choose("grad_weight")[0] == WGMMA
     assert not timer.calls and not (fresh / tuning.CACHE_FILE).exists()
     assert tuning.chosen("grad_weight", THIN, "float16", "nchw", "strict", 0) is None, "nothing remembered"
     # afterwards the process's choices hold again
@@ -994,9 +995,9 @@ def test_each_candidate_is_timed_with_its_own_channels_last_copy(fresh, monkeypa
     timed = [(v, stages) for v, stages in runs if v.family in ("wgmma", "gemm")]
     assert {v.family for v, _ in timed} == {"wgmma", "gemm"}
     assert all(stages.count("to_channels_last") >= 1 for _, stages in timed)
-    # the chosen kernels (wgmma's grad_input, the GEMM's grad_weight) share one copy of grad_output
+    # the chosen kernels (wgmma's grad_input and grad_weight) share one copy of grad_output
     chosen = [p for p in launcher.passes if p.name in ("grad_input", "grad_weight")]
     copied = sum(stage == "to_channels_last" for p in chosen for stage, _ in p.launches)
-    assert [p.variant for p in chosen] == [WGMMA, GEMM] and copied == 2   # grad_output once, x once
+    assert [p.variant for p in chosen] == [WGMMA, WGMMA] and copied == 2   # grad_output once, x once
     assert [stage for stage, _ in chosen[0].launches] == ["pack", "to_channels_last", "main"]
     assert "to_channels_last" in [stage for stage, _ in chosen[1].launches]

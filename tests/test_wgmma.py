@@ -260,9 +260,10 @@ def test_only_an_sm_90_device_runs_the_family(arch, runs):
             assert ("wgmma" in names) == runs and "gemm" in names, names
             assert (table.candidates("forward", DENSE, "float16", layout, "strict", dev)[0] == WGMMA) == runs
             assert (wgmma.FAMILY in table.eligible("grad_input", DENSE, "float16", layout, dev)) == runs
-            # grad_weight's wgmma kernel races the GEMM, which stays the heuristic
+            # grad_weight's wgmma kernel leads too (the dense layer's one stride phase has 15 taps)
             assert (wgmma.FAMILY in table.eligible("grad_weight", DENSE, "float16", layout, dev)) == runs
-            assert table.eligible("grad_weight", DENSE, "float16", layout, dev)[0] is gemm.FAMILY
+            assert table.eligible("grad_weight", DENSE, "float16", layout, dev)[0] is \
+                (wgmma.FAMILY if runs else gemm.FAMILY)
         rec = Recorder(dev)
         engine.forward(DENSE, "float16", _X, _W, _B, _Y, rec, "nhwc", "strict")
         functions = {plan.spec.function for _, plan in rec.launches}
@@ -347,11 +348,15 @@ def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
                 families = [v.family for v in cands]
                 assert "gemm" in families and families == sorted(families, key=["wgmma", "gemm", "direct"].index)
                 assert families.count("wgmma") <= wgmma.FAMILY.max_variants
-            # grad_weight: the mma.sync GEMM is the heuristic, and the wgmma kernel's tiles race it
+            # grad_weight: the wgmma kernel leads where a stride phase has two taps or more, else the mma.sync
+            # GEMM does and the wgmma tiles race it
             cands = table.candidates("grad_weight", g, "float16", layout)
             families = [v.family for v in cands]
-            assert cands[0] == GEMM and "wgmma" in families
-            assert families == sorted(families, key=["gemm", "wgmma", "direct"].index)
+            leader = "wgmma" if wgmma.weight_phases(g)[0] >= 2 else "gemm"
+            assert cands[0].family == leader and {"wgmma", "gemm"} <= set(families), name
+            order = [leader] + [f for f in ("wgmma", "gemm") if f != leader] + ["direct"]
+            assert families == sorted(families, key=order.index)
+        assert (wgmma.weight_phases(g)[0] >= 2) == (name in ("asym_kernel", "big_square", "dcgan_up")), name
 
 
 def test_every_option_of_the_suite_layers_plans():
@@ -859,10 +864,12 @@ def test_the_engine_launches_pack_copy_and_grad_input_kernel(layout, monkeypatch
     stages = [stage for stage, _ in grad.launches]
     assert stages == (["pack", "to_channels_last", "main"] if layout == "nchw" else ["pack", "main"])
     assert [plan for _, plan in grad.launches] == wgmma.plan_grad_input(g, "bfloat16", layout).plans()
-    # the backward shares the NCHW grad_output's copy with the GEMM's grad_weight
+    # the backward shares the NCHW grad_output's copy with grad_weight's wgmma kernel (4x4 stride 2: four taps a
+    # stride phase, so it leads)
     rec = Recorder(device.ASSUMED)
     engine.backward(g, "bfloat16", _Y, _X, _W, _GX, _GW, None, rec, layout, "strict")
-    assert [(p.name, p.variant.family) for p in rec.passes] == [(GRAD, "wgmma"), ("grad_weight", "gemm")]
+    assert [(p.name, p.variant.family) for p in rec.passes] == [(GRAD, "wgmma"), ("grad_weight", "wgmma")]
+    assert any(plan.spec.function == "reduce_tap_major_partials" for _, plan in rec.launches)
     copies = [plan for _, plan in rec.launches if plan.spec.function == "to_channels_last"]
     assert [p.scalars[1] for p in copies] == ([g.out_channels, g.in_channels] if layout == "nchw" else [])
 

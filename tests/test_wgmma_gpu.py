@@ -654,16 +654,16 @@ def test_grad_weight_of_a_long_reduction_splits_it_in_fixed_order(dtype, hopper)
 
 @pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
 def test_autograd_runs_the_pinned_wgmma_grad_weight(channels_last, hopper, monkeypatch):
-    """Untuned, grad_weight runs the mma.sync GEMM (the wgmma kernel races it when tuning); pinned, autograd's
-    backward runs the wgmma kernel, with grad_output's channels_last copy shared with grad_input, and w.grad is
-    right."""
+    """Untuned, grad_weight of a layer with many taps a stride phase runs the wgmma kernel, the mma.sync GEMM
+    racing it when tuning; pinned too, autograd's backward runs the wgmma kernel, with grad_output's
+    channels_last copy shared with grad_input, and w.grad is right."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     tuning.clear()
     try:
         case = Case(replace(ASYM_LIKE, bias=False), torch.float16, channels_last, pass_=WEIGHT)
         g = case.geometry
         cands = table.candidates(WEIGHT, g, "float16", case.layout, "strict", hopper)
-        assert cands[0] == tuning.GEMM and WGMMA in cands
+        assert cands[0] == WGMMA and tuning.GEMM in cands
         x, w, go = _grad_inputs(case, *_grad_data(case.layer, torch.float16, 11))
         x.requires_grad_()
         w.requires_grad_()

@@ -20,6 +20,11 @@ class Family:
         """Whether the family can run ``pass_`` of this layer on ``device``."""
         return True
 
+    def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:
+        """Whether its heuristic runs ahead of the families after it in the table; one that steps back for a
+        layer where it is known to lose still races them."""
+        return True
+
     def races(self, pass_: str, g: Geometry, dtype: str) -> bool:
         """Whether it is worth timing against a family ahead of it in the table that can run the layer too."""
         return True

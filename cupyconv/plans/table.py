@@ -28,10 +28,6 @@ PASSES = (FORWARD, GRAD_INPUT, GRAD_WEIGHT, GRAD_BIAS)
 FAMILIES: Tuple[Family, ...] = (wgmma.FAMILY, gemm.FAMILY, direct.FAMILY, large_kernel.FAMILY, reduction.FAMILY)
 
 _BY_PASS: Dict[str, Tuple[Family, ...]] = {p: tuple(f for f in FAMILIES if p in f.passes) for p in PASSES}
-# grad_weight's wgmma kernel wins on some layers only (benchmarks/NOTES.md, v11): there the mma.sync GEMM stays
-# the heuristic and the wgmma kernel races it.
-_BY_PASS[GRAD_WEIGHT] = (gemm.FAMILY, wgmma.FAMILY) + tuple(f for f in _BY_PASS[GRAD_WEIGHT]
-                                                           if f not in (gemm.FAMILY, wgmma.FAMILY))
 _BY_NAME: Dict[str, Family] = {f.name: f for f in FAMILIES}
 
 
@@ -52,8 +48,19 @@ def family(name: str) -> Family:
 
 
 def eligible(pass_: str, g: Geometry, dtype: str, layout: str, device: Device = ASSUMED) -> Tuple[Family, ...]:
-    """The families that can run ``pass_`` of this layer on ``device``, in order of preference."""
-    return tuple(f for f in families(pass_) if f.eligible(pass_, g, dtype, layout, device))
+    """The families that can run ``pass_`` of this layer on ``device``, in order of preference: the table's,
+    with a family that steps back for this layer (:meth:`Family.leads`) moved just behind the next one."""
+    ordered: List[Family] = []
+    stepped_back: List[Family] = []
+    for f in families(pass_):
+        if not f.eligible(pass_, g, dtype, layout, device):
+            continue
+        if f.leads(pass_, g, dtype):
+            ordered += [f] + stepped_back
+            stepped_back = []
+        else:
+            stepped_back.append(f)
+    return tuple(ordered + stepped_back)
 
 
 def candidates(pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict",

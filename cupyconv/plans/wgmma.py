@@ -460,6 +460,11 @@ class WgmmaFamily(Family):
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
                 and _eligible(g, dtype, pass_))
 
+    def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:
+        """grad_weight's kernel leads where a stride phase has two taps or more, which a block's tile then shares;
+        with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races it."""
+        return pass_ != "grad_weight" or weight_phases(g)[0] >= 2
+
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
         found = grad_weight_options(g) if pass_ == "grad_weight" else options(g, pass_, dtype)
         return [Variant.make(self.name, **opts) for opts in found]
