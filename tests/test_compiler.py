@@ -151,6 +151,8 @@ WGMMA_GRAD_WEIGHT_LAYERS = {
     "one_tile": _layer((1, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1),
     # one tile of a 1x1 kernel: the single K range writes grad_weight itself
     "one_tile_1x1": _layer((1, 64, 8, 8), (64, 64, 1, 1), stride=2),
+    # 20 rows: the 16-row tiles too, their last K step half past the input
+    "tall_4x4": _layer((2, 64, 20, 12), (64, 64, 4, 4), stride=2, padding=1),
 }
 
 def _wgmma_plans():
@@ -222,6 +224,7 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {c["TAP_GROUP"] for c in weights} == {t.taps for t in wgmma.WEIGHT_TILES.values()}
     assert {c["SINGLE_CHUNK"] for c in weights} == {True, False} and {c["MMA_KIND"] for c in weights} == {0, 1}
     assert {c["TAP_COUNTS"] == 1 << c["TAP_GROUP"] for c in weights} == {True, False}, "uniform and ragged tap groups"
+    assert {c["TILE_H"] for c in weights} == {t.rows for t in wgmma.WEIGHT_TILES.values()} == {8, 16}
     assert {c["MMA_KIND"] for c in hopper} == {0, 1} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
     assert {(c["DST_CL"], c["HAS_BIAS"]) for c in hopper} == {(False, False), (False, True), (True, False),
                                                               (True, True)}

@@ -949,6 +949,20 @@ def test_grad_weight_plans_a_split_k_over_pixel_tiles(layout):
     assert dict(one_tap.partial.spec.constants)["SINGLE_CHUNK"] is True and one_tap.partial.scratch_bytes == 0
 
 
+def test_grad_weight_16_row_tiles_are_offered_where_the_input_has_16_rows():
+    tall = _g((2, 64, 20, 12), (64, 64, 4, 4), stride=2, padding=1)
+    short = _g((2, 64, 12, 20), (64, 64, 4, 4), stride=2, padding=1)
+    names = [o.get("tile") for o in wgmma.grad_weight_options(tall)]
+    assert names[:2] == [None, "64x64x4r16"], "the heuristic, then its 16-row sibling"
+    assert "64x64x4r16" not in [o.get("tile") for o in wgmma.grad_weight_options(short)]
+    split = wgmma.plan_grad_weight(tall, "bfloat16", 132, "nhwc", wgmma.WEIGHT_TILES["64x64x4r16"])
+    constants = dict(split.partial.spec.constants)
+    assert constants["TILE_H"] == 16 and constants["STAGES"] == 3, "three 16-row buffers: two blocks an SM"
+    assert split.partial.scalars[-1] * split.partial.grid[2] >= 2 * cdiv(20, 16) * cdiv(12, 8)
+    # 8 groups of 128 x-tile pixels (129 slots) and of the 17 x 9 halo (155 slots) a stage
+    assert split.partial.smem_bytes == 3 * (8 * 129 + 8 * 155) * 16
+
+
 @pytest.mark.parametrize("kernel, stride, padding, tap_group, counts", [
     ((4, 4), 2, 1, 4, {4}),            # every phase two rows by two columns
     ((3, 5), 1, 0, 4, {4, 3}),         # one phase of 15 taps: chunks of 4, 4, 4, 3

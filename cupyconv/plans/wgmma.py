@@ -298,25 +298,28 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List
 @dataclass(frozen=True)
 class WeightTile:
     """grad_weight's block tile: ``bm`` input channels (64 a warpgroup) x ``bn`` output channels, for up to
-    ``taps`` taps of one stride phase side by side."""
+    ``taps`` taps of one stride phase side by side; a K step is ``rows`` x 8 input pixels."""
 
     bm: int
     bn: int
     taps: int
+    rows: int = 8
 
     @property
     def name(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.taps}"
+        return f"{self.bm}x{self.bn}x{self.taps}" + (f"r{self.rows}" if self.rows != WEIGHT_TILE_H else "")
 
     @property
     def warpgroups(self) -> int:
         return self.bm // 64
 
 
-# At most 128 accumulators a thread (taps x bn / 2).
-WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(64, 128, 2), WeightTile(128, 64, 4),
-                                    WeightTile(128, 128, 1), WeightTile(128, 256, 1))}
-WEIGHT_TILE_H = 8     # a K tile is 8 x 8 input pixels
+WEIGHT_TILE_H = 8     # a K step is 8 x 8 input pixels, unless a tile says otherwise
+# At most 128 accumulators a thread (taps x bn / 2).  The 16-row tiles halve the barriers and copies' address
+# arithmetic per multiply-add, at twice the shared memory a stage.
+WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(64, 64, 4, 16), WeightTile(64, 128, 2),
+                                    WeightTile(128, 64, 4), WeightTile(128, 64, 4, 16), WeightTile(128, 128, 1),
+                                    WeightTile(128, 256, 1))}
 WEIGHT_STAGES = 4
 # a step's MMAs stay in flight while the next tile lands, so grad_weight's ring needs three buffers or more
 WEIGHT_STAGE_CHOICES = (3, 4, 6)
@@ -377,8 +380,8 @@ def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
         return pixels + 1 if pixels % 2 == 0 else pixels + 2
 
     _, span_h, span_w = weight_phases(g)
-    halo = (WEIGHT_TILE_H + span_h) * (8 + span_w)
-    return stages * (tile.bm // 8 * odd_slots(WEIGHT_TILE_H * 8) + tile.bn // 8 * odd_slots(halo)) * 16
+    halo = (tile.rows + span_h) * (8 + span_w)
+    return stages * (tile.bm // 8 * odd_slots(tile.rows * 8) + tile.bn // 8 * odd_slots(halo)) * 16
 
 
 def grad_weight_eligible(g: Geometry, dtype: str) -> bool:
@@ -394,11 +397,13 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
                      tile: Optional[WeightTile] = None, stages: Optional[int] = None) -> SplitK:
     """grad_weight as split-K wgmma GEMMs per (group, stride phase, group of taps) and the fixed-order reduction;
     NCHW sources are copied into channels_last first (the ``mma.sync`` GEMM's copies).  ``stages`` defaults
-    to :data:`WEIGHT_STAGES`, fewer where shared memory runs out."""
+    to :data:`WEIGHT_STAGES` for 8-row tiles and three for 16-row ones, fewer where shared memory runs out."""
     tile = tile or weight_tile(g)
     if stages is not None and stages not in WEIGHT_STAGE_CHOICES:
         raise ValueError(f"stages must be one of {WEIGHT_STAGE_CHOICES} for grad_weight, got {stages}")
-    ring = stages or WEIGHT_STAGES
+    # By default two 8-row tiles' worth of pixels in flight ahead: four buffers of 8 rows, three of 16 (so that
+    # two blocks of a 16-row tile still share an SM).
+    ring = stages or (WEIGHT_STAGES if tile.rows == WEIGHT_TILE_H else 3)
     while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and weight_smem_bytes(g, tile, ring) > SMEM_LIMIT:
         ring -= 1
     smem = weight_smem_bytes(g, tile, ring)
@@ -408,7 +413,7 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     tap_chunks = cdiv(phase_taps, tile.taps)
     phases = g.params.stride[0] * g.params.stride[1]
     h, w = g.in_size
-    k_tiles = g.batch * cdiv(h, WEIGHT_TILE_H) * cdiv(w, 8)
+    k_tiles = g.batch * cdiv(h, tile.rows) * cdiv(w, 8)
     channel_tiles = cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn)
     tap_blocks = g.groups * phases * tap_chunks   # grid x: (group, tap chunk, stride phase), phase fastest
     # About two blocks per SM in all, each K range at least two tiles long.
@@ -422,7 +427,7 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
     constants = layer_constants(g, dtype, index_t)
     constants.update(MMA_KIND=_KINDS[dtype], WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps,
-                     TAP_CHUNKS=tap_chunks, TAP_COUNTS=weight_tap_counts(g, tile.taps), TILE_H=WEIGHT_TILE_H,
+                     TAP_CHUNKS=tap_chunks, TAP_COUNTS=weight_tap_counts(g, tile.taps), TILE_H=tile.rows,
                      SPAN_H=span_h, SPAN_W=span_w, STAGES=ring, SINGLE_CHUNK=direct)
     spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma.cu", "conv_transpose2d_grad_weight_wgmma", constants,
                            TARGET)
@@ -436,14 +441,17 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
 
 def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
     """The heuristic, then the other tiles whose channel sides the layer fills at least halfway, whose tap
-    groups its stride phases fill and whose shortest ring fits shared memory.  (A deeper ring never won on the
-    H100.)"""
+    groups its stride phases fill, whose rows its input has, and whose shortest ring fits shared memory: the
+    heuristic's 16-row sibling first.  (A deeper ring never won on the H100.)"""
     found: List[Dict[str, object]] = [{}]
     heuristic = weight_tile(g)
     phase_taps = weight_phases(g)[0]
-    for tile in WEIGHT_TILES.values():
+    sibling = WeightTile(heuristic.bm, heuristic.bn, heuristic.taps, 16)
+    order = sorted(WEIGHT_TILES.values(), key=lambda t: t != sibling)
+    for tile in order:
         if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
                 or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps) \
+                or (tile.rows > WEIGHT_TILE_H and g.in_size[0] < tile.rows) \
                 or weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) > SMEM_LIMIT:
             continue
         found.append({"tile": tile.name})
