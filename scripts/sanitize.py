@@ -86,8 +86,9 @@ DIRECT_LAYERS = {
     "depthwise": ((2, 6, 5, 5), (6, 1, 4, 4), _kw(stride=2, padding=1, groups=6)),
     "wide_rows": ((1, 24, 4, 6), (24, 8, 5, 9), _kw(stride=(1, 2), padding=(2, 4), dilation=(1, 3))),
     # enough rows that grad_weight and grad_bias split into several chunks and a reduce
-    # (the others fit one chunk, which writes its gradient directly)
-    "many_rows": ((16, 1, 16, 16), (1, 2, 3, 11), _kw(stride=3, dilation=(1, 3))),
+    # (the others fit one chunk, which writes its gradient directly); two input channels, so
+    # that its channels_last input is not also contiguous
+    "many_rows": ((16, 2, 16, 8), (2, 2, 3, 11), _kw(stride=3, dilation=(1, 3))),
 }
 # Kernels too large for the direct kernels run on the large_kernel family.
 LARGE_KERNEL_LAYERS = {
@@ -127,11 +128,12 @@ def base_cases() -> List[Case]:
             cases.append(Case(f"gemm-{name}-{tag}-nhwc-unaligned", xs, ws, kw, True, dtype, precision, "nhwc",
                               unaligned=True))
     # On sm_90 the fp16/bf16 forward and grad_input of the GEMM layers run the wgmma kernels.
-    # Here 256 one-pixel images with an 8x8 tile make 256 tiles: more than an H100 has SMs,
+    # Here 256 two-pixel images with an 8x8 tile make 256 tiles: more than an H100 has SMs,
     # so persistent blocks walk two tiles each and the producer runs ahead across tiles
-    # (its mbarriers wrap their phases).
+    # (its mbarriers wrap their phases).  (One pixel would make channels_last and NCHW the
+    # same memory, and the op would run the NCHW kernels.)
     for dtype, layout in (("float16", "nhwc"), ("bfloat16", "nchw")):
-        cases.append(Case(f"wgmma-persistent-{dtype}-{layout}", (256, 16, 1, 1), (16, 64, 3, 3), _kw(), True,
+        cases.append(Case(f"wgmma-persistent-{dtype}-{layout}", (256, 16, 1, 2), (16, 64, 3, 3), _kw(), True,
                           dtype, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
     # grad_weight's wgmma kernel races the GEMM, so it runs pinned: four taps a block on a 4 x 4 stride-2 layer,
     # and on a 3 x 3 stride-1 one a last group of one tap; both split K across blocks.
