@@ -141,6 +141,10 @@ def base_cases() -> List[Case]:
                       False, "float16", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
     cases.append(Case("wgmma-grad-weight-bfloat16-nchw", (3, 16, 9, 9), (16, 32, 3, 3), _kw(padding=1), False,
                       "bfloat16", layout="nchw", variants=(("grad_weight", "wgmma"),)))
+    # the 16-row tile: a three-buffer ring, and a last K step past the input's 18 rows
+    cases.append(Case("wgmma-grad-weight-float16-nhwc-16rows", (1, 16, 18, 9), (16, 16, 4, 4),
+                      _kw(stride=2, padding=1), False, "float16", layout="nhwc",
+                      variants=(("grad_weight", "wgmma:64x64x4r16"),)))
     xs, ws, kw = GEMM_LAYERS["dense"]
     cases.append(Case("gemm-dense-float16-cupy", xs, ws, kw, True, "float16", api="cupy"))
     cases.append(Case("gemm-dense-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))
