@@ -12,7 +12,6 @@ on), the mma.sync GEMM and each wgmma option, in median ms from CUDA events.  Ne
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -106,23 +105,14 @@ def sass() -> None:
 
 
 def _random_layers(count, seed):
-    rng = random.Random(seed)
-    layers = []
-    while len(layers) < count:
-        k = (rng.randint(1, 5), rng.randint(1, 5))
-        s = (rng.randint(1, 3), rng.randint(1, 3))
-        d = (rng.randint(1, 2), rng.randint(1, 2))
-        p = tuple(rng.randint(0, d[a] * (k[a] - 1)) for a in range(2))
-        op = tuple(rng.randint(0, max(s[a], d[a]) - 1) for a in range(2))
-        groups = rng.choice([1, 1, 1, 2, 3])
-        cin_g, cout_g = rng.choice([16, 24, 40, 64, 72, 136, 200]), rng.choice([16, 24, 40, 64, 72, 136, 264])
-        size = (rng.randint(1, 30), rng.randint(1, 40))
-        kw = dict(stride=s, padding=p, output_padding=op, dilation=d, groups=groups)
-        if min((size[a] - 1) * s[a] - 2 * p[a] + d[a] * (k[a] - 1) + op[a] + 1 for a in range(2)) < 1:
-            continue
-        layers.append((f"random{len(layers)}", (rng.choice([1, 2, 3]), cin_g * groups) + size,
-                       (cin_g * groups, cout_g) + k, kw))
-    return layers
+    """The GPU sweeps' random tensor-core layers (tests/layers.py), each batched (an unbatched one as a batch of
+    one), as (name, input shape, weight shape, arguments)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from layers import tensor_core_layers
+
+    layers = tensor_core_layers(count, seed, (16, 24, 40, 64, 72, 136, 200), (16, 24, 40, 64, 72, 136, 264))
+    return [(f"random{i}", (layer.batch or 1,) + layer.input_shape[-3:], layer.weight_shape, layer.kwargs())
+            for i, layer in enumerate(layers)]
 
 
 def check(pass_: str) -> None:

@@ -486,20 +486,25 @@ def _run_grad(case: Case, go, x, w, expect_function: Optional[str] = None):
     return grad, seen
 
 
-def _torch_grad_input(go, x, w, kwargs):
-    """torch's grad_input of conv_transpose2d(x, w) for grad_output ``go`` (linear in go and w, not in x)."""
-    xr = x.detach().clone().requires_grad_()
+def _torch_grad(pass_, go, x, w, kwargs):
+    """torch's grad_input (GRAD) or grad_weight (WEIGHT) of conv_transpose2d(x, w) for grad_output ``go``: linear
+    in go and in the operand it is not taken against."""
+    x, w = x.detach(), w.detach()
+    if pass_ == GRAD:
+        x = x.clone().requires_grad_()
+    else:
+        w = w.clone().requires_grad_()
     with torch.enable_grad():
-        y = F.conv_transpose2d(xr, w, None, **kwargs)
-        (gi,) = torch.autograd.grad(y, xr, go)
-    return gi
+        y = F.conv_transpose2d(x, w, None, **kwargs)
+        (grad,) = torch.autograd.grad(y, x if pass_ == GRAD else w, go)
+    return grad
 
 
 def _compare_grad_input(case: Case, gi, go, x, w):
     kwargs = case.layer.kwargs()
-    ref = _torch_grad_input(go.double(), x.double(), w.double(), kwargs)
-    magnitude = _torch_grad_input(go.double().abs(), x.double(), w.double().abs(), kwargs)
-    theirs = _torch_grad_input(go, x, w, kwargs)
+    ref = _torch_grad(GRAD, go.double(), x.double(), w.double(), kwargs)
+    magnitude = _torch_grad(GRAD, go.double().abs(), x.double(), w.double().abs(), kwargs)
+    theirs = _torch_grad(GRAD, go, x, w, kwargs)
     _near_float64(case, gi, ref, magnitude, theirs)
 
 
@@ -603,15 +608,6 @@ def _weight_suite_cases():
 WEIGHT_SUITE_CASES = _weight_suite_cases()
 
 
-def _torch_grad_weight(go, x, w, kwargs):
-    """torch's grad_weight of conv_transpose2d(x, w) for grad_output ``go`` (linear in go and x, not in w)."""
-    wr = w.detach().clone().requires_grad_()
-    with torch.enable_grad():
-        y = F.conv_transpose2d(x, wr, None, **kwargs)
-        (gw,) = torch.autograd.grad(y, wr, go)
-    return gw
-
-
 def _check_grad_weight(case: Case, seed=0, hopper=None):
     assert case.pass_ == WEIGHT
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
@@ -619,9 +615,9 @@ def _check_grad_weight(case: Case, seed=0, hopper=None):
     if hopper is not None:
         assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
     kwargs = case.layer.kwargs()
-    ref = _torch_grad_weight(go.double(), x.double(), w.double(), kwargs)
-    magnitude = _torch_grad_weight(go.double().abs(), x.double().abs(), w.double(), kwargs)
-    theirs = _torch_grad_weight(go, x, w, kwargs)
+    ref = _torch_grad(WEIGHT, go.double(), x.double(), w.double(), kwargs)
+    magnitude = _torch_grad(WEIGHT, go.double().abs(), x.double().abs(), w.double(), kwargs)
+    theirs = _torch_grad(WEIGHT, go, x, w, kwargs)
     # grad_weight's layout is the weight's own (cupyconv returns it contiguous or as the weight is)
     check = replace(case, channels_last=False) if not w.is_contiguous(memory_format=torch.channels_last) else case
     _near_float64(check, gw, ref, magnitude, theirs)
@@ -675,7 +671,7 @@ def test_autograd_runs_the_pinned_wgmma_grad_weight(channels_last, hopper, monke
         copies = [plan for stage, plan in seen if stage == "to_channels_last"]
         assert len(copies) == (0 if channels_last else 2), "NCHW: grad_output once (shared) and x once"
         kwargs = case.layer.kwargs()
-        ref = _torch_grad_weight(go.double(), x.detach().double(), w.detach().double(), kwargs)
-        assert _rel(w.grad, ref) <= 2 * _rel(_torch_grad_weight(go, x.detach(), w.detach(), kwargs), ref) + 1e-6
+        ref = _torch_grad(WEIGHT, go.double(), x.double(), w.double(), kwargs)
+        assert _rel(w.grad, ref) <= 2 * _rel(_torch_grad(WEIGHT, go, x, w, kwargs), ref) + 1e-6
     finally:
         tuning.clear()

@@ -3,7 +3,9 @@
 grad_bias = grad_output.sum((0, 2, 3)) is summed in fixed chunks of rows into fp32 (fp64
 for float64) partials, which one more kernel adds up in chunk order: no atomics, so the
 result is bitwise reproducible.  Every split-K pass that needs one chunk only writes its
-result directly instead (``SINGLE_CHUNK``): no scratch and no reduce launch.
+result directly instead (``SINGLE_CHUNK``): no scratch and no reduce launch.  grad_weight's
+wgmma kernel writes its partials tap-major, so its reduce (:func:`plan_tap_major_reduce`)
+also moves the taps last, and only a one-tap layer's single chunk skips it.
 """
 from __future__ import annotations
 

@@ -325,37 +325,36 @@ WEIGHT_STAGES = 4
 WEIGHT_STAGE_CHOICES = (3, 4, 6)
 
 
-def weight_phases(g: Geometry) -> Tuple[int, int, int]:
-    """(the most taps one stride phase has, the widest spread of one phase's row shifts, of its column shifts).
+def _phase_shifts(g: Geometry) -> Tuple[List[List[int]], List[List[int]]]:
+    """Per stride phase of the rows, then of the columns, the shifts of its taps.
 
     Tap (kh, kw) reads grad_output row SH*(i + ah) + rh: rh = (kh*DH - PH) mod SH, ah = floor((kh*DH - PH) / SH).
     """
-    def shifts(k, s, d, p):
-        by_phase: Dict[int, List[int]] = {}
+    def per_phase(k, s, d, p):
+        shifts: List[List[int]] = [[] for _ in range(s)]
         for t in range(k):
-            by_phase.setdefault((t * d - p) % s, []).append((t * d - p) // s)
-        return max(len(a) for a in by_phase.values()), max(max(a) - min(a) for a in by_phase.values())
+            shifts[(t * d - p) % s].append((t * d - p) // s)
+        return shifts
 
     (kh, kw), (sh, sw) = g.kernel, g.params.stride
-    rows, span_h = shifts(kh, sh, g.params.dilation[0], g.params.padding[0])
-    cols, span_w = shifts(kw, sw, g.params.dilation[1], g.params.padding[1])
-    return rows * cols, span_h, span_w
+    return (per_phase(kh, sh, g.params.dilation[0], g.params.padding[0]),
+            per_phase(kw, sw, g.params.dilation[1], g.params.padding[1]))
+
+
+def weight_phases(g: Geometry) -> Tuple[int, int, int]:
+    """(the most taps one stride phase has, the widest spread of one phase's row shifts, of its column shifts)."""
+    rows, cols = ([a for a in side if a] for side in _phase_shifts(g))
+    spread = [max(max(a) - min(a) for a in side) for side in (rows, cols)]
+    return max(map(len, rows)) * max(map(len, cols)), spread[0], spread[1]
 
 
 def weight_tap_counts(g: Geometry, tap_group: int) -> int:
     """The taps a grad_weight block can hold with ``tap_group`` taps a block, as a bit mask (bit t: some block
-    has t taps): each stride phase's taps in chunks of ``tap_group``.  The kernel builds its loop once per count."""
-    def per_phase(k, s, d, p):
-        counts = [0] * s
-        for t in range(k):
-            counts[(t * d - p) % s] += 1
-        return counts
-
-    (kh, kw), (sh, sw) = g.kernel, g.params.stride
-    rows = per_phase(kh, sh, g.params.dilation[0], g.params.padding[0])
-    cols = per_phase(kw, sw, g.params.dilation[1], g.params.padding[1])
+    has t taps): each stride phase's taps in chunks of ``tap_group``.  Where every block has a full group the
+    kernel's MMA loop tests no tap."""
+    rows, cols = _phase_shifts(g)
     mask = 0
-    for taps in (r * c for r in rows for c in cols):
+    for taps in (len(r) * len(c) for r in rows for c in cols):
         for start in range(0, taps, tap_group):
             mask |= 1 << min(tap_group, taps - start)
     return mask
