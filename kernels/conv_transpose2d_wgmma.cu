@@ -24,6 +24,8 @@
 // runs ahead across tiles, so the next tile's halo and weights land while this tile's
 // MMAs and stores run.  The source is channels_last with 16-byte channel groups (an NCHW
 // source is copied into that form first); the destination may be either layout.
+// fp32 runs as TF32 (MMA_KIND 2): the producer rounds each halo vector to TF32 once it has
+// landed, and pack_weight rounds the weight, since wgmma would drop the low bits unrounded.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -72,7 +74,8 @@ constexpr int HALO_VECS = CHUNK_GROUPS * HALO_PIXELS;
 // them: 56 + 2 x 224 per thread-triple fills the register file.
 constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 
-static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "fp16 and bf16 so far (the stores move 16-bit values)");
+constexpr bool TF32 = KIND == MMA_TF32;
+static_assert(KIND == MMA_F16 || KIND == MMA_BF16 || (TF32 && sizeof(scalar_t) == 4), "fp16, bf16, or fp32 as TF32");
 static_assert(TILE_W % 8 == 0 && TILE_H % 8 == 0 && M_BLOCKS % CONSUMERS == 0, "whole 64-row MMA blocks per warpgroup");
 static_assert(CK % K_STEP == 0 && CG_K % VEC == 0, "chunks of whole MMA steps, channels in whole 16-byte groups");
 static_assert(B_STAGES >= 2 && HALO_STAGES >= 1, "pipeline depths");
@@ -195,7 +198,18 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                     const scalar_t* p = ok ? src_group + image * src_batch + (ih * W_SRC + iw) * C_SRC + k : src;
                     cp_async_16(halo + group * HALO_PLANE + pixel * 16, p, ok);
                 }
-                cp_async_arrive(full);
+                if constexpr (TF32) {
+                    // The tensor cores would truncate fp32 words; each thread rounds the vectors it copied
+                    // once they land, before its arrival hands the halo to the MMAs (the async proxy).
+                    cp_async_commit();
+                    cp_async_wait<0>();
+                    for (int v = ptid; v < HALO_VECS; v += 128)
+                        round_shared_tf32(halo + v % CHUNK_GROUPS * HALO_PLANE + v / CHUNK_GROUPS * 16);
+                    fence_async_shared();
+                    mbarrier_arrive(full);
+                } else {
+                    cp_async_arrive(full);
+                }
                 for (int t = 0; t < tap_n; ++t, ++b_iter) {
                     if (ptid == 0) {
                         const unsigned bar = smem_addr(&b_full[b_iter % B_STAGES]);
@@ -297,14 +311,8 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                         if (oc + 1 < CG_N) v1 += load(bias + g * CG_N + oc + 1);
                     }
                     if constexpr (DST_CL && CG_N % 2 == 0) {
-                        // Channel pairs are whole 4-byte words (the pointers are 16-byte aligned).
-                        if (oc < CG_N) {
-                            scalar_t pair[2];
-                            store(&pair[0], v0);
-                            store(&pair[1], v1);
-                            *reinterpret_cast<unsigned*>(out + oc) =
-                                static_cast<unsigned>(pair[0].bits) | static_cast<unsigned>(pair[1].bits) << 16;
-                        }
+                        // Channel pairs are whole words (the pointers are 16-byte aligned).
+                        if (oc < CG_N) store_pair(out + oc, v0, v1);
                     } else {
                         if (oc < CG_N) store(out + oc * (DST_CL ? 1 : dst_plane), v0);
                         if (oc + 1 < CG_N) store(out + (oc + 1) * (DST_CL ? 1 : dst_plane), v1);

@@ -7,6 +7,8 @@
 // With TILE_N > 0 the same values are ordered tile by tile instead, as the wgmma kernels'
 // bulk copies read them: [g][n tile][k chunk][tap][16-byte k group][n in tile][k in group],
 // TILE_N x TILE_K per (n tile, k chunk, tap), each tile one contiguous block.
+// ROUND_TF32 rounds fp32 values to TF32 (round to nearest, ties away), as the wgmma kernels, which
+// read TF32 operands straight from shared memory, need.
 typedef {{INDEX_T}} index_t;
 
 constexpr int MODE = {{MODE}};
@@ -17,7 +19,9 @@ constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr int N_PAD = {{N_PAD}}, K_PAD = {{K_PAD}};
 constexpr int BLOCK = {{BLOCK}};
 constexpr int TILE_N = {{TILE_N}}, TILE_K = {{TILE_K}};
+constexpr bool ROUND_TF32 = {{ROUND_TF32}};
 constexpr int VEC = 16 / ELEMENT_BYTES;
+static_assert(!ROUND_TF32 || ELEMENT_BYTES == 4, "TF32 rounding of fp32 words");
 static_assert(TILE_N == 0 || (N_PAD % TILE_N == 0 && K_PAD % TILE_K == 0 && TILE_K % VEC == 0), "whole tiles");
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;
@@ -55,6 +59,9 @@ pack_weight(const bits_t* __restrict__ weight, bits_t* __restrict__ packed) {
         if (n < CG_N && k < CG_K) {
             const int ic = MODE == 0 ? k : n, oc = MODE == 0 ? n : k;
             v = weight[((static_cast<index_t>(g) * CIN_G + ic) * COUT_G + oc) * TAPS + t];
+            // cvt.rna.tf32.f32 by bits, so the kernel builds for any architecture: half a TF32 unit added to the
+            // magnitude, the dropped bits cleared; Inf and NaN keep theirs.
+            if constexpr (ROUND_TF32) v = (v & 0x7f800000u) == 0x7f800000u ? v : (v + 0x1000u) & 0xffffe000u;
         }
         packed[e] = v;
     }

@@ -132,9 +132,12 @@ def base_cases() -> List[Case]:
     # so persistent blocks walk two tiles each and the producer runs ahead across tiles
     # (its mbarriers wrap their phases).  (One pixel would make channels_last and NCHW the
     # same memory, and the op would run the NCHW kernels.)
-    for dtype, layout in (("float16", "nhwc"), ("bfloat16", "nchw")):
-        cases.append(Case(f"wgmma-persistent-{dtype}-{layout}", (256, 16, 1, 2), (16, 64, 3, 3), _kw(), True,
-                          dtype, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
+    # float32 at TF32 precision runs them too, its producer rounding each halo vector in shared memory.
+    for dtype, precision, layout in (("float16", "strict", "nhwc"), ("bfloat16", "strict", "nchw"),
+                                     ("float32", "tf32", "nhwc")):
+        tag = "tf32" if precision == "tf32" else dtype
+        cases.append(Case(f"wgmma-persistent-{tag}-{layout}", (256, 16, 1, 2), (16, 64, 3, 3), _kw(), True,
+                          dtype, precision, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
     # grad_weight's wgmma kernel races the GEMM, so it runs pinned: four taps a block on a 4 x 4 stride-2 layer,
     # and on a 3 x 3 stride-1 one a last group of one tap; both split K across blocks.
     cases.append(Case("wgmma-grad-weight-float16-nhwc", (2, 16, 10, 9), (16, 16, 4, 4), _kw(stride=2, padding=1),
@@ -148,6 +151,7 @@ def base_cases() -> List[Case]:
     xs, ws, kw = GEMM_LAYERS["dense"]
     cases.append(Case("gemm-dense-float16-cupy", xs, ws, kw, True, "float16", api="cupy"))
     cases.append(Case("gemm-dense-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))
+    cases.append(Case("gemm-dense-tf32-nhwc-nonfinite", xs, ws, kw, True, "float32", "tf32", "nhwc", nonfinite=True))
     cases.append(Case("gemm-dense-float16-nhwc-nonfinite", xs, ws, kw, True, "float16", layout="nhwc",
                       nonfinite=True))
     return cases

@@ -159,11 +159,11 @@ def _source(plan, pointer_types: Sequence[str]) -> str:
     kernel = templates.render(spec.template, dict(spec.constants)).replace('extern "C" ', "")
     for ptx, cpp in _PTX_EQUIVALENTS.items():
         kernel = kernel.replace(ptx, cpp)
-    pointers = ", ".join(f"reinterpret_cast<{t}*>(data[{i}])" for i, t in enumerate(pointer_types))
-    scalars = ", ".join(f"static_cast<index_t>({s}LL)" for s in plan.scalars)
+    arguments = [f"reinterpret_cast<{t}*>(data[{i}])" for i, t in enumerate(pointer_types)]
+    arguments += [f"static_cast<index_t>({s}LL)" for s in plan.scalars]
     main = (_MAIN.replace("GRID_X", f"{plan.grid[0]}u").replace("GRID_Y", f"{plan.grid[1]}u")
             .replace("GRID_Z", f"{plan.grid[2]}u").replace("THREADS", str(plan.block[0]))
-            .replace("KERNEL_CALL", f"{spec.function}({pointers}, {scalars})"))
+            .replace("KERNEL_CALL", f"{spec.function}({', '.join(arguments)})"))
     return _SHIM + kernel + main
 
 

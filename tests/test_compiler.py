@@ -187,6 +187,20 @@ def _wgmma_plans():
         dtype, layout, _ = WGMMA_CASES[i % len(WGMMA_CASES)]
         add(f"{name}-grad_input-tile-{tile}-{dtype}-{layout}",
             wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS[name], dtype, layout, wgmma.TILES[tile]))
+    # TF32 (float32 at "tf32" precision): the forward on the dense layer in both layouts, with and without a bias,
+    # and on one and two consumer warpgroups; grad_input on the strided and grouped layers, both layouts, and
+    # on the 64-bit layer
+    for layout, bias in itertools.product(launch.LAYOUTS, (False, True)):
+        add(f"wgmma_dense_3x5-tf32-{layout}-{'bias' if bias else 'nobias'}",
+            wgmma.plan_forward(dense, "float32", bias, layout, precision="tf32"))
+    for tile in ("8x8x64", "16x16x128"):
+        add(f"wgmma-tf32-tile-{tile}", wgmma.plan_forward(dense, "float32", True, "nhwc", wgmma.TILES[tile],
+                                                            precision="tf32"))
+    for name, layout in itertools.product(("wgmma_grad_stride2", "wgmma_grad_grouped_odd"), launch.LAYOUTS):
+        add(f"{name}-grad_input-tf32-{layout}",
+            wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS[name], "float32", layout, precision="tf32"))
+    add("wgmma_huge_64bit-grad_input-tf32-nhwc",
+        wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS["wgmma_huge_64bit"], "float32", "nhwc", precision="tf32"))
     # grad_weight: every tile option of each layer, both kinds and layouts
     for name, g in WGMMA_GRAD_WEIGHT_LAYERS.items():
         for i, opts in enumerate(wgmma.grad_weight_options(g)):
@@ -225,7 +239,10 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {c["SINGLE_CHUNK"] for c in weights} == {True, False} and {c["MMA_KIND"] for c in weights} == {0, 1}
     assert {c["TAP_COUNTS"] == 1 << c["TAP_GROUP"] for c in weights} == {True, False}, "uniform and ragged tap groups"
     assert {c["TILE_H"] for c in weights} == {t.rows for t in wgmma.WEIGHT_TILES.values()} == {8, 16}
-    assert {c["MMA_KIND"] for c in hopper} == {0, 1} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
+    assert {c["MMA_KIND"] for c in hopper} == {0, 1, 2} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
+    tf32 = [c for c in hopper if c["MMA_KIND"] == 2]
+    assert {c["SCALAR_T"] for c in tf32} == {"float"} and {(c["MODE"], c["DST_CL"]) for c in tf32} == {
+        (0, False), (0, True), (1, False), (1, True)} and {c["WARPGROUPS"] for c in tf32} == {1, 2}
     assert {(c["DST_CL"], c["HAS_BIAS"]) for c in hopper} == {(False, False), (False, True), (True, False),
                                                               (True, True)}
     assert {wgmma.HaloTile(c["TILE_IMAGES"], c["TILE_H"], c["TILE_W"], c["BN"]).name for c in hopper} \
@@ -238,12 +255,13 @@ def test_variants_reach_every_template_and_both_index_widths():
     grad = [c for c in hopper if c["MODE"] == 1]
     assert {c["MODE"] for c in hopper} == {0, 1} and not any(c["HAS_BIAS"] for c in grad)
     assert {max(c["SH"], c["SW"]) for c in grad} >= {1, 2, 3} and any(c["SH"] == c["KH"] == 3 for c in grad)
-    assert {c["MMA_KIND"] for c in grad} == {0, 1} and {c["DST_CL"] for c in grad} == {True, False}
+    assert {c["MMA_KIND"] for c in grad} == {0, 1, 2} and {c["DST_CL"] for c in grad} == {True, False}
     assert {c["INDEX_T"] for c in grad} == {"int", "long long"} and {c["WARPGROUPS"] for c in grad} == {1, 2}
     assert any(c["CIN_G"] % 2 for c in grad) and any(c["TILE_IMAGES"] > 1 for c in grad)
     packs = [dict(s.constants) for s in PLANS if s.template == "pack_weight.cu"]
     assert {c["TILE_N"] > 0 for c in packs} == {True, False}, "weights packed row by row and tile by tile"
     assert {c["MODE"] for c in packs if c["TILE_N"] > 0} == {0, 1}, "tiles packed for both wgmma passes"
+    assert {(c["ROUND_TF32"], c["ELEMENT_BYTES"]) for c in packs} == {(False, 2), (False, 4), (True, 4)}
 
 
 def _compile_cases():

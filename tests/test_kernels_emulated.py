@@ -217,3 +217,45 @@ def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(rows, taps, c
         total += partials[c]   # fp32, in chunk order, as the kernel adds them
     expected = _values(_storage(total.T.astype(np.float64), dtype), dtype).ravel()
     np.testing.assert_array_equal(_values(out, dtype), expected)
+
+
+def _tf32_nearest_away(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to TF32 (10 mantissa bits, fp32's exponent range) to nearest, ties away from
+    zero, computed in float64 from each value's exponent: what cvt.rna.tf32.f32 gives."""
+    v = values.astype(np.float64)
+    out = v.copy()
+    finite = np.isfinite(v) & (v != 0)
+    _, exponent = np.frexp(np.abs(v[finite]))            # |v| = m * 2**exponent, m in [0.5, 1)
+    ulp = np.exp2(np.maximum(exponent - 1, -126) - 10)   # subnormals keep the smallest normal's unit
+    out[finite] = np.sign(v[finite]) * np.floor(np.abs(v[finite]) / ulp + 0.5) * ulp
+    with np.errstate(over="ignore"):
+        return out.astype(np.float32)                    # past the largest value: Inf, as the hardware rounds
+
+
+def test_weight_packed_for_tf32_wgmma_is_rounded_to_nearest():
+    """The wgmma kernels read TF32 operands unrounded from shared memory, so pack_weight rounds them: ties away
+    from zero, subnormals, the largest finite value (to Inf), Inf and NaN among random values; only the values
+    change, not where they go."""
+    from cupyconv.plans import gemm
+
+    g = geometry((1, 24, 3, 3), (24, 20, 3, 2), None, ConvParams.from_args(stride=2))
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal(g.weight_shape).astype(np.float32)
+    special = np.array([1 + 2 ** -11, -(1 + 2 ** -11), 1 + 3 * 2 ** -11, 1 + 2 ** -11 - 2 ** -23, 2 ** -140,
+                        -3 * 2 ** -137, np.finfo(np.float32).max, np.inf, -np.inf, np.nan], np.float32)
+    w.ravel()[:special.size] = special
+    bits = w.view(np.uint32)
+    for mode in (0, 1):
+        outs = []
+        for round_tf32 in (False, True):
+            plan = gemm.plan_pack_weight_padded(g, "float32", mode, 32, 32, (32, 8), round_tf32=round_tf32)
+            packed = np.zeros(plan.scratch_bytes // 4, np.uint32)
+            _, packed = cuda_emulator.run(plan, [bits, packed], ["unsigned int"] * 2)
+            outs.append(packed.view(np.float32))
+        plain, rounded = outs
+        assert np.isin(special[:-1], plain).all(), "the special values are packed"
+        np.testing.assert_array_equal(rounded, _tf32_nearest_away(plain))
+        assert np.isinf(rounded[plain == np.finfo(np.float32).max]).all()
+        assert (rounded[plain == np.float32(1 + 2 ** -11)] == np.float32(1 + 2 ** -10)).all(), "a tie, away"
+    with pytest.raises(ValueError, match="float32"):
+        gemm.plan_pack_weight_padded(g, "float16", 0, 32, 32, (32, 16), round_tf32=True)

@@ -38,8 +38,11 @@ from layers import Layer, tensor_core_layers  # noqa: E402
 
 FUNCTION = "conv_transpose2d_wgmma"
 WGMMA = Variant("wgmma")
-NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "tf32"}
+# float32 cases run at TF32 precision (torch's default for convolutions), whose inputs keep 10 mantissa bits
+EPS = {torch.float16: torch.finfo(torch.float16).eps, torch.bfloat16: torch.finfo(torch.bfloat16).eps,
+       torch.float32: 2.0 ** -10}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,8 +85,12 @@ class Case:
         return geometry(self.layer.input_shape, self.layer.weight_shape, None,
                         ConvParams.from_args(**self.layer.kwargs()))
 
+    @property
+    def precision(self) -> str:
+        return "tf32" if self.dtype == torch.float32 else "strict"
+
     def plan(self, dev, aligned=True):
-        return table.plan(self.pass_, self.variant, self.geometry, NAMES[self.dtype], self.layout, "strict",
+        return table.plan(self.pass_, self.variant, self.geometry, NAMES[self.dtype], self.layout, self.precision,
                           self.layer.bias and self.pass_ == "forward", aligned, dev.sm_count)
 
     def id(self, prefix) -> str:
@@ -306,6 +313,13 @@ def _inputs(case: Case, x, w, b):
     return x, w, b
 
 
+def _round_tf32(t):
+    """float32 values rounded to TF32 (10 mantissa bits, to nearest, ties away) as cvt.rna.tf32.f32 rounds, in
+    float64."""
+    bits = t.float().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).double()
+
+
 def _compare(case: Case, y, x, w, b):
     """Finite, every element near float64, and no worse than twice torch's error on the same inputs."""
     kwargs = case.layer.kwargs()
@@ -314,10 +328,15 @@ def _compare(case: Case, y, x, w, b):
     magnitude = F.conv_transpose2d(x.double().abs(), w.double().abs(), None if b is None else b.double().abs(),
                                    **kwargs)
     theirs = F.conv_transpose2d(x, w, b, **kwargs)
-    _near_float64(case, y, ref, magnitude, theirs)
+    floor = None
+    if case.dtype == torch.float32:
+        floor = F.conv_transpose2d(_round_tf32(x), _round_tf32(w), dbl(b), **kwargs)
+    _near_float64(case, y, ref, magnitude, theirs, floor)
 
 
-def _near_float64(case: Case, y, ref, magnitude, theirs):
+def _near_float64(case: Case, y, ref, magnitude, theirs, tf32_exact=None):
+    """``tf32_exact``: for TF32, the exact result on TF32-rounded operands.  cuDNN may run a float32 layer without
+    TF32 even where it is allowed, so torch's error is then taken as at least that result's."""
     assert y.dtype == case.dtype and y.shape == ref.shape
     if case.layout == "nhwc" and y.dim() == 4:
         assert y.is_contiguous(memory_format=torch.channels_last)
@@ -326,13 +345,15 @@ def _near_float64(case: Case, y, ref, magnitude, theirs):
     # Per element: fp32 accumulation of exact products and one rounding to the storage type stay
     # within twice the type's epsilon of the sum of the terms' magnitudes (exactly 0 where no
     # tap and no bias reaches an output).
-    eps = torch.finfo(case.dtype).eps
+    eps = EPS[case.dtype]
     bad = (y.double() - ref).abs() > 2 * eps * magnitude
     if bool(bad.any()):
         where = tuple(int(i) for i in bad.nonzero()[0])
         raise AssertionError(f"{int(bad.sum())} of {y.numel()} outputs off, first at {where}: "
                              f"{float(y[where])} vs {float(ref[where])} (magnitude {float(magnitude[where])})")
     ours, torchs = _rel(y, ref), _rel(theirs, ref)
+    if tf32_exact is not None:
+        torchs = max(torchs, _rel(tf32_exact, ref))
     assert ours <= 2 * torchs + 1e-6, f"error {ours:.3e} vs torch's {torchs:.3e}"
 
 
@@ -505,7 +526,9 @@ def _compare_grad_input(case: Case, gi, go, x, w):
     ref = _torch_grad(GRAD, go.double(), x.double(), w.double(), kwargs)
     magnitude = _torch_grad(GRAD, go.double().abs(), x.double(), w.double().abs(), kwargs)
     theirs = _torch_grad(GRAD, go, x, w, kwargs)
-    _near_float64(case, gi, ref, magnitude, theirs)
+    floor = _torch_grad(GRAD, _round_tf32(go), x.double(), _round_tf32(w), kwargs) \
+        if case.dtype == torch.float32 else None
+    _near_float64(case, gi, ref, magnitude, theirs, floor)
 
 
 def _check_grad_input(case: Case, seed=0, hopper=None):
@@ -575,6 +598,77 @@ def test_autograd_runs_grad_input_on_wgmma_on_sm_90(channels_last, hopper, monke
         assert len(copies) == (0 if channels_last else 2)
         assert tuning.chosen(GRAD, g, "float16", case.layout, "strict", hopper.index) == WGMMA
         _compare_grad_input(case, x.grad, go, x.detach(), w.detach())
+    finally:
+        tuning.clear()
+
+
+# ------------------------------------------------------------------------ TF32
+#
+# float32 at TF32 precision (torch's default for convolutions) runs the same kernel on wgmma's TF32 MMAs, the
+# halo rounded to TF32 in shared memory and the weight when it is packed; strict float32 never does.
+
+TF32 = torch.float32
+
+
+def _tf32_cases():
+    cases = [Case(layer, TF32, i % 2 == 1) for i, layer in enumerate(wgmma_layers(8, seed=31))]
+    cases += [Case(layer, TF32, i % 2 == 0, pass_=GRAD) for i, layer in enumerate(grad_input_layers(8, seed=37))]
+    for name, (batch, size) in SUITE.items():
+        layer = _suite_layer(name, batch, size)
+        for pass_, channels_last in ((p, cl) for p in ("forward", GRAD) for cl in (False, True)):
+            case = Case(replace(layer, bias=layer.bias and pass_ == "forward"), TF32, channels_last, pass_=pass_)
+            if wgmma.eligible(case.geometry, "float32", pass_, "tf32"):
+                cases.append(case)
+    cases += [Case(EVERY_TILE_LAYER, TF32, i % 2 == 0, Variant.make("wgmma", tile=name))
+              for i, name in enumerate(sorted(wgmma.TILES))]
+    cases += [Case(NO_TAP_LAYERS["empty_phases"], TF32, True), Case(UNBATCHED, TF32, False),
+              Case(replace(UNBATCHED, bias=False), TF32, False, weight_channels_last=True, pass_=GRAD)]
+    return cases
+
+
+TF32_CASES = _tf32_cases()
+
+
+@pytest.mark.parametrize("case", _params("tf32", TF32_CASES))
+def test_tf32_matches_float64(case, hopper):
+    """Every element within twice TF32's unit of float64 on the terms' magnitudes, and no worse than twice torch's
+    error (at least that of an exact sum of TF32-rounded products)."""
+    assert torch.backends.cudnn.allow_tf32, "torch's default: convolutions may use TF32"
+    assert wgmma.eligible(case.geometry, "float32", case.pass_, "tf32")
+    assert not wgmma.eligible(case.geometry, "float32", case.pass_, "strict")
+    check = _check if case.pass_ == "forward" else _check_grad_input
+    check(case, seed=200 + TF32_CASES.index(case), hopper=hopper)
+
+
+@pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "strict"])
+def test_float32_runs_wgmma_only_where_tf32_is_allowed(allow_tf32, hopper, monkeypatch):
+    """Untuned, a float32 layer like the suite's asym_kernel runs its forward and grad_input on the wgmma kernel
+    when torch allows TF32 for convolutions, and never when it does not (3xTF32 on the mma.sync GEMM: float32's
+    accuracy); either way the result is right."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
+    tuning.clear()
+    try:
+        case = Case(ASYM_LIKE, TF32, True)
+        x, w, b = _inputs(case, *_data(case.layer, TF32, 13))
+        go = _grad_data(case.layer, TF32, 14)[2].contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        with launch.watch() as seen:
+            y = ct.conv_transpose2d(x, w, b, **case.layer.kwargs())
+            y.backward(go)
+            torch.cuda.synchronize()
+        mains = [(plan.spec.function, dict(plan.spec.constants).get("MMA_KIND")) for stage, plan in seen
+                 if stage == "main"]
+        assert ((FUNCTION, 2) in mains) == allow_tf32, mains
+        assert sum(function == FUNCTION for function, _ in mains) == (2 if allow_tf32 else 0), mains
+        if allow_tf32:
+            _compare(case, y.detach(), x.detach(), w, b)
+            _compare_grad_input(replace(case, pass_=GRAD), x.grad, go, x.detach(), w)
+        else:
+            kwargs = case.layer.kwargs()
+            ref = F.conv_transpose2d(x.detach().double(), w.double(), b.double(), **kwargs)
+            assert _rel(y.detach(), ref) <= 1e-5, "strict float32 (3xTF32) stays within 1e-5"
+            assert _rel(x.grad, _torch_grad(GRAD, go.double(), x.detach().double(), w.double(), kwargs)) <= 1e-5
     finally:
         tuning.clear()
 

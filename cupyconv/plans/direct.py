@@ -336,7 +336,8 @@ class DirectFamily(Family):
     name = "direct"
     passes = ("forward", "grad_input", "grad_weight")
 
-    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
+                 precision: str = "strict") -> bool:
         return fits(g, dtype, layout)
 
     def races(self, pass_: str, g: Geometry, dtype: str) -> bool:

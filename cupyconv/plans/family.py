@@ -16,8 +16,10 @@ class Family:
     passes: Tuple[str, ...] = ()
     max_variants = 7   # candidates worth timing at most, the heuristic included
 
-    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
-        """Whether the family can run ``pass_`` of this layer on ``device``."""
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
+                 precision: str = "strict") -> bool:
+        """Whether the family can run ``pass_`` of this layer on ``device`` at ``precision`` (float32's
+        ``"tf32"`` or ``"strict"``)."""
         return True
 
     def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:

@@ -178,7 +178,8 @@ class LargeKernelFamily(Family):
     name = "large_kernel"
     passes = ("forward", "grad_input", "grad_weight")
 
-    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
+                 precision: str = "strict") -> bool:
         """Exactly the layers whose weights the direct kernels cannot stage."""
         return not direct.fits(g, dtype, layout)
 

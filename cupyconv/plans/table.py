@@ -47,13 +47,15 @@ def family(name: str) -> Family:
     return _BY_NAME[name]
 
 
-def eligible(pass_: str, g: Geometry, dtype: str, layout: str, device: Device = ASSUMED) -> Tuple[Family, ...]:
-    """The families that can run ``pass_`` of this layer on ``device``, in order of preference: the table's,
-    with a family that steps back for this layer (:meth:`Family.leads`) moved just behind the next one."""
+def eligible(pass_: str, g: Geometry, dtype: str, layout: str, device: Device = ASSUMED,
+             precision: str = "strict") -> Tuple[Family, ...]:
+    """The families that can run ``pass_`` of this layer on ``device`` at ``precision``, in order of preference:
+    the table's, with a family that steps back for this layer (:meth:`Family.leads`) moved just behind the next
+    one."""
     ordered: List[Family] = []
     stepped_back: List[Family] = []
     for f in families(pass_):
-        if not f.eligible(pass_, g, dtype, layout, device):
+        if not f.eligible(pass_, g, dtype, layout, device, precision):
             continue
         if f.leads(pass_, g, dtype):
             ordered += [f] + stepped_back
@@ -77,7 +79,7 @@ def candidates(pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precis
 def _candidates(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, device: Device,
                 _tensor_cores_enabled: bool) -> Tuple[Variant, ...]:
     # The TENSOR_CORES switch is part of the key: eligibility reads it.
-    fams = eligible(pass_, g, dtype, layout, device)
+    fams = eligible(pass_, g, dtype, layout, device, precision)
     if not fams:
         raise ValueError(f"no kernel family runs {pass_} of this layer")
     found: List[Variant] = []
@@ -119,7 +121,7 @@ def all_plans(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", pre
     activations.  ``families_named`` limits it to those families."""
     found: Dict[Plan, None] = {}
     for pass_ in PASSES:
-        fams = eligible(pass_, g, dtype, layout, device)
+        fams = eligible(pass_, g, dtype, layout, device, precision)
         for fam in fams:
             if families_named is not None and fam.name not in families_named:
                 continue

@@ -29,8 +29,17 @@ from .reduction import plan_tap_major_reduce
 from .sequences import PackedGemm, PassPlan, SplitK
 
 TARGET = "sm_90a"
-# wgmma kinds, as mma.cuh numbers them; float32 (TF32 and 3xTF32) is not built yet.
+# wgmma kinds, as mma.cuh numbers them.  float32 runs as TF32 where the precision allows it (forward and
+# grad_input); grad_weight's MN-major operands exist for 16-bit types only, and 3xTF32 stays on mma.sync.
 _KINDS = {"float16": 0, "bfloat16": 1}
+_TF32 = 2
+
+
+def mma_kind(dtype: str, precision: str = "strict") -> Optional[int]:
+    """The halo-tile kernel's MMA kind for ``dtype`` at ``precision``, or None where it has none."""
+    if dtype == "float32":
+        return _TF32 if precision == "tf32" else None
+    return _KINDS.get(dtype)
 # Dynamic shared memory a block may use on an H100 (227 KB), less the kernel's static tap table.
 SMEM_LIMIT = 227 * 1024 - 4096
 B_STAGES = 4   # weight buffers by default
@@ -185,14 +194,14 @@ def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
     return smem_bytes(g, dtype, tile, 32 // _itemsize(dtype), min(STAGE_CHOICES), pass_) <= SMEM_LIMIT
 
 
-def eligible(g: Geometry, dtype: str, pass_: str = "forward") -> bool:
-    """Whether the kernel can run this pass of the layer: fp16/bf16, source channels in whole
-    16-byte groups, 16 or more channels a group on both sides, a tile whose halo fits shared
-    memory, and grid limits (grad_weight: :func:`grad_weight_eligible`)."""
+def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "strict") -> bool:
+    """Whether the kernel can run this pass of the layer: fp16/bf16, or float32 at TF32 precision; source
+    channels in whole 16-byte groups, 16 or more channels a group on both sides, a tile whose halo fits
+    shared memory, and grid limits (grad_weight: :func:`grad_weight_eligible`)."""
     if pass_ == "grad_weight":
         return grad_weight_eligible(g, dtype)
     src, dst = _channels(g, pass_)
-    if dtype not in _KINDS or src % (16 // _itemsize(dtype)) or min(src, dst) < 16:
+    if mma_kind(dtype, precision) is None or src % (16 // _itemsize(dtype)) or min(src, dst) < 16:
         return False
     if not gemm.gemm_fits(g, dtype):
         return False
@@ -206,27 +215,32 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward") -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", tile: Optional[HaloTile] = None,
-                 stages: Optional[int] = None, sm_count: int = 132) -> PackedGemm:
+                 stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict") -> PackedGemm:
     """The forward as one halo-tile wgmma kernel per stride phase (grid z), after the weight repack
-    and, for NCHW input, the channels_last copy.
+    and, for NCHW input, the channels_last copy.  float32 needs ``precision="tf32"``: it runs as TF32,
+    rounded to nearest as the ``mma.sync`` kernels round.
 
     ``stages``: weight buffers (one of :data:`STAGE_CHOICES`; default :data:`B_STAGES`, fewer where
     shared memory runs out).  Blocks are persistent: about one per SM, each walking the tiles of its
     channel tile and phase.
     """
-    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count)
+    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count, precision)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[HaloTile] = None,
-                    stages: Optional[int] = None, sm_count: int = 132) -> PackedGemm:
+                    stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict") -> PackedGemm:
     """grad_input (a strided conv2d of grad_output) as one halo-tile wgmma kernel; see :func:`plan_forward`."""
-    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count)
+    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count, precision)
 
 
 def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile: Optional[HaloTile],
-          stages: Optional[int], sm_count: int) -> PackedGemm:
+          stages: Optional[int], sm_count: int, precision: str) -> PackedGemm:
     mode = _mode(pass_)
+    kind = mma_kind(dtype, precision)
+    if kind is None:
+        raise ValueError(f"the wgmma kernels take float16, bfloat16, or float32 at TF32 precision; got {dtype} "
+                         f"at {precision!r} precision")
     tile = tile or forward_tile(g, pass_, dtype)
     if stages is not None and stages not in STAGE_CHOICES:
         raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
@@ -253,7 +267,7 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     index_t = index_type(numel(g.input_shape), numel(g.output_shape),
                          g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad)
     constants = layer_constants(g, dtype, index_t)
-    constants.update(MODE=mode, MMA_KIND=_KINDS[dtype], TILE_IMAGES=tile.images, TILE_H=tile.tile_h,
+    constants.update(MODE=mode, MMA_KIND=kind, TILE_IMAGES=tile.images, TILE_H=tile.tile_h,
                      TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
                      HALO_STAGES=halo_stages(g, b_stages, pass_), HALO_H=halo_h, HALO_W=halo_w,
                      DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0)
@@ -266,7 +280,7 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
         src_total, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
     main = Plan(spec, (blocks, g.groups * n_tiles, phases), (128 * (tile.warpgroups + 1), 1, 1), sizes, index_t,
                 smem_bytes=smem)
-    pack = gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck))
+    pack = gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck), round_tf32=kind == _TF32)
     to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype) if layout == "nchw" else None
     return PackedGemm(pack, main, to_cl)
 
@@ -462,10 +476,11 @@ class WgmmaFamily(Family):
     passes = ("forward", "grad_input", "grad_weight")
     max_variants = 6
 
-    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device) -> bool:
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
+                 precision: str = "strict") -> bool:
         """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
-                and _eligible(g, dtype, pass_))
+                and _eligible(g, dtype, pass_, precision))
 
     def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:
         """grad_weight's kernel leads where a stride phase has two taps or more, which a block's tile then shares;
@@ -493,8 +508,8 @@ class WgmmaFamily(Family):
                 return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False)
             return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False)
         if forward:
-            return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count)
-        return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count)
+            return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count, precision)
+        return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count, precision)
 
     def clear(self) -> None:
         plan_forward.cache_clear()
@@ -504,8 +519,8 @@ class WgmmaFamily(Family):
 
 
 @functools.lru_cache(maxsize=1024)
-def _eligible(g: Geometry, dtype: str, pass_: str) -> bool:
-    return eligible(g, dtype, pass_)
+def _eligible(g: Geometry, dtype: str, pass_: str, precision: str) -> bool:
+    return eligible(g, dtype, pass_, precision)
 
 
 FAMILY = WgmmaFamily()

@@ -48,6 +48,20 @@ __device__ __forceinline__ void store(bf16_t* p, float v) {
     reinterpret_cast<unsigned short*>(p)[0] = bits;
 }
 
+// Two neighbouring values in one store; `p` is aligned to the pair (4 bytes for 16-bit types, 8 for fp32).
+struct __align__(8) float_pair { float x, y; };
+__device__ __forceinline__ void store_pair(float* p, float v0, float v1) {
+    *reinterpret_cast<float_pair*>(p) = float_pair{v0, v1};
+}
+template <typename T16>
+__device__ __forceinline__ void store_pair(T16* p, float v0, float v1) {
+    static_assert(sizeof(T16) == 2, "16-bit storage types");
+    T16 pair[2];
+    store(&pair[0], v0);
+    store(&pair[1], v1);
+    *reinterpret_cast<unsigned*>(p) = static_cast<unsigned>(pair[0].bits) | static_cast<unsigned>(pair[1].bits) << 16;
+}
+
 // What a split-K partial pass writes: acc_t partials that reduce_partials.cu adds up,
 // or, when the pass has one chunk (SINGLE_CHUNK), the result itself in the storage
 // type, which saves the reduce launch and the scratch.

@@ -34,6 +34,15 @@ __device__ __forceinline__ unsigned to_tf32(unsigned bits) {
     return r;
 }
 
+// Rounds the four fp32 words at a 16-byte aligned shared-memory address to TF32 in place: for
+// wgmma, whose tensor cores read TF32 operands from shared memory and drop the low bits unrounded.
+__device__ __forceinline__ void round_shared_tf32(unsigned address) {
+    unsigned v0, v1, v2, v3;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3) : "r"(address));
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                 ::"r"(address), "r"(to_tf32(v0)), "r"(to_tf32(v1)), "r"(to_tf32(v2)), "r"(to_tf32(v3)) : "memory");
+}
+
 __device__ __forceinline__ unsigned finite_or_zero(unsigned bits) {
     return (bits & 0x7f800000u) == 0x7f800000u ? 0u : bits;
 }

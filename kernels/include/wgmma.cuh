@@ -38,10 +38,13 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D[64 x N] (+)= A[64 x K] * B[K x N], K = 16 fp16/bf16 values,
+// D[64 x N] (+)= A[64 x K] * B[K x N], K = 16 fp16/bf16 values or 8 TF32 values (32 bytes either way),
 // A and B read through descriptors; accumulate = 0 overwrites D.  Each warp holds 16
 // rows of D: thread lane has rows lane / 4 and lane / 4 + 8, columns 8 j + 2 (lane % 4)
 // + {0, 1} in d[4 j + {0, 1}] and d[4 j + {2, 3}].
+//
+// TF32 operands are fp32 words whose low 13 mantissa bits the tensor cores ignore, so callers
+// round them (cvt.rna) before they reach shared memory; they are K-major only.
 //
 // MN_MAJOR = 1 sets both transpose bits (16-bit types only): A and B are then stored
 // MN-major, a core matrix being 8 rows of K of 16 bytes of M or N, 16 bytes apart; the
@@ -55,9 +58,9 @@ __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long lon
     Wgmma<KIND, N>::template mma<MN_MAJOR>(d, a, b, accumulate);
 }
 
-// One wgmma.mma_async for each N, fp16 or bf16 inputs: N / 2 accumulator registers, then the two
-// descriptors, the accumulate flag and the transpose immediates (both MN_MAJOR).  Only the register
-// lists and operand numbers differ between the shapes; the macros below spell them once.
+// One wgmma.mma_async for each N, fp16, bf16 or TF32 inputs: N / 2 accumulator registers, then the
+// two descriptors, the accumulate flag and the transpose immediates (both MN_MAJOR; TF32 takes none).
+// Only the register lists and operand numbers differ between the shapes; the macros below spell them once.
 #define WGMMA_REGS_16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define WGMMA_REGS_32 WGMMA_REGS_16 \
     ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -94,19 +97,28 @@ __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long lon
 #define WGMMA_INSTRUCTION(N, TYPE, REGS, A, B, P, T)                                                    \
     "{ .reg .pred p; setp.ne.b32 p, %" #P ", 0; wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." \
     TYPE " {" REGS "}, %" #A ", %" #B ", p, 1, 1, %" #T ", %" #T "; }"
+#define WGMMA_INSTRUCTION_TF32(N, REGS, A, B, P)                                                         \
+    "{ .reg .pred p; setp.ne.b32 p, %" #P ", 0; wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {" \
+    REGS "}, %" #A ", %" #B ", p, 1, 1; }"
 #define WGMMA_SHAPE(N, REGS, OUTS, A, B, P, T)                                                          \
     template <int KIND>                                                                               \
     struct Wgmma<KIND, N> {                                                                           \
-        static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "wgmma here takes fp16 or bf16 inputs");   \
+        static_assert(KIND == MMA_F16 || KIND == MMA_BF16 || KIND == MMA_TF32,                        \
+                      "wgmma here takes fp16, bf16 or TF32 inputs");                                  \
         template <int MN_MAJOR>                                                                       \
         static __device__ __forceinline__ void mma(float (&d)[N / 2], unsigned long long a,           \
                                                    unsigned long long b, int accumulate) {            \
             if constexpr (KIND == MMA_F16)                                                            \
                 asm volatile(WGMMA_INSTRUCTION(N, "f16", REGS, A, B, P, T)                            \
                              : OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(MN_MAJOR));                \
-            else                                                                                      \
+            else if constexpr (KIND == MMA_BF16)                                                      \
                 asm volatile(WGMMA_INSTRUCTION(N, "bf16", REGS, A, B, P, T)                           \
                              : OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(MN_MAJOR));                \
+            else {                                                                                    \
+                static_assert(KIND != MMA_TF32 || MN_MAJOR == 0, "TF32 operands are K-major only");   \
+                asm volatile(WGMMA_INSTRUCTION_TF32(N, REGS, A, B, P)                                 \
+                             : OUTS : "l"(a), "l"(b), "r"(accumulate));                               \
+            }                                                                                         \
         }                                                                                             \
     };
 
