@@ -359,6 +359,26 @@ def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
         assert (wgmma.weight_phases(g)[0] >= 2) == (name in ("asym_kernel", "big_square", "dcgan_up")), name
 
 
+def test_tf32_leads_where_it_beat_the_gemm_on_the_h100():
+    """float32 at TF32 precision: the wgmma kernel leads on the layers where it was faster than the mma.sync GEMM on
+    the H100 and steps back, still racing, where it was slower (NOTES v13: the models' layers and the suite's)."""
+    pix2pix = _g((16, 512, 32, 32), (512, 128, 4, 4), stride=2, padding=1)
+    dcgan_second = _g((128, 512, 4, 4), (512, 256, 4, 4), stride=2, padding=1)   # 4 x 4 grids: a quarter filled
+    unet = _g((8, 1024, 16, 16), (1024, 512, 2, 2), stride=2)                    # one tap a stride phase
+    dcgan_up = _g((64, 512, 8, 8), (512, 256, 4, 4), stride=2, padding=1)      # grad_input: 64 tiles
+    expected = {(pix2pix, "forward"): True, (pix2pix, "grad_input"): True, (dcgan_second, "forward"): False,
+                (dcgan_second, "grad_input"): False, (unet, "forward"): False, (unet, "grad_input"): False,
+                (dcgan_up, "forward"): True, (dcgan_up, "grad_input"): False,
+                (_suite_layer("asym_kernel"), "forward"): True, (_suite_layer("asym_kernel"), "grad_input"): True}
+    assert wgmma.tile_load(dcgan_second, wgmma.forward_tile(dcgan_second, "forward", "float32")) == (256, 0.25)
+    for (g, pass_), leads in expected.items():
+        assert wgmma.tf32_leads(g, pass_) == leads, (g.input_shape, pass_)
+        cands = table.candidates(pass_, g, "float32", "nchw", "tf32")
+        assert cands[0].family == ("wgmma" if leads else "gemm") and {"wgmma", "gemm"} <= {v.family for v in cands}
+        assert table.candidates(pass_, g, "float16", "nchw")[0].family == "wgmma", "fp16 and bf16 lead as before"
+        assert "wgmma" not in {v.family for v in table.candidates(pass_, g, "float32", "nchw", "strict")}
+
+
 def test_every_option_of_the_suite_layers_plans():
     for name in SUITE:
         g = _suite_layer(name)

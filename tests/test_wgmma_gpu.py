@@ -649,7 +649,9 @@ def test_float32_runs_wgmma_only_where_tf32_is_allowed(allow_tf32, hopper, monke
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
     tuning.clear()
     try:
-        case = Case(ASYM_LIKE, TF32, True)
+        # a batch of 8 at 48 x 64: tiles for most SMs, where TF32 leads (wgmma.tf32_leads)
+        case = Case(replace(ASYM_LIKE, batch=8, size=(48, 64)), TF32, True)
+        assert all(wgmma.tf32_leads(case.geometry, p) for p in ("forward", GRAD))
         x, w, b = _inputs(case, *_data(case.layer, TF32, 13))
         go = _grad_data(case.layer, TF32, 14)[2].contiguous(memory_format=torch.channels_last)
         x.requires_grad_()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..core import dtypes
-from ..core.device import WGMMA, Device
+from ..core.device import ASSUMED, WGMMA, Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
@@ -187,6 +187,26 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
     # fit, then the channel side nearest the preferred one
     narrow = [t for t in fitting if t.bn <= bn] or fitting
     return max(narrow, key=lambda t: (t.pixels, -abs(t.bn - bn)))
+
+
+def tile_load(g: Geometry, tile: HaloTile, pass_: str = "forward") -> Tuple[int, float]:
+    """(the tiles of a pass, counting every stride phase, N tile and group; the share of their pixels inside the
+    destination grid).  A small grid under an 8 x 8 patch leaves most of each tile's MMA rows idle."""
+    grid_h, grid_w = dst_grid(g, pass_)
+    per_image = cdiv(grid_h, tile.tile_h) * cdiv(grid_w, tile.tile_w)
+    tiles = cdiv(g.batch, tile.images) * per_image
+    phases = g.params.stride[0] * g.params.stride[1] if _mode(pass_) == 0 else 1
+    fill = g.batch * grid_h * grid_w / (tiles * tile.pixels)
+    return tiles * phases * g.groups * cdiv(_channels(g, pass_)[1], tile.bn), fill
+
+
+def tf32_leads(g: Geometry, pass_: str = "forward", sm_count: int = ASSUMED.sm_count) -> bool:
+    """Whether the TF32 kernel runs ahead of the ``mma.sync`` GEMM for float32: where a stride phase has two taps
+    or more (so taps share the halo), the heuristic tile's pixels are at least half inside the grid, and there
+    are tiles for at least half the SMs.  On the H100 (NOTES v13) it lost to the GEMM on each layer these rules
+    turn away: one tap a phase (unet's 2 x 2), 4 x 4 grids (DCGAN's second layer) and grad_input of 64 tiles."""
+    tiles, fill = tile_load(g, forward_tile(g, pass_, "float32"), pass_)
+    return weight_phases(g)[0] >= 2 and fill >= 0.5 and 2 * tiles >= sm_count
 
 
 def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
@@ -484,8 +504,11 @@ class WgmmaFamily(Family):
 
     def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:
         """grad_weight's kernel leads where a stride phase has two taps or more, which a block's tile then shares;
-        with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races it."""
-        return pass_ != "grad_weight" or weight_phases(g)[0] >= 2
+        with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races it.
+        float32 (TF32) leads as :func:`tf32_leads` says."""
+        if pass_ == "grad_weight":
+            return weight_phases(g)[0] >= 2
+        return dtype != "float32" or tf32_leads(g, pass_)
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
         found = grad_weight_options(g) if pass_ == "grad_weight" else options(g, pass_, dtype)
