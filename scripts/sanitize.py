@@ -138,6 +138,9 @@ def base_cases() -> List[Case]:
         tag = "tf32" if precision == "tf32" else dtype
         cases.append(Case(f"wgmma-persistent-{tag}-{layout}", (256, 16, 1, 2), (16, 64, 3, 3), _kw(), True,
                           dtype, precision, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
+    # a thin destination (three output channels) on N tiles of 8, persistent as above
+    cases.append(Case("wgmma-persistent-thin-bfloat16-nhwc", (256, 16, 1, 2), (16, 3, 4, 4), _kw(stride=2, padding=1),
+                      True, "bfloat16", layout="nhwc", variants=(("forward", "wgmma:4i8x8x8"),)))
     # grad_weight's wgmma kernel races the GEMM, so it runs pinned: four taps a block on a 4 x 4 stride-2 layer,
     # and on a 3 x 3 stride-1 one a last group of one tap; both split K across blocks.
     cases.append(Case("wgmma-grad-weight-float16-nhwc", (2, 16, 10, 9), (16, 16, 4, 4), _kw(stride=2, padding=1),

@@ -219,15 +219,19 @@ def test_no_wgmma_for_wide_floats(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_channels_per_group_must_be_whole_16_byte_groups_and_at_least_16(dtype):
+def test_source_channels_per_group_must_be_whole_16_byte_groups_and_at_least_16(dtype):
     def layer(cin, cout, groups=1):
         return _g((2, cin, 9, 11), (cin, cout // groups, 3, 3), stride=2, padding=1, groups=groups)
 
     assert wgmma.eligible(layer(16, 16), dtype) and wgmma.eligible(layer(24, 40), dtype)
     assert not wgmma.eligible(layer(20, 32), dtype), "20 input channels: 40 bytes, not whole 16-byte groups"
     assert not wgmma.eligible(layer(36, 32), dtype)
-    assert not wgmma.eligible(layer(8, 64), dtype) and not wgmma.eligible(layer(64, 8), dtype), "under 16"
-    assert not wgmma.eligible(layer(64, 12), dtype)
+    assert not wgmma.eligible(layer(8, 64), dtype), "under 16 source channels"
+    # a thin destination takes the N tiles of 8 and 16 (the forward of an RGB output layer); its grad_input,
+    # whose source that thin side is, stays off the kernel
+    for cout, bn in ((8, 8), (12, 16), (3, 8), (1, 8)):
+        assert wgmma.eligible(layer(64, cout), dtype) and not wgmma.eligible(layer(64, cout), dtype, "grad_input")
+        assert wgmma.forward_tile(layer(64, cout), "forward", dtype).bn == bn
     # output channels need no whole groups: the stores fall back to single elements
     assert wgmma.eligible(layer(16, 20), dtype) and wgmma.eligible(layer(32, 18), dtype)
     # per group, not in all
@@ -236,6 +240,30 @@ def test_channels_per_group_must_be_whole_16_byte_groups_and_at_least_16(dtype):
     assert not wgmma.eligible(layer(64, 64, groups=8), dtype), "8 channels a group"
     for g in (layer(20, 32), layer(8, 64)):
         assert wgmma.FAMILY not in table.eligible("forward", g, dtype, "nchw")
+
+
+def test_thin_destinations_take_narrow_n_tiles_and_wide_patches():
+    """An RGB output layer (pix2pix's 128 -> 3, DCGAN's 64 -> 3) runs its forward on 32 x 16 pixel patches of N 8,
+    and races only the thin tiles, never N tiles of 32 or more that would be mostly padding; 16 channels keep the
+    32-wide tile they had before the thin ones existed."""
+    for x, w in (((16, 128, 128, 128), (128, 3, 4, 4)), ((128, 64, 32, 32), (64, 3, 4, 4))):
+        g = _g(x, w, stride=2, padding=1)
+        for dtype in ("float16", "bfloat16", "float32"):
+            assert wgmma.forward_tile(g, "forward", dtype) == wgmma.TILES["32x16x8"]
+            tiles = {o.get("tile") for o in wgmma.options(g, "forward", dtype)} - {None}
+            assert tiles and all(wgmma.TILES[t].bn <= 16 for t in tiles), tiles
+        assert table.candidates("forward", g, "bfloat16", "nhwc")[0] == WGMMA
+        assert table.candidates("forward", g, "bfloat16", "nhwc")[-1].family == "direct", "the direct kernel races"
+        plan = table.plan("forward", WGMMA, g, "bfloat16", "nhwc", "strict", True)
+        c = _constants(plan.gemm)
+        assert (c["BN"], c["COUT_G"], c["TILE_H"], c["TILE_W"]) == (8, 3, 32, 16)
+        assert dict(plan.pack.spec.constants)["N_PAD"] == 8, "the weight's N is padded to one tile"
+    n16 = _g((2, 64, 20, 20), (64, 16, 3, 3), stride=2, padding=1)
+    assert wgmma.forward_tile(n16, "forward", "float16").bn == 32
+    assert "16x16x16" in {o.get("tile") for o in wgmma.options(n16, "forward", "float16")}
+    # a grid too large along y for one N tile of 8 per group plans nothing
+    many_groups = _g((1, 16 * 70000, 2, 2), (16 * 70000, 1, 1, 1), groups=70000)
+    assert not wgmma.eligible(many_groups, "float16")
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -293,7 +321,7 @@ def test_every_tile_fits_the_registers_and_the_warpgroups():
         assert t.name == name
         assert t.accumulators <= 128, name
         assert t.warpgroups in (1, 2) and t.pixels % (64 * t.warpgroups) == 0, name
-        assert t.tile_h % 8 == 0 and t.tile_w % 8 == 0 and t.bn in (32, 64, 128, 256), name
+        assert t.tile_h % 8 == 0 and t.tile_w % 8 == 0 and t.bn in (8, 16, 32, 64, 128, 256), name
         # 64-row MMA blocks of 8 x 8 pixels, all of one image
         assert t.accumulators == t.pixels // (64 * t.warpgroups) * t.bn // 2
     assert "8x8x256" not in wgmma.TILES, "one warpgroup's 64 x 256 spilled"
@@ -661,9 +689,10 @@ def test_grad_input_eligibility_follows_grad_outputs_channels_per_group(dtype):
     # ...and the other way round: grad_in's 20 channels are only stored, element by element where odd
     assert not wgmma.eligible(grad_only, dtype) and wgmma.eligible(grad_only, dtype, GRAD)
     assert wgmma.eligible(layer(18, 16), dtype, GRAD) and wgmma.eligible(layer(17, 16), dtype, GRAD)
-    # under 16 on either side
-    assert not wgmma.eligible(layer(8, 64), dtype, GRAD) and not wgmma.eligible(layer(64, 8), dtype, GRAD)
-    assert not wgmma.eligible(layer(12, 64), dtype, GRAD)
+    # under 16 on the source side (grad_output's); a thin grad_in takes the N tiles of 8 and 16
+    assert not wgmma.eligible(layer(64, 8), dtype, GRAD)
+    assert wgmma.eligible(layer(8, 64), dtype, GRAD) and wgmma.eligible(layer(12, 64), dtype, GRAD)
+    assert wgmma.forward_tile(layer(12, 64), GRAD, dtype).bn == 16
     # per group, not in all
     assert wgmma.eligible(layer(48, 48, groups=3), dtype, GRAD)
     assert not wgmma.eligible(layer(64, 40, groups=2), dtype, GRAD), "20 grad_output channels a group"

@@ -78,13 +78,22 @@ class HaloTile:
 
 
 # At most 128 accumulators a thread; a single warpgroup's 64 x 256 leave it too few
-# registers besides (it spilled), so there is no 8x8x256.
+# registers besides (it spilled), so there is no 8x8x256.  N of 8 and 16 serve thin
+# destinations (an RGB output layer), whose MMAs would otherwise be mostly padding.
 TILES = {t.name: t for t in (HaloTile(1, 16, 16, 128), HaloTile(1, 32, 8, 128), HaloTile(1, 8, 16, 256),
                              HaloTile(1, 16, 8, 256), HaloTile(1, 16, 16, 64), HaloTile(1, 8, 16, 128),
                              HaloTile(1, 16, 8, 128), HaloTile(1, 8, 8, 128), HaloTile(1, 8, 8, 64),
                              HaloTile(4, 8, 8, 128), HaloTile(2, 8, 8, 256), HaloTile(4, 8, 8, 64),
                              HaloTile(2, 8, 8, 128), HaloTile(1, 32, 16, 64), HaloTile(1, 16, 16, 32),
-                             HaloTile(1, 32, 16, 32), HaloTile(4, 8, 8, 32))}
+                             HaloTile(1, 32, 16, 32), HaloTile(4, 8, 8, 32), HaloTile(1, 32, 16, 16),
+                             HaloTile(1, 16, 16, 16), HaloTile(4, 8, 8, 16), HaloTile(1, 32, 16, 8),
+                             HaloTile(1, 16, 16, 8), HaloTile(4, 8, 8, 8))}
+
+
+def narrowest_bn(channels: int) -> int:
+    """The N tile the heuristic gives a destination of ``channels`` channels a group, at most 32: 8 or 16 for
+    thinner ones than 16 (before those tiles, 16 channels took 32-wide tiles, and still do)."""
+    return 8 if channels <= 8 else 16 if channels < 16 else 32
 
 
 def phase_offsets(g: Geometry) -> List[Tuple[List[int], List[int]]]:
@@ -173,9 +182,12 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
     does not fit shared memory, the fitting tile of the most pixels."""
     grid_h, grid_w = dst_grid(g, pass_)
     n = _channels(g, pass_)[1]
-    bn = 32 if n <= 32 else 64 if n <= 64 else 128
+    bn = narrowest_bn(n) if n <= 32 else 64 if n <= 64 else 128
     if grid_h <= 8 and grid_w <= 8:
-        preferred = TILES[f"4i8x8x{bn}"] if g.batch >= 4 or bn == 32 else TILES[f"8x8x{bn}"]
+        preferred = TILES[f"4i8x8x{bn}"] if g.batch >= 4 or bn <= 32 else TILES[f"8x8x{bn}"]
+    elif bn < 32:
+        # thin: few accumulators, so twice the pixels (each halo copy then serves more MMA rows)
+        preferred = TILES[f"32x16x{bn}"] if grid_h > 16 else TILES[f"16x16x{bn}"]
     else:
         preferred = TILES[f"32x8x{bn}"] if grid_w <= 8 and bn == 128 else TILES[f"16x16x{bn}"]
     if _fits(g, dtype, preferred, pass_):
@@ -216,12 +228,12 @@ def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
 
 def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "strict") -> bool:
     """Whether the kernel can run this pass of the layer: fp16/bf16, or float32 at TF32 precision; source
-    channels in whole 16-byte groups, 16 or more channels a group on both sides, a tile whose halo fits
-    shared memory, and grid limits (grad_weight: :func:`grad_weight_eligible`)."""
+    channels in whole 16-byte groups, 16 or more of them a group (destinations may be thinner: N tiles of 8
+    and 16), a tile whose halo fits shared memory, and grid limits (grad_weight: :func:`grad_weight_eligible`)."""
     if pass_ == "grad_weight":
         return grad_weight_eligible(g, dtype)
     src, dst = _channels(g, pass_)
-    if mma_kind(dtype, precision) is None or src % (16 // _itemsize(dtype)) or min(src, dst) < 16:
+    if mma_kind(dtype, precision) is None or src % (16 // _itemsize(dtype)) or src < 16:
         return False
     if not gemm.gemm_fits(g, dtype):
         return False
@@ -230,7 +242,7 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "
         return False
     if not any(_fits(g, dtype, t, pass_) for t in TILES.values()):
         return False
-    return g.groups * cdiv(dst, 32) <= GRID_YZ_LIMIT
+    return g.groups * cdiv(dst, narrowest_bn(dst)) <= GRID_YZ_LIMIT
 
 
 @functools.lru_cache(maxsize=1024)
@@ -281,6 +293,8 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     phases = g.params.stride[0] * g.params.stride[1] if mode == 0 else 1
     tiles = cdiv(g.batch, tile.images) * cdiv(grid_h, tile.tile_h) * cdiv(grid_w, tile.tile_w)
     n_tiles = cdiv(dst_channels, tile.bn)
+    if g.groups * n_tiles > GRID_YZ_LIMIT:
+        raise ValueError(f"tile {tile.name} needs {g.groups * n_tiles} blocks along grid y, over {GRID_YZ_LIMIT}")
     blocks = min(tiles, max(1, sm_count // (g.groups * n_tiles * phases)))
     n_pad = n_tiles * tile.bn
     k_pad = cdiv(src_channels, ck) * ck
@@ -318,6 +332,9 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List
     # Larger patches first: they read the weights fewer times.
     for tile in sorted(TILES.values(), key=lambda t: -t.pixels * t.bn):
         if tile.bn > 32 and n <= tile.bn // 2:
+            continue
+        # the thin tiles for thin destinations, not wider tiles that would be mostly padding
+        if (tile.bn < 32 and n > tile.bn) or (tile.bn >= 32 and n < 16):
             continue
         if tile.tile_h > 8 * cdiv(grid_h, 8) or tile.tile_w > 8 * cdiv(grid_w, 8):
             continue

@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors, the
 // fences and commit/wait groups around the asynchronous MMAs, and the MMAs
-// themselves for N = 32, 64, 128 and 256 with fp32 accumulators.
+// themselves for N = 8, 16, 32, 64, 128 and 256 with fp32 accumulators.
 //
 // Both operands come from shared memory in the no-swizzle ("interleaved") layout, K-major
 // by default: a core matrix is 8 rows (of M or N) of 16 bytes of K, stored as 128
@@ -61,7 +61,9 @@ __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long lon
 // One wgmma.mma_async for each N, fp16, bf16 or TF32 inputs: N / 2 accumulator registers, then the
 // two descriptors, the accumulate flag and the transpose immediates (both MN_MAJOR; TF32 takes none).
 // Only the register lists and operand numbers differ between the shapes; the macros below spell them once.
-#define WGMMA_REGS_16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WGMMA_REGS_4 "%0, %1, %2, %3"
+#define WGMMA_REGS_8 WGMMA_REGS_4 ", %4, %5, %6, %7"
+#define WGMMA_REGS_16 WGMMA_REGS_8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define WGMMA_REGS_32 WGMMA_REGS_16 \
     ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define WGMMA_REGS_64 WGMMA_REGS_32 \
@@ -72,8 +74,9 @@ __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long lon
     ", %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" \
     ", %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111" \
     ", %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define WGMMA_OUTS_16 \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+#define WGMMA_OUTS_4 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+#define WGMMA_OUTS_8 WGMMA_OUTS_4, "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define WGMMA_OUTS_16 WGMMA_OUTS_8, \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define WGMMA_OUTS_32 WGMMA_OUTS_16, \
     "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
@@ -122,6 +125,8 @@ __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long lon
         }                                                                                             \
     };
 
+WGMMA_SHAPE(8, WGMMA_REGS_4, WGMMA_OUTS_4, 4, 5, 6, 7)
+WGMMA_SHAPE(16, WGMMA_REGS_8, WGMMA_OUTS_8, 8, 9, 10, 11)
 WGMMA_SHAPE(32, WGMMA_REGS_16, WGMMA_OUTS_16, 16, 17, 18, 19)
 WGMMA_SHAPE(64, WGMMA_REGS_32, WGMMA_OUTS_32, 32, 33, 34, 35)
 WGMMA_SHAPE(128, WGMMA_REGS_64, WGMMA_OUTS_64, 64, 65, 66, 67)
