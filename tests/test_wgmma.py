@@ -228,10 +228,11 @@ def test_source_channels_per_group_must_be_whole_16_byte_groups_and_at_least_16(
     assert not wgmma.eligible(layer(36, 32), dtype)
     assert not wgmma.eligible(layer(8, 64), dtype), "under 16 source channels"
     # a thin destination takes the N tiles of 8 and 16 (the forward of an RGB output layer); its grad_input,
-    # whose source that thin side is, stays off the kernel
+    # whose source that thin side is, stays off the kernel, and so does a grad_input into a thin input
     for cout, bn in ((8, 8), (12, 16), (3, 8), (1, 8)):
         assert wgmma.eligible(layer(64, cout), dtype) and not wgmma.eligible(layer(64, cout), dtype, "grad_input")
         assert wgmma.forward_tile(layer(64, cout), "forward", dtype).bn == bn
+        assert not wgmma.eligible(layer(cout, 64), dtype, "grad_input"), "grad_input into a thin input"
     # output channels need no whole groups: the stores fall back to single elements
     assert wgmma.eligible(layer(16, 20), dtype) and wgmma.eligible(layer(32, 18), dtype)
     # per group, not in all
@@ -691,10 +692,9 @@ def test_grad_input_eligibility_follows_grad_outputs_channels_per_group(dtype):
     # ...and the other way round: grad_in's 20 channels are only stored, element by element where odd
     assert not wgmma.eligible(grad_only, dtype) and wgmma.eligible(grad_only, dtype, GRAD)
     assert wgmma.eligible(layer(18, 16), dtype, GRAD) and wgmma.eligible(layer(17, 16), dtype, GRAD)
-    # under 16 on the source side (grad_output's); a thin grad_in takes the N tiles of 8 and 16
-    assert not wgmma.eligible(layer(64, 8), dtype, GRAD)
-    assert wgmma.eligible(layer(8, 64), dtype, GRAD) and wgmma.eligible(layer(12, 64), dtype, GRAD)
-    assert wgmma.forward_tile(layer(12, 64), GRAD, dtype).bn == 16
+    # under 16 on either side: thin destinations are the forward's alone
+    assert not wgmma.eligible(layer(8, 64), dtype, GRAD) and not wgmma.eligible(layer(64, 8), dtype, GRAD)
+    assert not wgmma.eligible(layer(12, 64), dtype, GRAD)
     # per group, not in all
     assert wgmma.eligible(layer(48, 48, groups=3), dtype, GRAD)
     assert not wgmma.eligible(layer(64, 40, groups=2), dtype, GRAD), "20 grad_output channels a group"

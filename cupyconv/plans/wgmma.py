@@ -40,6 +40,8 @@ def mma_kind(dtype: str, precision: str = "strict") -> Optional[int]:
     if dtype == "float32":
         return _TF32 if precision == "tf32" else None
     return _KINDS.get(dtype)
+
+
 # Dynamic shared memory a block may use on an H100 (227 KB), less the kernel's static tap table.
 SMEM_LIMIT = 227 * 1024 - 4096
 B_STAGES = 4   # weight buffers by default
@@ -229,16 +231,18 @@ def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
 def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "strict") -> bool:
     """Whether the kernel can run this pass of the layer: fp16/bf16, or float32 at TF32 precision; source
     channels in whole 16-byte groups, 16 or more of them a group; destinations of 16 or more channels a group,
-    or thinner ones on N tiles of 8 and 16 in fp16/bf16; a tile whose halo fits shared memory, and grid limits
-    (grad_weight: :func:`grad_weight_eligible`).
+    or, for the fp16/bf16 forward, thinner ones on N tiles of 8 and 16; a tile whose halo fits shared memory,
+    and grid limits (grad_weight: :func:`grad_weight_eligible`).
 
-    Thin float32 destinations stay on the direct kernels, which were 3.4x faster on pix2pix's RGB output layer
-    (NOTES v13) and exact to float32 where TF32 is not."""
+    Thin destinations are measured on RGB output layers' forward only (NOTES v13).  In float32 they stay on the
+    direct kernels, which were 3.4x faster on pix2pix's and exact to float32 where TF32 is not; grad_input into
+    a thin input (the grouped layers' few channels a group) keeps the direct kernels, which lead there."""
     if pass_ == "grad_weight":
         return grad_weight_eligible(g, dtype)
     src, dst = _channels(g, pass_)
     kind = mma_kind(dtype, precision)
-    if kind is None or src % (16 // _itemsize(dtype)) or src < 16 or (kind == _TF32 and dst < 16):
+    thin_ok = kind != _TF32 and _mode(pass_) == 0
+    if kind is None or src % (16 // _itemsize(dtype)) or src < 16 or (dst < 16 and not thin_ok):
         return False
     if not gemm.gemm_fits(g, dtype):
         return False
