@@ -54,6 +54,7 @@ from cupyconv.plans.launch import Recorder  # noqa: E402
 from cupyconv.jit.compiler import compile_many  # noqa: E402
 from cupyconv.core.geometry import ConvParams, geometry, output_size  # noqa: E402
 from layers import uses_gemm  # noqa: E402
+from tf32 import round_tf32  # noqa: E402
 
 EXAMPLES = int(os.environ.get("CUPYCONV_FUZZ_EXAMPLES", "200"))
 BATCH = max(1, int(os.environ.get("CUPYCONV_FUZZ_BATCH", "20")))
@@ -243,12 +244,6 @@ def _aligned_for_torch(kind: str) -> str:
     return {"offset": "contiguous", "offset_channels_last": "channels_last"}.get(kind, kind)
 
 
-def _round_tf32(t):
-    """Round to TF32 (10 mantissa bits, to nearest, ties away), as cvt.rna.tf32.f32 does."""
-    bits = t.float().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).double()
-
-
 def _run(fn, x, w, b, go, case: FuzzCase):
     """(output, grad_input, grad_weight, grad_bias) of ``fn``; None for gradients not asked for."""
     want = (case.grads[0], case.grads[1], case.grads[2] and b is not None)
@@ -382,8 +377,8 @@ def check_case(case: FuzzCase) -> dict:
             except RuntimeError:  # torch has no kernel for this layout/dtype: fixed bounds below
                 theirs = [None] * 4
             if case.mode == "tf32":
-                rounded = _run(F.conv_transpose2d, _round_tf32(x64), _round_tf32(w64),
-                               None if b64 is None else b64.clone(), _round_tf32(go64), case)
+                rounded = _run(F.conv_transpose2d, round_tf32(x64), round_tf32(w64),
+                               None if b64 is None else b64.clone(), round_tf32(go64), case)
                 floor = [0.0 if r is None else _rel_err(a, r) for a, r in zip(rounded, ref)]
         x, w, b, go = data()
         layout = _layout(case, g, x, w)

@@ -28,6 +28,7 @@ from cupyconv.tuning import Variant  # noqa: E402
 from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
 
 from layers import Layer, tensor_core_layers, uses_gemm  # noqa: E402
+from tf32 import round_tf32  # noqa: E402
 
 CASES = [  # (dtype, allow_tf32)
     (torch.float32, False), (torch.float32, True), (torch.float16, False), (torch.bfloat16, False)]
@@ -77,12 +78,6 @@ def _run(fn, x, w, b, go, layer, dtype, channels_last):
     return y.detach(), xs.grad, ws.grad, None if bs is None else bs.grad
 
 
-def _round_tf32(t):
-    """Round to TF32 (10 mantissa bits, to nearest, ties away) as cvt.rna.tf32.f32 does."""
-    bits = t.float().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).double()
-
-
 def _rel_err(got, ref):
     return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
@@ -110,7 +105,7 @@ def test_gemm_matches_float64(index, case, channels_last, tf32_flag):
     names = ("output", "grad_input", "grad_weight", "grad_bias")
     floor = [0.0] * 4
     if allow_tf32:
-        rounded = _run(F.conv_transpose2d, _round_tf32(x), _round_tf32(w), b, _round_tf32(go), layer,
+        rounded = _run(F.conv_transpose2d, round_tf32(x), round_tf32(w), b, round_tf32(go), layer,
                        torch.float64, False)
         floor = [None if r is None else _rel_err(a, r) for a, r in zip(rounded, ref)]
     if channels_last and layer.batch is not None:

@@ -35,6 +35,7 @@ from cupyconv.plans.launch import cdiv  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
 from layers import Layer, tensor_core_layers  # noqa: E402
+from tf32 import round_tf32  # noqa: E402
 
 FUNCTION = "conv_transpose2d_wgmma"
 WGMMA = Variant("wgmma")
@@ -313,13 +314,6 @@ def _inputs(case: Case, x, w, b):
     return x, w, b
 
 
-def _round_tf32(t):
-    """float32 values rounded to TF32 (10 mantissa bits, to nearest, ties away) as cvt.rna.tf32.f32 rounds, in
-    float64."""
-    bits = t.float().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).double()
-
-
 def _compare(case: Case, y, x, w, b):
     """Finite, every element near float64, and no worse than twice torch's error on the same inputs."""
     kwargs = case.layer.kwargs()
@@ -330,7 +324,7 @@ def _compare(case: Case, y, x, w, b):
     theirs = F.conv_transpose2d(x, w, b, **kwargs)
     floor = None
     if case.dtype == torch.float32:
-        floor = F.conv_transpose2d(_round_tf32(x), _round_tf32(w), dbl(b), **kwargs)
+        floor = F.conv_transpose2d(round_tf32(x), round_tf32(w), dbl(b), **kwargs)
     _near_float64(case, y, ref, magnitude, theirs, floor)
 
 
@@ -526,17 +520,24 @@ def _compare_grad_input(case: Case, gi, go, x, w):
     ref = _torch_grad(GRAD, go.double(), x.double(), w.double(), kwargs)
     magnitude = _torch_grad(GRAD, go.double().abs(), x.double(), w.double().abs(), kwargs)
     theirs = _torch_grad(GRAD, go, x, w, kwargs)
-    floor = _torch_grad(GRAD, _round_tf32(go), x.double(), _round_tf32(w), kwargs) \
+    floor = _torch_grad(GRAD, round_tf32(go), x.double(), round_tf32(w), kwargs) \
         if case.dtype == torch.float32 else None
     _near_float64(case, gi, ref, magnitude, theirs, floor)
 
 
-def _check_grad_input(case: Case, seed=0, hopper=None):
-    assert case.pass_ == GRAD
+def _pinned_grad(case: Case, seed, hopper):
+    """The case's gradient pass on its data, pinned: (the gradient, grad_output, x, the weight); with ``hopper``,
+    the launches must be exactly the pinned variant's plan."""
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
-    gi, seen = _run_grad(case, go, x, w)
+    grad, seen = _run_grad(case, go, x, w)
     if hopper is not None:
         assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
+    return grad, go, x, w
+
+
+def _check_grad_input(case: Case, seed=0, hopper=None):
+    assert case.pass_ == GRAD
+    gi, go, x, w = _pinned_grad(case, seed, hopper)
     _compare_grad_input(case, gi, go, x, w)
     return gi
 
@@ -740,10 +741,7 @@ WEIGHT_SUITE_CASES = _weight_suite_cases()
 
 def _check_grad_weight(case: Case, seed=0, hopper=None):
     assert case.pass_ == WEIGHT
-    x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
-    gw, seen = _run_grad(case, go, x, w)
-    if hopper is not None:
-        assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
+    gw, go, x, w = _pinned_grad(case, seed, hopper)
     kwargs = case.layer.kwargs()
     ref = _torch_grad(WEIGHT, go.double(), x.double(), w.double(), kwargs)
     magnitude = _torch_grad(WEIGHT, go.double().abs(), x.double().abs(), w.double(), kwargs)

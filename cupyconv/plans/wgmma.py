@@ -32,14 +32,16 @@ TARGET = "sm_90a"
 # wgmma kinds, as mma.cuh numbers them.  float32 runs as TF32 where the precision allows it (forward and
 # grad_input); grad_weight's MN-major operands exist for 16-bit types only, and 3xTF32 stays on mma.sync.
 _KINDS = {"float16": 0, "bfloat16": 1}
-_TF32 = 2
+_TF32 = gemm.MMA_TF32
 
 
 def mma_kind(dtype: str, precision: str = "strict") -> Optional[int]:
-    """The halo-tile kernel's MMA kind for ``dtype`` at ``precision``, or None where it has none."""
-    if dtype == "float32":
-        return _TF32 if precision == "tf32" else None
-    return _KINDS.get(dtype)
+    """The halo-tile kernel's MMA kind for ``dtype`` at ``precision`` (the ``mma.sync`` GEMMs' numbering), or None
+    where it has none: float64, and 3xTF32."""
+    if dtype not in _KINDS and dtype != "float32":
+        return None
+    kind = gemm.mma_kind(dtype, precision)
+    return None if kind == gemm.MMA_3XTF32 else kind
 
 
 # Dynamic shared memory a block may use on an H100 (227 KB), less the kernel's static tap table.
