@@ -22,6 +22,7 @@
 #include "mma.cuh"
 #include "wgmma.cuh"
 #include "cp_async_pipeline.cuh"
+#include "grad_weight_phase_taps.cuh"
 
 constexpr int KIND = {{MMA_KIND}};
 constexpr int WARPGROUPS = {{WARPGROUPS}};   // each owns 64 input channels of the tile
@@ -56,9 +57,6 @@ static_assert(!SINGLE_CHUNK || TAPS == 1, "the tap-major partials are the weight
 static_assert(TAP_GROUP >= 1 && TAP_GROUP <= 4, "a block accumulates one to four taps");
 static_assert(STAGES >= 3, "one tile copied ahead and one whose MMAs are in flight");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
-
-// floor(a / b) for b > 0
-__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 // A ring of STAGES buffers with LOOKAHEAD tiles copied ahead, and each step's MMAs left in
 // flight while the next step waits, issues its copies and starts its own: the buffer a step
@@ -126,30 +124,12 @@ conv_transpose2d_grad_weight_wgmma(const scalar_t* __restrict__ x, const scalar_
     const int m0 = (blockIdx.y / N_TILES) * BM, n0 = (blockIdx.y % N_TILES) * BN;
 
     if (tid == 0) {
-        // The phase's taps in row-major order; this block takes chunk `chunk` of them.  The halo
-        // starts at the smallest shift of the phase, so every chunk of it fits SPAN_H x SPAN_W.
-        int seen = 0, count = 0, lo_h = 1 << 30, lo_w = 1 << 30;
-        for (int kh = 0; kh < KH; ++kh) {
-            if (((kh * DH - PH) % SH + SH) % SH != rh) continue;
-            for (int kw = 0; kw < KW; ++kw) {
-                if (((kw * DW - PW) % SW + SW) % SW != rw) continue;
-                lo_h = min(lo_h, floor_div(kh * DH - PH, SH));
-                lo_w = min(lo_w, floor_div(kw * DW - PW, SW));
-                if (seen / TAP_GROUP == chunk) tap_ids[count++] = kh * KW + kw;
-                ++seen;
-            }
-        }
-        for (int t = 0; t < count; ++t) {
-            const int kh = tap_ids[t] / KW, kw = tap_ids[t] % KW;
-            tap_offsets[t] = ((floor_div(kh * DH - PH, SH) - lo_h) * HALO_W + floor_div(kw * DW - PW, SW) - lo_w) * 16;
-        }
-        tap_count = count;
-        base_h = lo_h;
-        base_w = lo_w;
+        tap_count = find_phase_taps<TAP_GROUP>(rh, rw, chunk, HALO_W, tap_ids, tap_offsets, base_h, base_w);
+        for (int t = 0; t < tap_count; ++t) tap_offsets[t] *= 16;   // halo pixels -> bytes
     }
     __syncthreads();
     const int taps = tap_count;
-    if (taps == 0) return;   // a phase with fewer taps than chunks of the widest phase (uniform per block)
+    if (taps == 0) return;   // uniform per block
     const int lo_h = base_h, lo_w = base_w;
 
     const index_t tiles_w = (W + TILE_W - 1) / TILE_W, tiles_h = (H + TILE_H - 1) / TILE_H;
@@ -197,21 +177,5 @@ conv_transpose2d_grad_weight_wgmma(const scalar_t* __restrict__ x, const scalar_
     // partial[split][tap][g*CIN_G + ic][oc], one copy per split (grad_weight itself for SINGLE_CHUNK)
     partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G
                      + static_cast<index_t>(g) * CIN_G * COUT_G;
-#pragma unroll
-    for (int t = 0; t < TAP_GROUP; ++t) {
-        if (t >= taps) continue;
-        partial_t* tap_out = out + static_cast<index_t>(tap_ids[t]) * CIN * COUT_G;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int ic = m0 + wg * 64 + warp * 16 + lane / 4 + h * 8;
-            if (ic >= CIN_G) continue;
-#pragma unroll
-            for (int jn = 0; jn < BN / 8; ++jn)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const int oc = n0 + jn * 8 + (lane % 4) * 2 + q;
-                    if (oc < COUT_G) store(tap_out + static_cast<index_t>(ic) * COUT_G + oc, acc[t][jn * 4 + h * 2 + q]);
-                }
-        }
-    }
+    store_tap_partials<TAP_GROUP, BN>(acc, taps, tap_ids, out, m0, n0, wg, warp, lane);
 }

@@ -22,6 +22,8 @@ ARCHS = ("compute_80", "compute_90")
 TARGET_ARCHS = {"sm_90a": "compute_90a"}
 WGMMA_TEMPLATE = "conv_transpose2d_wgmma.cu"
 WGMMA_GRAD_WEIGHT_TEMPLATE = "conv_transpose2d_grad_weight_wgmma.cu"
+WGMMA_TF32_WEIGHT_TEMPLATE = "conv_transpose2d_grad_weight_wgmma_tf32.cu"
+HOPPER_TEMPLATES = (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE, WGMMA_TF32_WEIGHT_TEMPLATE)
 DTYPES = dtypes.NAMES
 
 # Layers chosen to reach every tiling branch of the planners: one or many stride phases,
@@ -154,6 +156,17 @@ WGMMA_GRAD_WEIGHT_LAYERS = {
     # 20 rows: the 16-row tiles too, their last K step half past the input
     "tall_4x4": _layer((2, 64, 20, 12), (64, 64, 4, 4), stride=2, padding=1),
 }
+# TF32 grad_weight's K steps follow the input's size: 2 x 8 pixels, 4 x 4, 2 x 2 with four image groups, and
+# one row of two with image groups (a 1 x 1 input); channels in no whole 16-byte runs, and a 64-bit layer
+WGMMA_TF32_WEIGHT_LAYERS = {
+    **{name: WGMMA_GRAD_WEIGHT_LAYERS[name] for name in ("4x4_stride2", "3x5_stride1", "3x1_dilated", "one_tile_1x1")},
+    "4x4_input": _layer((128, 136, 4, 4), (136, 72, 4, 4), stride=2, padding=1),
+    "2x2_input": _layer((16, 64, 2, 2), (64, 48, 4, 4), stride=2, padding=1),
+    "1x1_input_grouped": _layer((9, 34, 1, 1), (34, 17, 3, 3), stride=1, padding=1, groups=2),
+    "huge_64bit": _layer((4096, 64, 64, 128), (64, 16, 2, 2), stride=2),
+    # one K step of a 1x1 kernel: the single K range writes grad_weight itself
+    "one_step_1x1": _layer((4, 64, 2, 8), (64, 64, 1, 1), stride=2),
+}
 
 def _wgmma_plans():
     seen = {}
@@ -215,6 +228,16 @@ def _wgmma_plans():
             dtype, layout, _ = WGMMA_CASES[i % len(WGMMA_CASES)]
             add(f"{name}-grad_weight-{opts.get('tile', 'heuristic')}-{dtype}-{layout}",
                 wgmma.plan_grad_weight(g, dtype, 132, layout, wgmma.WEIGHT_TILES.get(opts.get("tile"))))
+    # TF32 grad_weight: every tile option of each layer, the layouts in turn, and the ring depths that fit
+    for name, g in WGMMA_TF32_WEIGHT_LAYERS.items():
+        for i, opts in enumerate(wgmma.tf32_weight_options(g)):
+            layout = launch.LAYOUTS[i % 2]
+            add(f"{name}-grad_weight-tf32-{opts.get('tile', 'heuristic')}-{layout}",
+                wgmma.plan_grad_weight_tf32(g, 132, layout, wgmma.TF32_WEIGHT_TILES.get(opts.get("tile"))))
+    for stages in (3, 4):   # six stages of this tile do not fit shared memory
+        add(f"4x4_stride2-grad_weight-tf32-stages-{stages}",
+            wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS["4x4_stride2"], 132, "nhwc",
+                                        wgmma.TF32_WEIGHT_TILES["64x64x4"], stages))
     return seen
 
 
@@ -239,14 +262,21 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(gemm.STAGE_CHOICES)
     assert {c["VEC"] for c in grad_weight} == {True, False}
     hopper = [dict(s.constants) for s in PLANS if s.template == WGMMA_TEMPLATE]
-    hopper_templates = (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE)
-    assert {s.target for s in PLANS if s.template in hopper_templates} == {wgmma.TARGET}
-    assert {s.target for s in PLANS if s.template not in hopper_templates} == {""}
+    assert {s.target for s in PLANS if s.template in HOPPER_TEMPLATES} == {wgmma.TARGET}
+    assert {s.target for s in PLANS if s.template not in HOPPER_TEMPLATES} == {""}
     weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]
     assert {c["TAP_GROUP"] for c in weights} == {t.taps for t in wgmma.WEIGHT_TILES.values()}
     assert {c["SINGLE_CHUNK"] for c in weights} == {True, False} and {c["MMA_KIND"] for c in weights} == {0, 1}
     assert {c["TAP_COUNTS"] == 1 << c["TAP_GROUP"] for c in weights} == {True, False}, "uniform and ragged tap groups"
     assert {c["TILE_H"] for c in weights} == {t.rows for t in wgmma.WEIGHT_TILES.values()} == {8, 16}
+    tf32_weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_TF32_WEIGHT_TEMPLATE]
+    assert {(c["TILE_H"], c["TILE_W"], c["QUADS"]) for c in tf32_weights} >= {(2, 8, 1), (4, 4, 1), (2, 2, 4),
+                                                                               (1, 2, 3)}
+    assert {c["NHWC"] for c in tf32_weights} == {True, False} and {c["STAGES"] for c in tf32_weights} == {3, 4}
+    assert {c["TAP_GROUP"] for c in tf32_weights} == {t.taps for t in wgmma.TF32_WEIGHT_TILES.values()}
+    assert {c["SINGLE_CHUNK"] for c in tf32_weights} == {True, False}
+    assert {c["INDEX_T"] for c in tf32_weights} == {"int", "long long"}
+    assert any(c["CIN_G"] % 8 or c["COUT_G"] % 8 for c in tf32_weights), "channels in no whole 16-byte runs"
     assert {c["MMA_KIND"] for c in hopper} == {0, 1, 2} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
     tf32 = [c for c in hopper if c["MMA_KIND"] == 2]
     assert {c["SCALAR_T"] for c in tf32} == {"float"} and {(c["MODE"], c["DST_CL"]) for c in tf32} == {
@@ -296,7 +326,7 @@ def test_template_compiles(spec, arch):
     assert f".entry {spec.function}" in ptx
     assert f".target sm_{arch.split('_')[1]}" in ptx
     # warpgroup MMAs only where the target allows them, and there for real
-    assert ("wgmma.mma_async" in ptx) == (spec.template in (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE))
+    assert ("wgmma.mma_async" in ptx) == (spec.template in HOPPER_TEMPLATES)
     if spec.template == WGMMA_TEMPLATE:
         assert ".target sm_90a" in ptx and "wgmma.fence" in ptx and "wgmma.wait_group" in ptx
 
@@ -496,6 +526,24 @@ def test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile
     assert split.partial.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
 
 
+TF32_WEIGHT_SPILL_CASES = [(layer, opts.get("tile"), layout) for layer, g in WGMMA_TF32_WEIGHT_LAYERS.items()
+                           for opts in wgmma.tf32_weight_options(g) for layout in launch.LAYOUTS
+                           if layer != "huge_64bit"]
+
+
+@pytest.mark.parametrize("layer,tile,layout", TF32_WEIGHT_SPILL_CASES,
+                         ids=[f"{layer}-{tile or 'heuristic'}-{layout}" for layer, tile, layout in TF32_WEIGHT_SPILL_CASES])
+def test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile, layout):
+    split = wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS[layer], 132, layout,
+                                        wgmma.TF32_WEIGHT_TILES.get(tile))
+    log = _ptxas_log(split.partial.spec)
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found and found.groups() == ("0", "0", "0"), log
+    assert "serialized" not in log and "Performance Loss" not in log, log
+    static = re.search(r"(\d+) bytes smem", log)
+    assert split.partial.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
+
+
 def test_the_wgmma_transpose_immediates_follow_the_operand_majors():
     """The forward and grad_input read K-major operands (transpose immediates 0, 0); grad_weight reads both
     MN-major (1, 1)."""
@@ -507,3 +555,7 @@ def test_the_wgmma_transpose_immediates_follow_the_operand_majors():
     assert immediates(wgmma.plan_grad_weight(g, "bfloat16", 132, "nhwc").partial.spec) == {("1", "1")}
     assert immediates(wgmma.plan_forward(g, "bfloat16", False, "nhwc").gemm.spec) == {("0", "0")}
     assert immediates(wgmma.plan_grad_input(g, "float16", "nhwc").gemm.spec) == {("0", "0")}
+    # TF32 takes no transpose immediates: K-major operands only
+    spec = wgmma.plan_grad_weight_tf32(g, 132, "nchw").partial.spec
+    tf32 = compile_ptx(spec.source(), spec.function, "compute_90a", spec.options[:1])
+    assert re.search(r"wgmma\.mma_async[^;]*?k8\.f32\.tf32\.tf32[^;]*?, 1, 1;", tf32, re.S)

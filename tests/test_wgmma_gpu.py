@@ -485,7 +485,7 @@ def _run_grad(case: Case, go, x, w, expect_function: Optional[str] = None):
     the launches it made; ``expect_function`` (default: the pass's wgmma kernel) must be among them."""
     grad_input = case.pass_ == GRAD
     if expect_function is None:
-        expect_function = FUNCTION if grad_input else WEIGHT_FUNCTION
+        expect_function = FUNCTION if grad_input else WEIGHT_TF32_FUNCTION if case.dtype == TF32 else WEIGHT_FUNCTION
     _poison(tuple((x if grad_input else w).shape), case.dtype)
     kw = case.layer.kwargs()
     with torch.no_grad(), tuning.pinned({case.pass_: case.variant}), launch.watch() as seen:
@@ -714,6 +714,7 @@ def test_thin_destinations_match_float64(case, hopper):
 
 WEIGHT = "grad_weight"
 WEIGHT_FUNCTION = "conv_transpose2d_grad_weight_wgmma"
+WEIGHT_TF32_FUNCTION = "conv_transpose2d_grad_weight_wgmma_tf32"
 WEIGHT_PER_GROUP = (16, 24, 40, 64, 72, 136, 200)
 
 
@@ -746,9 +747,11 @@ def _check_grad_weight(case: Case, seed=0, hopper=None):
     ref = _torch_grad(WEIGHT, go.double(), x.double(), w.double(), kwargs)
     magnitude = _torch_grad(WEIGHT, go.double().abs(), x.double().abs(), w.double(), kwargs)
     theirs = _torch_grad(WEIGHT, go, x, w, kwargs)
+    floor = _torch_grad(WEIGHT, round_tf32(go), round_tf32(x), w.double(), kwargs) \
+        if case.dtype == torch.float32 else None
     # grad_weight's layout is the weight's own (cupyconv returns it contiguous or as the weight is)
     check = replace(case, channels_last=False) if not w.is_contiguous(memory_format=torch.channels_last) else case
-    _near_float64(check, gw, ref, magnitude, theirs)
+    _near_float64(check, gw, ref, magnitude, theirs, floor)
     return gw
 
 
@@ -801,5 +804,83 @@ def test_autograd_runs_the_pinned_wgmma_grad_weight(channels_last, hopper, monke
         kwargs = case.layer.kwargs()
         ref = _torch_grad(WEIGHT, go.double(), x.double(), w.double(), kwargs)
         assert _rel(w.grad, ref) <= 2 * _rel(_torch_grad(WEIGHT, go, x, w, kwargs), ref) + 1e-6
+    finally:
+        tuning.clear()
+
+
+# ------------------------------------------------------------------------ TF32 grad_weight
+#
+# float32 grad_weight at TF32 precision has its own kernel: K runs over (pixel, four images), each word copied
+# alone, so any channel count and either layout is read in place; strict float32 stays on mma.sync.
+
+TF32_WEIGHT_PER_GROUP = (16, 17, 24, 40, 64, 72, 100, 136)
+
+
+def _tf32_weight_cases():
+    layers = grad_input_layers(16, 43, TF32_WEIGHT_PER_GROUP, TF32_WEIGHT_PER_GROUP)
+    # batches that four images a K step do not divide, inputs of one and two pixels a side (image groups fill
+    # the K step), a 4 x 4 input (4 x 4 pixel patches), and pix2pix's shape at a small batch
+    layers += [Layer(6, 64, 40, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (16, 16), ""),
+               Layer(5, 48, 64, (4, 4), (2, 2), (1, 1), (1, 0), (1, 1), 1, False, (2, 2), ""),
+               Layer(9, 34, 34, (3, 3), (1, 1), (1, 1), (0, 0), (1, 1), 2, False, (1, 1), ""),
+               Layer(7, 136, 72, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (4, 4), ""),
+               Layer(4, 256, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (13, 11), ""),
+               replace(UNBATCHED, bias=False)]
+    cases = [Case(layer, TF32, i % 2 == 0, pass_=WEIGHT) for i, layer in enumerate(layers)]
+    for name, (batch, size) in SUITE.items():
+        layer = replace(_suite_layer(name, batch, size), bias=False)
+        g = Case(layer, TF32, False).geometry
+        for i, opts in enumerate(wgmma.tf32_weight_options(g)):
+            cases.append(Case(layer, TF32, i % 2 == 1, Variant.make("wgmma", **opts), pass_=WEIGHT))
+    return cases
+
+
+TF32_WEIGHT_CASES = _tf32_weight_cases()
+
+
+@pytest.mark.parametrize("case", _params("tf32_gw", TF32_WEIGHT_CASES))
+def test_tf32_grad_weight_matches_float64(case, hopper):
+    """As the forward's TF32 cases: within twice TF32's unit of float64 on the terms' magnitudes, and no worse
+    than twice torch's error (at least that of an exact sum of TF32-rounded products); only at TF32 precision."""
+    assert torch.backends.cudnn.allow_tf32
+    assert wgmma.grad_weight_eligible(case.geometry, "float32", "tf32")
+    assert not wgmma.grad_weight_eligible(case.geometry, "float32", "strict")
+    _check_grad_weight(case, seed=300 + TF32_WEIGHT_CASES.index(case), hopper=hopper)
+
+
+def test_tf32_grad_weight_splits_in_fixed_order(hopper):
+    """K split across blocks and reduced in a fixed order: two runs agree bit for bit."""
+    layer = Layer(16, 64, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (32, 32), "")
+    case = Case(layer, TF32, False, pass_=WEIGHT)
+    assert case.plan(hopper).reduce is not None, "this layer's K is split"
+    first = _check_grad_weight(case, seed=5, hopper=hopper)
+    x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 5))
+    again, _ = _run_grad(case, go, x, w)
+    assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "strict"])
+def test_float32_grad_weight_runs_wgmma_only_at_tf32(allow_tf32, hopper, monkeypatch):
+    """autograd's backward of a float32 layer runs the TF32 grad_weight kernel where torch allows TF32, and the
+    mma.sync GEMM (3xTF32) where it does not; w.grad is right either way."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
+    tuning.clear()
+    try:
+        case = Case(Layer(8, 64, 48, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (12, 16), ""), TF32, False,
+                    pass_=WEIGHT)
+        x, w, go = _grad_inputs(case, *_grad_data(case.layer, TF32, 13))
+        w.requires_grad_()
+        y = ct.conv_transpose2d(x, w, None, **case.layer.kwargs())
+        with launch.watch() as seen:
+            y.backward(go)
+            torch.cuda.synchronize()
+        ran = {plan.spec.function for _, plan in seen}
+        assert (WEIGHT_TF32_FUNCTION in ran) == allow_tf32, ran
+        ref = _torch_grad(WEIGHT, go.double(), x.double(), w.double(), case.layer.kwargs())
+        theirs = _torch_grad(WEIGHT, go, x, w, case.layer.kwargs())
+        floor = _torch_grad(WEIGHT, round_tf32(go), round_tf32(x), w.double(), case.layer.kwargs())
+        bound = 2 * max(_rel(theirs, ref), _rel(floor, ref)) if allow_tf32 else 1e-5
+        assert _rel(w.grad, ref) <= bound + 1e-6
     finally:
         tuning.clear()

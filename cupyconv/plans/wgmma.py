@@ -8,7 +8,9 @@ stride phase, so each tap still reads contiguous rows.  The weight is repacked p
 for the ``mma.sync`` GEMMs, and NCHW sources are copied into channels_last scratch first,
 as there.  grad_weight is the ``mma.sync`` family's split-K GEMM per tap with wgmma for
 its math (``kernels/conv_transpose2d_grad_weight_wgmma.cu``): pixel tiles land channel
-group by channel group, which makes both operands MN-major.  Built for exactly sm_90
+group by channel group, which makes both operands MN-major.  TF32 takes K-major operands only, so float32's
+grad_weight (``kernels/conv_transpose2d_grad_weight_wgmma_tf32.cu``) runs K over (pixel, four images) and
+copies word by word, reading either layout in place.  Built for exactly sm_90
 (``sm_90a`` code runs on no other architecture); other GPUs keep the ``gemm`` family.
 """
 from __future__ import annotations
@@ -29,8 +31,8 @@ from .reduction import plan_tap_major_reduce
 from .sequences import PackedGemm, PassPlan, SplitK
 
 TARGET = "sm_90a"
-# wgmma kinds, as mma.cuh numbers them.  float32 runs as TF32 where the precision allows it (forward and
-# grad_input); grad_weight's MN-major operands exist for 16-bit types only, and 3xTF32 stays on mma.sync.
+# wgmma kinds, as mma.cuh numbers them.  float32 runs as TF32 where the precision allows it (grad_weight on its
+# own kernel, whose operands are K-major as TF32 needs); 3xTF32 stays on mma.sync.
 _KINDS = {"float16": 0, "bfloat16": 1}
 _TF32 = gemm.MMA_TF32
 
@@ -240,7 +242,7 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "
     direct kernels, which were 3.4x faster on pix2pix's and exact to float32 where TF32 is not; grad_input into
     a thin input (the grouped layers' few channels a group) keeps the direct kernels, which lead there."""
     if pass_ == "grad_weight":
-        return grad_weight_eligible(g, dtype)
+        return grad_weight_eligible(g, dtype, precision)
     src, dst = _channels(g, pass_)
     kind = mma_kind(dtype, precision)
     thin_ok = kind != _TF32 and _mode(pass_) == 0
@@ -445,11 +447,16 @@ def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
     return stages * (tile.bm // 8 * odd_slots(tile.rows * 8) + tile.bn // 8 * odd_slots(halo)) * 16
 
 
-def grad_weight_eligible(g: Geometry, dtype: str) -> bool:
-    """fp16/bf16 with whole 16-byte channel runs on both sides, 16 or more channels a group, the GEMMs' grid
-    limits, and a halo that fits shared memory."""
+def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> bool:
+    """16 or more channels a group on both sides, the GEMMs' grid limits, and a halo that fits shared memory;
+    fp16/bf16 with whole 16-byte channel runs (:func:`plan_grad_weight`), or float32 at TF32 precision
+    (:func:`plan_grad_weight_tf32`, which copies word by word)."""
+    if min(g.in_per_group, g.out_per_group) < 16 or not gemm.gemm_fits(g, dtype):
+        return False
+    if dtype == "float32":
+        return (mma_kind(dtype, precision) == _TF32
+                and tf32_weight_smem_bytes(g, TF32_WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT)
     return (dtype in _KINDS and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
-            and min(g.in_per_group, g.out_per_group) >= 16 and gemm.gemm_fits(g, dtype)
             and weight_smem_bytes(g, WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT)
 
 
@@ -500,6 +507,119 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     return SplitK(partial, reduce, sources)
 
 
+# TF32 grad_weight (conv_transpose2d_grad_weight_wgmma_tf32.cu): K runs over (pixel, four images), so its K step
+# is a few groups of four images x a pixel patch, and its tiles' sides and tap groups are the 16-bit kernel's.
+TF32_WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(128, 64, 4), WeightTile(64, 128, 2),
+                                         WeightTile(128, 128, 2), WeightTile(128, 128, 1))}
+TF32_STEP_SLOTS = 16   # (pixel, image group) slots in a K step: 64 words of K, eight MMAs a tap
+
+
+@dataclass(frozen=True)
+class ImageStep:
+    """A TF32 grad_weight K step: ``quads`` groups of four images x ``rows`` x ``cols`` input pixels."""
+
+    rows: int
+    cols: int
+    quads: int
+
+
+def tf32_weight_step(g: Geometry) -> ImageStep:
+    """The widest pixel patch of :data:`TF32_STEP_SLOTS` slots that the input fills (an MMA takes two pixels of
+    a row, so at least two columns), with image groups making up the rest, up to the batch's."""
+    h, w = g.in_size
+    cols = 8 if w >= 6 else 4 if w >= 3 else 2
+    rows = min(TF32_STEP_SLOTS // cols, 1 << (h.bit_length() - 1))
+    quads = max(1, min(TF32_STEP_SLOTS // (rows * cols), cdiv(g.batch, 4)))
+    return ImageStep(rows, cols, quads)
+
+
+def tf32_weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
+    """Shared memory of the TF32 grad_weight ring: per stage a 16-byte slot per (channel, slot) of the x tile
+    and of the grad_output halo, each slot's plane padded by 16 bytes."""
+    step = tf32_weight_step(g)
+    _, span_h, span_w = weight_phases(g)
+    slots = step.quads * step.rows * step.cols
+    halo_slots = step.quads * (step.rows + span_h) * (step.cols + span_w)
+    return stages * (slots * (tile.bm * 16 + 16) + halo_slots * (tile.bn * 16 + 16))
+
+
+def tf32_weight_tile(g: Geometry) -> WeightTile:
+    """Four taps where a stride phase has four or more, two where it has two or three, else one; 128 input
+    channels a tile where a group has more than 64; the first of those whose shortest ring fits shared memory,
+    else 64 x 64 x 4 (which :func:`grad_weight_eligible` requires to fit)."""
+    phase_taps = weight_phases(g)[0]
+    wide = g.in_per_group > 64
+    if phase_taps >= 4:
+        names = ["128x64x4"] * wide + ["64x64x4"]
+    elif phase_taps >= 2:
+        names = ["128x128x2"] * wide + ["64x128x2"]
+    else:
+        names = ["128x128x1"]
+    for name in names:
+        if tf32_weight_smem_bytes(g, TF32_WEIGHT_TILES[name], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT:
+            return TF32_WEIGHT_TILES[name]
+    return TF32_WEIGHT_TILES["64x64x4"]
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw", tile: Optional[WeightTile] = None,
+                          stages: Optional[int] = None) -> SplitK:
+    """float32 grad_weight at TF32 precision as split-K wgmma GEMMs per (group, stride phase, group of taps) and
+    the fixed-order reduction, reading either layout in place.  ``stages`` defaults to the deepest ring up to
+    :data:`WEIGHT_STAGES` that fits shared memory."""
+    tile = tile or tf32_weight_tile(g)
+    if stages is not None and stages not in WEIGHT_STAGE_CHOICES:
+        raise ValueError(f"stages must be one of {WEIGHT_STAGE_CHOICES} for grad_weight, got {stages}")
+    ring = stages or WEIGHT_STAGES
+    while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and tf32_weight_smem_bytes(g, tile, ring) > SMEM_LIMIT:
+        ring -= 1
+    smem = tf32_weight_smem_bytes(g, tile, ring)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"grad_weight tile {tile.name} with {ring} stages does not fit shared memory")
+    step = tf32_weight_step(g)
+    phase_taps, span_h, span_w = weight_phases(g)
+    tap_chunks = cdiv(phase_taps, tile.taps)
+    phases = g.params.stride[0] * g.params.stride[1]
+    h, w = g.in_size
+    k_tiles = cdiv(g.batch, 4 * step.quads) * cdiv(h, step.rows) * cdiv(w, step.cols)
+    channel_tiles = cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn)
+    tap_blocks = g.groups * phases * tap_chunks
+    splits = max(1, min(cdiv(2 * sm_count, tap_blocks * channel_tiles), cdiv(k_tiles, 2), 512))
+    per_split = cdiv(k_tiles, splits)
+    splits = cdiv(k_tiles, per_split)
+    weight_elems = numel(g.weight_shape)
+    taps = g.kernel[0] * g.kernel[1]
+    direct = splits == 1 and taps == 1
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
+    constants = layer_constants(g, "float32", index_t)
+    constants.update(WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps, TAP_CHUNKS=tap_chunks,
+                     TAP_COUNTS=weight_tap_counts(g, tile.taps), TILE_H=step.rows, TILE_W=step.cols,
+                     QUADS=step.quads, SPAN_H=span_h, SPAN_W=span_w, STAGES=ring, SINGLE_CHUNK=direct,
+                     NHWC=layout == "nhwc")
+    spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma_tf32.cu", "conv_transpose2d_grad_weight_wgmma_tf32",
+                           constants, TARGET)
+    partial = Plan(spec, (tap_blocks, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
+                   (g.batch, h, w) + g.out_size + (per_split,), index_t,
+                   scratch_bytes=0 if direct else splits * weight_elems * 4, smem_bytes=smem)
+    reduce = None if direct else plan_tap_major_reduce("float32", weight_elems // taps, taps, splits, index_t)
+    return SplitK(partial, reduce)
+
+
+def tf32_weight_options(g: Geometry) -> List[Dict[str, object]]:
+    """The heuristic, then the other TF32 tiles whose channel sides the layer fills at least halfway, whose tap
+    groups its stride phases fill, and whose shortest ring fits shared memory."""
+    found: List[Dict[str, object]] = [{}]
+    heuristic = tf32_weight_tile(g)
+    phase_taps = weight_phases(g)[0]
+    for tile in TF32_WEIGHT_TILES.values():
+        if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
+                or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps) \
+                or tf32_weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) > SMEM_LIMIT:
+            continue
+        found.append({"tile": tile.name})
+    return found
+
+
 def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
     """The heuristic, then the other tiles whose channel sides the layer fills at least halfway, whose tap
     groups its stride phases fill, whose rows its input has, and whose shortest ring fits shared memory: the
@@ -539,12 +659,18 @@ class WgmmaFamily(Family):
         return dtype != "float32" or tf32_leads(g, pass_)
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        found = grad_weight_options(g) if pass_ == "grad_weight" else options(g, pass_, dtype)
+        if pass_ == "grad_weight":
+            found = tf32_weight_options(g) if dtype == "float32" else grad_weight_options(g)
+        else:
+            found = options(g, pass_, dtype)
         return [Variant.make(self.name, **opts) for opts in found]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         kwargs = dict(variant.kwargs)
+        if pass_ == "grad_weight" and dtype == "float32":
+            tile = TF32_WEIGHT_TILES[kwargs["tile"]] if "tile" in kwargs else None
+            return plan_grad_weight_tf32(g, sm_count, layout, tile, kwargs.get("stages"))
         if pass_ == "grad_weight":
             if layout == "nhwc" and not aligned:
                 partial, reduce = gemm.plan_grad_weight_gemm(g, dtype, sm_count, layout, aligned=False)
@@ -566,6 +692,7 @@ class WgmmaFamily(Family):
         plan_forward.cache_clear()
         plan_grad_input.cache_clear()
         plan_grad_weight.cache_clear()
+        plan_grad_weight_tf32.cache_clear()
         _eligible.cache_clear()
 
 
