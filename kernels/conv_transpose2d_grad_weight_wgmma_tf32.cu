@@ -13,7 +13,8 @@
 //
 // Every word is its own 4-byte cp.async, so both layouts are read in place: a warp copies four
 // 32-byte runs (NCHW: 8 pixels x 4 images of one channel; NHWC: 8 channels x 4 images of one
-// pixel), and planes padded by 16 bytes put its 32 words on distinct banks either way.  The tensor
+// pixel), and planes padded by 16 bytes put its 32 words on distinct banks either way.  A lane's
+// words of one slot differ only by channel, so each costs an add and the copy.  The tensor
 // cores drop the low 13 bits of fp32 words, so a landed stage is rounded in place (cvt.rna, as the
 // mma.sync GEMMs round their fragments) before any MMA reads it.
 //
@@ -55,27 +56,6 @@ static_assert(!SINGLE_CHUNK || TAPS == 1, "the tap-major partials are the weight
 static_assert(STAGES >= 3, "one tile copied ahead and one whose MMAs are in flight");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
 
-// The slot, channel and image of word e of an operand's copy (CHANNELS x SLOT_COUNT slots x 4
-// images), ordered so that a warp's 32 words are four 32-byte runs of the source layout.  NCHW
-// rounds the slots up to whole octets; the caller skips slot >= SLOT_COUNT.
-template <int CHANNELS, int SLOT_COUNT>
-struct CopyOrder {
-    static constexpr int OCTETS = (SLOT_COUNT + 7) / 8;
-    static constexpr int WORDS = CHANNELS * IMAGES * (NHWC ? SLOT_COUNT : OCTETS * 8);
-    static __device__ __forceinline__ void word(int e, int& slot, int& channel, int& image) {
-        image = e / 8 % IMAGES;
-        if constexpr (NHWC) {
-            channel = e / 32 % (CHANNELS / 8) * 8 + e % 8;
-            slot = e / (32 * (CHANNELS / 8));
-        } else {
-            slot = e / 32 % OCTETS * 8 + e % 8;
-            channel = e / (32 * OCTETS);
-        }
-    }
-};
-typedef CopyOrder<BM, SLOTS> ACopy;
-typedef CopyOrder<BN, HALO_SLOTS> BCopy;
-
 __device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
 }
@@ -83,6 +63,49 @@ __device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, bool o
 // The 16-bit kernel's ring (STAGES buffers, STAGES - 2 tiles copied ahead, one step's MMAs in flight
 // while the next waits), with a rounding pass between a stage landing and its MMAs: every thread
 // rounds a share of the stage, fences the async proxy, and a second barrier hands it over.
+constexpr int WARPS = THREADS / 32;
+
+// Copies one operand's words of a stage: CHANNELS channels (the first `channels` of which exist) of SLOT_COUNT
+// slots into planes PLANE bytes apart from `dst`.  locate(slot, image, at) says whether image `image`'s pixel of
+// that slot exists and sets `at` to its element offset at the tile's first channel; channels lie `channel_stride`
+// elements apart.  A lane copies image lane / 8; its other coordinate runs along the source's contiguous axis,
+// so a warp reads four 32-byte runs: NCHW, pixels (a warp takes channels warp, warp + WARPS, ... of every octet
+// of slots); NHWC, channels (a warp takes slots warp, warp + WARPS, ..., each a whole channel row).  The
+// address arithmetic is paid once per slot, each channel only adding its stride.
+template <int CHANNELS, int SLOT_COUNT, int PLANE, typename Locate>
+__device__ __forceinline__ void copy_operand(unsigned dst, const scalar_t* src, index_t channel_stride, int channels,
+                                             Locate& locate, int warp_id, int lane) {
+    const int image = lane / 8, sub = lane % 8;
+    if constexpr (NHWC) {
+#pragma unroll
+        for (int s0 = 0; s0 < SLOT_COUNT; s0 += WARPS) {
+            const int slot = s0 + warp_id;
+            if (SLOT_COUNT % WARPS != 0 && slot >= SLOT_COUNT) break;
+            index_t at;
+            const bool ok = locate(slot, image, at);
+#pragma unroll
+            for (int c = sub; c < CHANNELS; c += 8) {
+                const bool in = ok && c < channels;
+                cp_async_4(dst + slot * PLANE + c * 16 + image * 4, in ? src + at + c : src, in);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int octet = 0; octet < (SLOT_COUNT + 7) / 8; ++octet) {
+            const int slot = octet * 8 + sub;
+            if (SLOT_COUNT % 8 != 0 && slot >= SLOT_COUNT) break;
+            index_t at;
+            const bool ok = locate(slot, image, at);
+#pragma unroll
+            for (int c0 = 0; c0 < CHANNELS; c0 += WARPS) {
+                const int c = c0 + warp_id;
+                const bool in = ok && c < channels;
+                cp_async_4(dst + slot * PLANE + c * 16 + image * 4, in ? src + at + c * channel_stride : src, in);
+            }
+        }
+    }
+}
+
 constexpr int LOOKAHEAD = STAGES - 2;
 template <bool RAGGED, typename Issue>
 __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], const int (&offsets)[TAP_GROUP],
@@ -142,7 +165,7 @@ conv_transpose2d_grad_weight_wgmma_tf32(const scalar_t* __restrict__ x, const sc
     __shared__ int tap_ids[TAP_GROUP], tap_origins[TAP_GROUP];
     __shared__ int tap_count, base_h, base_w;
 
-    const int tid = threadIdx.x, wg = tid / 128, warp = tid % 128 / 32, lane = tid % 32;
+    const int tid = threadIdx.x, wg = tid / 128, warp = tid % 128 / 32, warp_id = tid / 32, lane = tid % 32;
     const int phase = blockIdx.x % PHASES, chunk = blockIdx.x / PHASES % TAP_CHUNKS;
     const int g = blockIdx.x / (PHASES * TAP_CHUNKS);
     const int rh = phase / SW, rw = phase % SW;
@@ -161,36 +184,30 @@ conv_transpose2d_grad_weight_wgmma_tf32(const scalar_t* __restrict__ x, const sc
     const int k_tiles = kt1 > kt0 ? static_cast<int>(kt1 - kt0) : 0;
     const index_t ic0 = static_cast<index_t>(g) * CIN_G + m0, oc0 = static_cast<index_t>(g) * COUT_G + n0;
 
+    const int channels_a = CIN_G - m0 < BM ? CIN_G - m0 : BM, channels_b = COUT_G - n0 < BN ? COUT_G - n0 : BN;
     auto issue = [&](int kt, int s) {
-        unsigned char* a_tile = smem + s * STAGE_BYTES;
-        unsigned char* b_tile = a_tile + A_BYTES;
+        const unsigned a_tile = smem_addr(smem + s * STAGE_BYTES), b_tile = a_tile + A_BYTES;
         const index_t tile = kt0 + kt;
         const index_t image0 = tile / (tiles_h * tiles_w) * (QUADS * IMAGES);
         const index_t i0 = tile / tiles_w % tiles_h * TILE_H, j0 = tile % tiles_w * TILE_W;
-        for (int e = tid; e < ACopy::WORDS; e += THREADS) {
-            int slot, c, img;
-            ACopy::word(e, slot, c, img);
-            if (slot >= SLOTS) continue;
+        auto locate_x = [&](int slot, int image, index_t& at) {
             const int p = slot % TILE_PIXELS;
-            const index_t n = image0 + slot / TILE_PIXELS * IMAGES + img;
+            const index_t n = image0 + slot / TILE_PIXELS * IMAGES + image;
             const index_t i = i0 + p / TILE_W, j = j0 + p % TILE_W;
-            const bool ok = n < N && i < H && j < W && m0 + c < CIN_G;
-            const index_t at = NHWC ? ((n * H + i) * W + j) * CIN + ic0 + c : ((n * CIN + ic0 + c) * H + i) * W + j;
-            cp_async_4(smem_addr(a_tile + slot * A_PLANE + c * 16 + img * 4), ok ? x + at : x, ok);
-        }
-        for (int e = tid; e < BCopy::WORDS; e += THREADS) {
-            int slot, c, img;
-            BCopy::word(e, slot, c, img);
-            if (slot >= HALO_SLOTS) continue;
+            at = NHWC ? ((n * H + i) * W + j) * CIN + ic0 : ((n * CIN + ic0) * H + i) * W + j;
+            return n < N && i < H && j < W;
+        };
+        auto locate_go = [&](int slot, int image, index_t& at) {
             const int p = slot % HALO_PIXELS;
-            const index_t n = image0 + slot / HALO_PIXELS * IMAGES + img;
+            const index_t n = image0 + slot / HALO_PIXELS * IMAGES + image;
             const index_t oh = static_cast<index_t>(SH) * (i0 + p / HALO_W + lo_h) + rh;
             const index_t ow = static_cast<index_t>(SW) * (j0 + p % HALO_W + lo_w) + rw;
-            const bool ok = n < N && oh >= 0 && oh < H_out && ow >= 0 && ow < W_out && n0 + c < COUT_G;
-            const index_t at = NHWC ? ((n * H_out + oh) * W_out + ow) * COUT + oc0 + c
-                                    : ((n * COUT + oc0 + c) * H_out + oh) * W_out + ow;
-            cp_async_4(smem_addr(b_tile + slot * B_PLANE + c * 16 + img * 4), ok ? grad_out + at : grad_out, ok);
-        }
+            at = NHWC ? ((n * H_out + oh) * W_out + ow) * COUT + oc0 : ((n * COUT + oc0) * H_out + oh) * W_out + ow;
+            return n < N && oh >= 0 && oh < H_out && ow >= 0 && ow < W_out;
+        };
+        copy_operand<BM, SLOTS, A_PLANE>(a_tile, x, NHWC ? 1 : H * W, channels_a, locate_x, warp_id, lane);
+        copy_operand<BN, HALO_SLOTS, B_PLANE>(b_tile, grad_out, NHWC ? 1 : H_out * W_out, channels_b, locate_go,
+                                              warp_id, lane);
     };
 
     int offsets[TAP_GROUP];   // the taps' halo origins in bytes, in registers for the descriptors
