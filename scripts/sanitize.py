@@ -151,6 +151,12 @@ def base_cases() -> List[Case]:
     cases.append(Case("wgmma-grad-weight-float16-nhwc-16rows", (1, 16, 18, 9), (16, 16, 4, 4),
                       _kw(stride=2, padding=1), False, "float16", layout="nhwc",
                       variants=(("grad_weight", "wgmma:64x64x4r16"),)))
+    # TF32 grad_weight (four images a K row, each word its own copy): a batch of 3 (the last image group part
+    # empty), a split K, and in channels_last 20 -> 17 channels at stride 1 (a last tap group of one)
+    cases.append(Case("wgmma-grad-weight-tf32-nchw", (3, 16, 9, 9), (16, 24, 4, 4), _kw(stride=2, padding=1), False,
+                      "float32", "tf32", layout="nchw", variants=(("grad_weight", "wgmma"),)))
+    cases.append(Case("wgmma-grad-weight-tf32-nhwc", (5, 20, 6, 6), (20, 17, 3, 3), _kw(padding=1), False,
+                      "float32", "tf32", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
     xs, ws, kw = GEMM_LAYERS["dense"]
     cases.append(Case("gemm-dense-float16-cupy", xs, ws, kw, True, "float16", api="cupy"))
     cases.append(Case("gemm-dense-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))

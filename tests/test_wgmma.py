@@ -1032,3 +1032,80 @@ def test_unaligned_channels_last_grad_weight_runs_the_gemm():
     g = _g((2, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1)
     split = wgmma.FAMILY.plan("grad_weight", Variant("wgmma"), g, "float16", "nhwc", "strict", False, False, 132)
     assert split.partial.spec.function == "conv_transpose2d_grad_weight_igemm"
+
+
+# ------------------------------------------------------------------------ TF32 grad_weight
+
+def test_tf32_grad_weight_eligibility_takes_any_channel_count_of_16_or_more():
+    g = _g((2, 60, 8, 8), (60, 17, 4, 4), stride=2, padding=1)
+    assert wgmma.grad_weight_eligible(g, "float32", "tf32"), "words are copied one by one: no 16-byte runs needed"
+    assert not wgmma.grad_weight_eligible(g, "float32", "strict"), "3xTF32 stays on mma.sync"
+    assert not wgmma.grad_weight_eligible(g, "float16", "tf32"), "16-bit kinds still need whole 16-byte runs"
+    assert not wgmma.grad_weight_eligible(_g((2, 64, 8, 8), (64, 12, 4, 4), stride=2), "float32", "tf32")
+    assert wgmma.eligible(g, "float32", "grad_weight", "tf32") and not wgmma.eligible(g, "float32", "grad_weight")
+    # a 9 x 9 kernel at stride 1 spreads a halo of 10 x 16 pixels a step: 64 x 64 tiles fit no three-stage ring
+    assert not wgmma.grad_weight_eligible(_g((2, 64, 16, 16), (64, 64, 9, 9)), "float32", "tf32")
+
+
+@pytest.mark.parametrize("size, batch, step", [
+    ((64, 64), 16, (2, 8, 1)), ((8, 8), 128, (2, 8, 1)), ((5, 5), 8, (4, 4, 1)), ((4, 4), 128, (4, 4, 1)),
+    ((2, 2), 16, (2, 2, 4)), ((2, 2), 5, (2, 2, 2)), ((1, 1), 16, (1, 2, 4)), ((1, 1), 128, (1, 2, 8)),
+    ((17, 2), 2, (8, 2, 1)), ((1, 40), 3, (1, 8, 1)),
+])
+def test_tf32_grad_weight_steps_fill_sixteen_slots_from_the_input(size, batch, step):
+    """Sixteen (pixel, image group) slots a K step: the widest patch the input fills, then image groups, no more
+    of them than the batch has."""
+    g = _g((batch, 64) + size, (64, 64, 4, 4), stride=2, padding=1)
+    assert wgmma.tf32_weight_step(g) == wgmma.ImageStep(*step)
+    with pytest.raises(ValueError, match="cols even"):
+        wgmma.ImageStep(2, 3, 1)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_tf32_grad_weight_plans_a_split_k_that_reads_either_layout_in_place(layout):
+    g = _g((16, 256, 32, 32), (256, 64, 4, 4), stride=2, padding=1)
+    split = wgmma.plan_grad_weight_tf32(g, 132, layout)
+    tile = wgmma.tf32_weight_tile(g)
+    assert tile.name == "128x64x4", "four taps a phase, more than 64 input channels"
+    assert split.sources is None, "no channels_last copies: words are copied from either layout"
+    blocks_x, channel_tiles, splits = split.partial.grid
+    assert blocks_x == 4 and channel_tiles == 2 * 1 and split.partial.block == (256, 1, 1)
+    k_tiles = cdiv(16, 4) * cdiv(32, 2) * cdiv(32, 8)   # image groups x 2 x 8 pixel patches
+    assert splits == cdiv(k_tiles, split.partial.scalars[-1]) > 1 and split.reduce is not None
+    assert split.partial.scratch_bytes == splits * 256 * 64 * 16 * 4
+    # three stages (four do not fit) of 16 slots of 128 channels and the 3 x 9 halo's 27 slots of 64, each slot's
+    # plane padded by 16 bytes
+    assert split.partial.smem_bytes == 3 * (16 * (128 * 16 + 16) + 27 * (64 * 16 + 16)) <= wgmma.SMEM_LIMIT
+    constants = dict(split.partial.spec.constants)
+    assert constants["NHWC"] is (layout == "nhwc") and constants["SCALAR_T"] == "float"
+    assert (constants["TILE_H"], constants["TILE_W"], constants["QUADS"], constants["STAGES"]) == (2, 8, 1, 3)
+    assert split.partial.spec.target == wgmma.TARGET
+    assert split.reduce.spec.function == "reduce_tap_major_partials"
+    # one K step of a one-tap layer writes grad_weight itself
+    one = wgmma.plan_grad_weight_tf32(_g((4, 64, 2, 8), (64, 64, 1, 1), stride=2), 132, layout)
+    assert one.reduce is None and dict(one.partial.spec.constants)["SINGLE_CHUNK"] is True
+    with pytest.raises(ValueError, match="stages must be one of"):
+        wgmma.plan_grad_weight_tf32(g, 132, layout, stages=5)
+
+
+def test_tf32_grad_weight_heuristic_falls_back_to_a_tile_that_fits():
+    wide = _g((2, 256, 16, 16), (256, 64, 3, 5), padding=(1, 2))   # one phase of 15 taps, a 4 x 12 halo
+    assert wgmma.tf32_weight_smem_bytes(wide, wgmma.TF32_WEIGHT_TILES["128x64x4"], 3) > wgmma.SMEM_LIMIT
+    assert wgmma.tf32_weight_tile(wide).name == "64x64x4"
+    assert wgmma.tf32_weight_tile(_g((2, 256, 16, 16), (256, 64, 2, 2), stride=2)).name == "128x128x1"
+    assert wgmma.tf32_weight_tile(_g((2, 64, 9, 9), (64, 128, 2, 4), stride=2, padding=(0, 1))).name == "64x128x2"
+    # three taps a phase spread over three rows: two-tap tiles' halos do not fit, four-tap ones (a tap idle) do
+    assert wgmma.tf32_weight_tile(_g((2, 64, 9, 9), (64, 128, 3, 1), stride=2, padding=1, dilation=2)).name \
+        == "64x64x4"
+    options = wgmma.tf32_weight_options(wide)
+    assert options[0] == {} and "128x64x4" not in {o.get("tile") for o in options}
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_tf32_grad_weight_candidates_follow_the_precision(layout):
+    g = _suite_layer("dcgan_up")
+    tf32 = table.candidates("grad_weight", g, "float32", layout, "tf32")
+    assert tf32[0] == WGMMA and GEMM in tf32
+    assert all(v.family != "wgmma" for v in table.candidates("grad_weight", g, "float32", layout, "strict"))
+    plan = table.plan("grad_weight", WGMMA, g, "float32", layout, "tf32", aligned=False)
+    assert plan.partial.spec.function == "conv_transpose2d_grad_weight_wgmma_tf32", "unaligned views read in place"

@@ -522,6 +522,10 @@ class ImageStep:
     cols: int
     quads: int
 
+    def __post_init__(self):
+        if self.cols % 2 or min(self.rows, self.cols, self.quads) < 1:
+            raise ValueError(f"a TF32 grad_weight step is rows x cols x image groups, cols even, got {self}")
+
 
 def tf32_weight_step(g: Geometry) -> ImageStep:
     """The widest pixel patch of :data:`TF32_STEP_SLOTS` slots that the input fills (an MMA takes two pixels of
@@ -533,10 +537,10 @@ def tf32_weight_step(g: Geometry) -> ImageStep:
     return ImageStep(rows, cols, quads)
 
 
-def tf32_weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
+def tf32_weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int, step: Optional[ImageStep] = None) -> int:
     """Shared memory of the TF32 grad_weight ring: per stage a 16-byte slot per (channel, slot) of the x tile
     and of the grad_output halo, each slot's plane padded by 16 bytes."""
-    step = tf32_weight_step(g)
+    step = step or tf32_weight_step(g)
     _, span_h, span_w = weight_phases(g)
     slots = step.quads * step.rows * step.cols
     halo_slots = step.quads * (step.rows + span_h) * (step.cols + span_w)
@@ -563,20 +567,21 @@ def tf32_weight_tile(g: Geometry) -> WeightTile:
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw", tile: Optional[WeightTile] = None,
-                          stages: Optional[int] = None) -> SplitK:
+                          stages: Optional[int] = None, step: Optional[ImageStep] = None) -> SplitK:
     """float32 grad_weight at TF32 precision as split-K wgmma GEMMs per (group, stride phase, group of taps) and
     the fixed-order reduction, reading either layout in place.  ``stages`` defaults to the deepest ring up to
-    :data:`WEIGHT_STAGES` that fits shared memory."""
+    :data:`WEIGHT_STAGES` that fits shared memory, ``step`` to :func:`tf32_weight_step`."""
     tile = tile or tf32_weight_tile(g)
+    step = step or tf32_weight_step(g)
     if stages is not None and stages not in WEIGHT_STAGE_CHOICES:
         raise ValueError(f"stages must be one of {WEIGHT_STAGE_CHOICES} for grad_weight, got {stages}")
     ring = stages or WEIGHT_STAGES
-    while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and tf32_weight_smem_bytes(g, tile, ring) > SMEM_LIMIT:
+    while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and \
+            tf32_weight_smem_bytes(g, tile, ring, step) > SMEM_LIMIT:
         ring -= 1
-    smem = tf32_weight_smem_bytes(g, tile, ring)
+    smem = tf32_weight_smem_bytes(g, tile, ring, step)
     if smem > SMEM_LIMIT:
         raise ValueError(f"grad_weight tile {tile.name} with {ring} stages does not fit shared memory")
-    step = tf32_weight_step(g)
     phase_taps, span_h, span_w = weight_phases(g)
     tap_chunks = cdiv(phase_taps, tile.taps)
     phases = g.params.stride[0] * g.params.stride[1]
@@ -651,9 +656,10 @@ class WgmmaFamily(Family):
                 and _eligible(g, dtype, pass_, precision))
 
     def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:
-        """grad_weight's kernel leads where a stride phase has two taps or more, which a block's tile then shares;
-        with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races it.
-        float32 (TF32) leads as :func:`tf32_leads` says."""
+        """grad_weight's kernels lead where a stride phase has two taps or more, which a block's tile then shares;
+        with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races them.
+        The TF32 grad_weight kernel beat the GEMM on every such layer measured (v14 notes).  The float32 (TF32)
+        forward and grad_input lead as :func:`tf32_leads` says."""
         if pass_ == "grad_weight":
             return weight_phases(g)[0] >= 2
         return dtype != "float32" or tf32_leads(g, pass_)
