@@ -155,14 +155,14 @@ def test_tune_channels_last_times_the_direct_kernels_against_the_gemms(tuned):
 def test_tune_a_model_with_a_progress_bar(tuned, capsys):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.ConvTranspose2d(64, 32, 4, 2, 1), torch.nn.ReLU(),
-                                ct.ConvTranspose2d(32, 32, 4, 2, 1), torch.nn.ReLU(),
-                                torch.nn.ConvTranspose2d(32, 3, 3, 1, 1)).cuda().half()
+                                ct.ConvTranspose2d(32, 12, 4, 2, 1), torch.nn.ReLU(),
+                                torch.nn.ConvTranspose2d(12, 3, 3, 1, 1)).cuda().half()
     results = cupyconv.tune(model, (2, 64, 6, 6), repeat=2, passes=("forward",))
-    assert [r.input_shape for r in results] == [(2, 64, 6, 6), (2, 32, 12, 12), (2, 32, 24, 24)]
+    assert [r.input_shape for r in results] == [(2, 64, 6, 6), (2, 32, 12, 12), (2, 12, 24, 24)]
     assert [r.dtype for r in results] == ["float16"] * 3
     if importlib.util.find_spec("tqdm") is not None:
         assert "cupyconv tune" in capsys.readouterr().err
-    # the last layer (3 output channels) cannot use the tensor cores
+    # the last layer (12 input channels, 3 output channels) cannot use the tensor cores: nothing to choose
     assert results[2].choices == {"forward": "direct"} and results[2].sources == {"forward": "heuristic"}
 
 
@@ -227,12 +227,15 @@ def test_every_candidate_matches_float64(layer, case, layout, tuned):
     wants = {"forward": y_ref, "grad_input": gi_ref, "grad_weight": gw_ref}
     tried = 0
     for pass_ in TUNED_PASSES:
-        # an sm_90 GPU runs the fp16/bf16 passes on Hopper's wgmma kernels, ahead of the GEMMs; grad_weight's
-        # only where a stride phase has two taps or more (else it races the GEMM)
-        hopper = dt != "float32" and dev.arch == "90"
-        leads = pass_ != "grad_weight" or wgmma.weight_phases(g)[0] >= 2
-        first = wgmma.FAMILY if hopper and leads else gemm.FAMILY
-        fams = table.eligible(pass_, g, dt, layout, dev)
+        # an sm_90 GPU runs the fp16/bf16 passes on Hopper's wgmma kernels, and float32 at TF32 precision where
+        # they take it, ahead of the GEMMs where the family leads (grad_weight: two taps or more a stride phase;
+        # the TF32 forward and grad_input: wgmma.tf32_leads), else racing them
+        hopper = dev.arch == "90" and wgmma.eligible(g, dt, pass_, precision)
+        assert hopper == (dev.arch == "90") or dt == "float32", "fp16/bf16 layers of 16 channels or more"
+        if dt == "float32" and not tf32:
+            assert not hopper, "strict float32 (3xTF32) stays on mma.sync"
+        first = wgmma.FAMILY if hopper and wgmma.FAMILY.leads(pass_, g, dt) else gemm.FAMILY
+        fams = table.eligible(pass_, g, dt, layout, dev, precision)
         assert fams[0] is first and gemm.FAMILY in fams, "this GPU runs the tensor-core GEMMs"
         assert (wgmma.FAMILY in fams) == hopper
         cands = table.candidates(pass_, g, dt, layout, precision, dev)
