@@ -21,12 +21,13 @@ LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_la
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
 WGMMA = {"conv_transpose2d_wgmma.cu"}
 WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
+WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its 32 x 8 block is its transpose tile, not a setting
 
 
 def test_every_template_is_found():
     assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
-                                               | TAP_MAJOR_REDUCE)
+                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
@@ -40,6 +41,18 @@ def test_the_wgmma_grad_weight_template_inlines_the_mma_headers():
     layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
     tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TAP_COUNTS", "TILE_H", "SPAN_H", "SPAN_W",
             "STAGES", "SINGLE_CHUNK"}
+    assert {"SCALAR_T", "INDEX_T"} | layer | tile == templates.placeholders(name)
+
+
+def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_the_layout():
+    name, = WGMMA_TF32_GRAD_WEIGHT
+    text = templates.expanded(name)
+    assert "#include" not in text
+    # wgmma.cuh, mma.cuh's TF32 rounding, and the phase-tap helpers shared with the 16-bit kernel
+    assert "wgmma_async" in text and "round_shared_tf32" in text and "find_phase_taps" in text
+    layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
+    tile = {"WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TAP_COUNTS", "TILE_H", "TILE_W", "QUADS", "SPAN_H",
+            "SPAN_W", "STAGES", "SINGLE_CHUNK", "NHWC"}
     assert {"SCALAR_T", "INDEX_T"} | layer | tile == templates.placeholders(name)
 
 
