@@ -225,11 +225,13 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
             assert isinstance(cands, tuple)
             # on the assumed H100 the fp16/bf16 passes run Hopper's wgmma kernels, ahead of the GEMMs (these
             # layers have whole 16-byte channel groups on both sides, and stride phases of several taps, where
-            # grad_weight's wgmma kernel leads too); float32 at TF32 precision runs its forward and grad_input
-            hopper = dtype != "float32" or (precision == "tf32" and pass_ != "grad_weight")
+            # grad_weight's wgmma kernels lead too); float32 at TF32 precision runs every pass on them
+            assert wgmma.weight_phases(g)[0] >= 2
+            hopper = dtype != "float32" or precision == "tf32"
             assert hopper == wgmma.eligible(g, dtype, pass_, precision)
-            # TF32 leads on layers with tiles for half the SMs (these small ones have fewer), else races the GEMM
-            leads = hopper and (dtype != "float32" or wgmma.tf32_leads(g, pass_))
+            # the TF32 forward and grad_input lead on layers with tiles for half the SMs (these small ones have
+            # fewer), else race the GEMM; TF32 grad_weight leads as the 16-bit one does
+            leads = hopper and (dtype != "float32" or pass_ == "grad_weight" or wgmma.tf32_leads(g, pass_))
             assert cands[0] == (WGMMA if leads else GEMM), \
                 "the heuristic must come first: it is the fallback and tie-breaker"
             assert len(cands) == len(set(cands))
