@@ -35,7 +35,6 @@ constexpr int STAGES = {{STAGES}};
 constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};
 constexpr bool NHWC = {{NHWC}};
 constexpr int TAP_CHUNKS = {{TAP_CHUNKS}};   // tap groups of the phase with the most taps
-constexpr int TAP_COUNTS = {{TAP_COUNTS}};   // bit t: some block has t taps
 typedef PartialOut<SINGLE_CHUNK, scalar_t, float>::type partial_t;
 
 constexpr int THREADS = 128 * WARPGROUPS;
@@ -63,6 +62,9 @@ __device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, bool o
 // The 16-bit kernel's ring (STAGES buffers, STAGES - 2 tiles copied ahead, one step's MMAs in flight
 // while the next waits), with a rounding pass between a stage landing and its MMAs: every thread
 // rounds a share of the stage, fences the async proxy, and a second barrier hands it over.
+// A block with fewer taps than TAP_GROUP still runs every tap's MMAs, its idle taps reading the
+// first tap's window into accumulators that are never stored: a branch between the MMAs would
+// make ptxas serialise them (C7515), which cost more than the idle taps' MMAs.
 constexpr int WARPS = THREADS / 32;
 
 // Copies one operand's words of a stage: CHANNELS channels (the first `channels` of which exist) of SLOT_COUNT
@@ -107,9 +109,9 @@ __device__ __forceinline__ void copy_operand(unsigned dst, const scalar_t* src, 
 }
 
 constexpr int LOOKAHEAD = STAGES - 2;
-template <bool RAGGED, typename Issue>
+template <typename Issue>
 __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], const int (&offsets)[TAP_GROUP],
-                                           int taps, unsigned char* smem, int k_tiles, int wg, int tid,
+                                           unsigned char* smem, int k_tiles, int wg, int tid,
                                            Issue& issue) {
 #pragma unroll
     for (int s = 0; s < LOOKAHEAD; ++s) {
@@ -134,7 +136,6 @@ __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], cons
         wgmma_fence();
 #pragma unroll
         for (int t = 0; t < TAP_GROUP; ++t) {
-            if (RAGGED && t >= taps) continue;
 #pragma unroll
             for (int q = 0; q < QUADS; ++q)
 #pragma unroll
@@ -219,7 +220,7 @@ conv_transpose2d_grad_weight_wgmma_tf32(const scalar_t* __restrict__ x, const sc
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[t][e] = 0.0f;
 
-    accumulate<TAP_COUNTS != 1 << TAP_GROUP>(acc, offsets, taps, smem, k_tiles, wg, tid, issue);
+    accumulate(acc, offsets, smem, k_tiles, wg, tid, issue);
 
     // partial[split][tap][g*CIN_G + ic][oc], one copy per split (grad_weight itself for SINGLE_CHUNK)
     partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G

@@ -51,8 +51,8 @@ def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_the_layout(
     # wgmma.cuh, mma.cuh's TF32 rounding, and the phase-tap helpers shared with the 16-bit kernel
     assert "wgmma_async" in text and "round_shared_tf32" in text and "find_phase_taps" in text
     layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
-    tile = {"WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TAP_COUNTS", "TILE_H", "TILE_W", "QUADS", "SPAN_H",
-            "SPAN_W", "STAGES", "SINGLE_CHUNK", "NHWC"}
+    tile = {"WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TILE_H", "TILE_W", "QUADS", "SPAN_H", "SPAN_W",
+            "STAGES", "SINGLE_CHUNK", "NHWC"}
     assert {"SCALAR_T", "INDEX_T"} | layer | tile == templates.placeholders(name)
 
 

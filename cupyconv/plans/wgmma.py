@@ -598,7 +598,7 @@ def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw"
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
     constants = layer_constants(g, "float32", index_t)
     constants.update(WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps, TAP_CHUNKS=tap_chunks,
-                     TAP_COUNTS=weight_tap_counts(g, tile.taps), TILE_H=step.rows, TILE_W=step.cols,
+                     TILE_H=step.rows, TILE_W=step.cols,
                      QUADS=step.quads, SPAN_H=span_h, SPAN_W=span_w, STAGES=ring, SINGLE_CHUNK=direct,
                      NHWC=layout == "nhwc")
     spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma_tf32.cu", "conv_transpose2d_grad_weight_wgmma_tf32",
