@@ -63,8 +63,8 @@ __device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, bool o
 // while the next waits), with a rounding pass between a stage landing and its MMAs: every thread
 // rounds a share of the stage, fences the async proxy, and a second barrier hands it over.
 // A block with fewer taps than TAP_GROUP still runs every tap's MMAs, its idle taps reading the
-// first tap's window into accumulators that are never stored: a branch between the MMAs would
-// make ptxas serialise them (C7515), which cost more than the idle taps' MMAs.
+// first tap's window into accumulators that are never stored: a branch between the MMAs makes
+// ptxas serialise them (C7515).  The copies bound this kernel, so either way measured the same.
 constexpr int WARPS = THREADS / 32;
 
 // Copies one operand's words of a stage: CHANNELS channels (the first `channels` of which exist) of SLOT_COUNT
