@@ -1109,3 +1109,35 @@ def test_tf32_grad_weight_candidates_follow_the_precision(layout):
     assert all(v.family != "wgmma" for v in table.candidates("grad_weight", g, "float32", layout, "strict"))
     plan = table.plan("grad_weight", WGMMA, g, "float32", layout, "tf32", aligned=False)
     assert plan.partial.spec.function == "conv_transpose2d_grad_weight_wgmma_tf32", "unaligned views read in place"
+
+
+# ------------------------------------------------------------------------ small grids
+
+@pytest.mark.parametrize("x_shape, w_shape, forward, grad_input", [
+    # pix2pix's 1024-channel layers at 2 x 2 to 8 x 8 pixels and its 512-channel one at 1 x 1, batch 16
+    ((16, 1024, 2, 2), (1024, 512, 4, 4), "2i8x8x128", "8x8x128"),
+    ((16, 1024, 8, 8), (1024, 512, 4, 4), "2i8x8x128", "8x8x128"),
+    ((16, 512, 1, 1), (512, 512, 4, 4), "2i8x8x128", "8x8x64"),
+    # DCGAN's 4 x 4 layer at batch 128, and dcgan_up's 8 x 8 one at batch 64
+    ((128, 512, 4, 4), (512, 256, 4, 4), "2i8x8x256", "2i8x8x256"),
+    ((64, 512, 8, 8), (512, 256, 4, 4), "2i8x8x256", "2i8x8x128"),
+])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_small_grids_take_the_biggest_tile_that_fills_half_the_sms(x_shape, w_shape, forward, grad_input, dtype):
+    """The tiles that measured fastest on these layers (NOTES v13): the first of 2 images x 256 or 128 channels, then
+    one image x 128 or 64, that still makes a block for half of an H100's SMs."""
+    g = _g(x_shape, w_shape, stride=2, padding=1)
+    assert wgmma.forward_tile(g, "forward", dtype).name == forward
+    assert wgmma.forward_tile(g, "grad_input", dtype).name == grad_input
+    for pass_, name in (("forward", forward), ("grad_input", grad_input)):
+        tiles, _ = wgmma.tile_load(g, wgmma.TILES[name], pass_)
+        assert 2 * tiles >= device.ASSUMED.sm_count
+    # float32 (TF32) keeps its heuristic, which wgmma.tf32_leads was fitted to
+    assert wgmma.forward_tile(g, "forward", "float32").name.startswith(("4i8x8", "8x8"))
+
+
+def test_small_grids_of_narrow_or_few_tiles_keep_four_images_a_tile():
+    narrow = _g((128, 128, 8, 8), (128, 64, 4, 4), stride=2, padding=1)   # 64 destination channels
+    assert wgmma.forward_tile(narrow, "forward", "float16").name == "4i8x8x64"
+    few = _g((2, 256, 4, 4), (256, 256, 4, 4), stride=2, padding=1)       # no tile fills half the SMs
+    assert wgmma.forward_tile(few, "forward", "float16").name == "8x8x128"

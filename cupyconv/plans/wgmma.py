@@ -189,6 +189,10 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
     grid_h, grid_w = dst_grid(g, pass_)
     n = _channels(g, pass_)[1]
     bn = narrowest_bn(n) if n <= 32 else 64 if n <= 64 else 128
+    if grid_h <= 8 and grid_w <= 8 and dtype in _KINDS and n > 64:
+        small = _small_grid_tile(g, pass_, dtype, n)
+        if small is not None:
+            return small
     if grid_h <= 8 and grid_w <= 8:
         preferred = TILES[f"4i8x8x{bn}"] if g.batch >= 4 or bn <= 32 else TILES[f"8x8x{bn}"]
     elif bn < 32:
@@ -205,6 +209,24 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
     # fit, then the channel side nearest the preferred one
     narrow = [t for t in fitting if t.bn <= bn] or fitting
     return max(narrow, key=lambda t: (t.pixels, -abs(t.bn - bn)))
+
+
+# Small grids of wide 16-bit layers are weight-bound: each block reads its taps' weights once per tile, so the
+# biggest tile wins while there are blocks for the SMs (NOTES v13: four images a tile left most SMs idle).
+SMALL_GRID_TILES = ("2i8x8x256", "2i8x8x128", "8x8x128", "8x8x64")
+
+
+def _small_grid_tile(g: Geometry, pass_: str, dtype: str, channels: int,
+                     sm_count: int = ASSUMED.sm_count) -> Optional[HaloTile]:
+    """For a grid of 8 x 8 or less: the first of :data:`SMALL_GRID_TILES` no wider than the destination's
+    channels that fits shared memory and makes tiles for at least half the SMs; None where none does."""
+    for name in SMALL_GRID_TILES:
+        tile = TILES[name]
+        if tile.bn > channels or not _fits(g, dtype, tile, pass_):
+            continue
+        if 2 * tile_load(g, tile, pass_)[0] >= sm_count:
+            return tile
+    return None
 
 
 def tile_load(g: Geometry, tile: HaloTile, pass_: str = "forward") -> Tuple[int, float]:
