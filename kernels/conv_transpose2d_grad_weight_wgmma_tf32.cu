@@ -59,12 +59,6 @@ __device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, bool o
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
 }
 
-// The 16-bit kernel's ring (STAGES buffers, STAGES - 2 tiles copied ahead, one step's MMAs in flight
-// while the next waits), with a rounding pass between a stage landing and its MMAs: every thread
-// rounds a share of the stage, fences the async proxy, and a second barrier hands it over.
-// A block with fewer taps than TAP_GROUP still runs every tap's MMAs, its idle taps reading the
-// first tap's window into accumulators that are never stored: a branch between the MMAs makes
-// ptxas serialise them (C7515).  The copies bound this kernel, so either way measured the same.
 constexpr int WARPS = THREADS / 32;
 
 // Copies one operand's words of a stage: CHANNELS channels (the first `channels` of which exist) of SLOT_COUNT
@@ -108,6 +102,12 @@ __device__ __forceinline__ void copy_operand(unsigned dst, const scalar_t* src, 
     }
 }
 
+// The 16-bit kernel's ring (STAGES buffers, STAGES - 2 tiles copied ahead, one step's MMAs in flight
+// while the next waits), with a rounding pass between a stage landing and its MMAs: every thread
+// rounds a share of the stage, fences the async proxy, and a second barrier hands it over.
+// A block with fewer taps than TAP_GROUP still runs every tap's MMAs, its idle taps reading the
+// first tap's window into accumulators that are never stored: a branch between the MMAs makes
+// ptxas serialise them (C7515).  The copies bound this kernel, so either way measured the same.
 constexpr int LOOKAHEAD = STAGES - 2;
 template <typename Issue>
 __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], const int (&offsets)[TAP_GROUP],
