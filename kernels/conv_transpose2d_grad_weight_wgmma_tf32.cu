@@ -107,7 +107,7 @@ __device__ __forceinline__ void copy_operand(unsigned dst, const scalar_t* src, 
 // rounds a share of the stage, fences the async proxy, and a second barrier hands it over.
 // A block with fewer taps than TAP_GROUP still runs every tap's MMAs, its idle taps reading the
 // first tap's window into accumulators that are never stored: a branch between the MMAs makes
-// ptxas serialise them (C7515).  The copies bound this kernel, so either way measured the same.
+// ptxas serialise them (C7515), which measured slower on the large ragged layer (NOTES v14).
 constexpr int LOOKAHEAD = STAGES - 2;
 template <typename Issue>
 __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], const int (&offsets)[TAP_GROUP],
