@@ -680,7 +680,8 @@ class WgmmaFamily(Family):
     def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:
         """grad_weight's kernels lead where a stride phase has two taps or more, which a block's tile then shares;
         with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races them.
-        The TF32 grad_weight kernel beat the GEMM on every such layer measured (v14 notes).  The float32 (TF32)
+        The TF32 grad_weight kernel beat the GEMM on all such layers measured but a 3-tap dilated one in NCHW and,
+        in one of two runs, pix2pix's 1 x 1 input (v14 notes); the tuner races the two.  The float32 (TF32)
         forward and grad_input lead as :func:`tf32_leads` says."""
         if pass_ == "grad_weight":
             return weight_phases(g)[0] >= 2
