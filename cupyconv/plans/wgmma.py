@@ -482,28 +482,28 @@ def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> 
             and weight_smem_bytes(g, WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT)
 
 
-@functools.lru_cache(maxsize=1024)
-def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str = "nchw",
-                     tile: Optional[WeightTile] = None, stages: Optional[int] = None) -> SplitK:
-    """grad_weight as split-K wgmma GEMMs per (group, stride phase, group of taps) and the fixed-order reduction;
-    NCHW sources are copied into channels_last first (the ``mma.sync`` GEMM's copies).  ``stages`` defaults
-    to :data:`WEIGHT_STAGES` for 8-row tiles and three for 16-row ones, fewer where shared memory runs out."""
-    tile = tile or weight_tile(g)
+def _weight_ring(tile: WeightTile, stages: Optional[int], default: int, smem_of) -> Tuple[int, int]:
+    """(ring depth, shared memory) of a grad_weight kernel: ``stages``, else ``default`` less whatever shared
+    memory cannot hold, down to the shortest ring; ``smem_of(depth)`` is the ring's bytes."""
     if stages is not None and stages not in WEIGHT_STAGE_CHOICES:
         raise ValueError(f"stages must be one of {WEIGHT_STAGE_CHOICES} for grad_weight, got {stages}")
-    # By default two 8-row tiles' worth of pixels in flight ahead: four buffers of 8 rows, three of 16 (so that
-    # two blocks of a 16-row tile still share an SM).
-    ring = stages or (WEIGHT_STAGES if tile.rows == WEIGHT_TILE_H else 3)
-    while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and weight_smem_bytes(g, tile, ring) > SMEM_LIMIT:
+    ring = stages or default
+    while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and smem_of(ring) > SMEM_LIMIT:
         ring -= 1
-    smem = weight_smem_bytes(g, tile, ring)
+    smem = smem_of(ring)
     if smem > SMEM_LIMIT:
         raise ValueError(f"grad_weight tile {tile.name} with {ring} stages does not fit shared memory")
+    return ring, smem
+
+
+def _weight_split_k(g: Geometry, dtype: str, tile: WeightTile, k_tiles: int, sm_count: int, smem: int,
+                    function: str, constants: dict) -> Tuple[Plan, Optional[Plan]]:
+    """The partial pass and the fixed-order reduction shared by both grad_weight kernels (``function``, in the
+    template of that name): a block per (group, tap chunk, stride phase) x channel tile x K range, and the
+    kernel's own ``constants`` besides the layer's and the tile's."""
     phase_taps, span_h, span_w = weight_phases(g)
     tap_chunks = cdiv(phase_taps, tile.taps)
     phases = g.params.stride[0] * g.params.stride[1]
-    h, w = g.in_size
-    k_tiles = g.batch * cdiv(h, tile.rows) * cdiv(w, 8)
     channel_tiles = cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn)
     tap_blocks = g.groups * phases * tap_chunks   # grid x: (group, tap chunk, stride phase), phase fastest
     # About two blocks per SM in all, each K range at least two tiles long.
@@ -515,16 +515,33 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     # The partials are tap-major ([split][tap][ic][oc]); only one split of a one-tap layer is the weight itself.
     direct = splits == 1 and taps == 1
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
-    constants = layer_constants(g, dtype, index_t)
-    constants.update(MMA_KIND=_KINDS[dtype], WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps,
-                     TAP_CHUNKS=tap_chunks, TAP_COUNTS=weight_tap_counts(g, tile.taps), TILE_H=tile.rows,
-                     SPAN_H=span_h, SPAN_W=span_w, STAGES=ring, SINGLE_CHUNK=direct)
-    spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma.cu", "conv_transpose2d_grad_weight_wgmma", constants,
-                           TARGET)
+    constants = {**layer_constants(g, dtype, index_t), **constants}
+    constants.update(WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps, TAP_CHUNKS=tap_chunks,
+                     SPAN_H=span_h, SPAN_W=span_w, SINGLE_CHUNK=direct)
+    spec = KernelSpec.make(f"{function}.cu", function, constants, TARGET)
     partial = Plan(spec, (tap_blocks, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
-                   (g.batch, h, w) + g.out_size + (per_split,), index_t,
+                   (g.batch,) + g.in_size + g.out_size + (per_split,), index_t,
                    scratch_bytes=0 if direct else splits * weight_elems * 4, smem_bytes=smem)
     reduce = None if direct else plan_tap_major_reduce(dtype, weight_elems // taps, taps, splits, index_t)
+    return partial, reduce
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str = "nchw",
+                     tile: Optional[WeightTile] = None, stages: Optional[int] = None) -> SplitK:
+    """grad_weight as split-K wgmma GEMMs per (group, stride phase, group of taps) and the fixed-order reduction;
+    NCHW sources are copied into channels_last first (the ``mma.sync`` GEMM's copies).  ``stages`` defaults
+    to :data:`WEIGHT_STAGES` for 8-row tiles and three for 16-row ones, fewer where shared memory runs out."""
+    tile = tile or weight_tile(g)
+    # By default two 8-row tiles' worth of pixels in flight ahead: four buffers of 8 rows, three of 16 (so that
+    # two blocks of a 16-row tile still share an SM).
+    ring, smem = _weight_ring(tile, stages, WEIGHT_STAGES if tile.rows == WEIGHT_TILE_H else 3,
+                              lambda depth: weight_smem_bytes(g, tile, depth))
+    h, w = g.in_size
+    k_tiles = g.batch * cdiv(h, tile.rows) * cdiv(w, 8)
+    partial, reduce = _weight_split_k(g, dtype, tile, k_tiles, sm_count, smem, "conv_transpose2d_grad_weight_wgmma",
+                                      dict(MMA_KIND=_KINDS[dtype], TAP_COUNTS=weight_tap_counts(g, tile.taps),
+                                           TILE_H=tile.rows, STAGES=ring))
     sources = gemm.plan_grad_weight_sources(g, dtype) if layout == "nchw" else None
     return SplitK(partial, reduce, sources)
 
@@ -559,10 +576,10 @@ def tf32_weight_step(g: Geometry) -> ImageStep:
     return ImageStep(rows, cols, quads)
 
 
-def tf32_weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int, step: Optional[ImageStep] = None) -> int:
+def tf32_weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
     """Shared memory of the TF32 grad_weight ring: per stage a 16-byte slot per (channel, slot) of the x tile
     and of the grad_output halo, each slot's plane padded by 16 bytes."""
-    step = step or tf32_weight_step(g)
+    step = tf32_weight_step(g)
     _, span_h, span_w = weight_phases(g)
     slots = step.quads * step.rows * step.cols
     halo_slots = step.quads * (step.rows + span_h) * (step.cols + span_w)
@@ -589,46 +606,19 @@ def tf32_weight_tile(g: Geometry) -> WeightTile:
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw", tile: Optional[WeightTile] = None,
-                          stages: Optional[int] = None, step: Optional[ImageStep] = None) -> SplitK:
+                          stages: Optional[int] = None) -> SplitK:
     """float32 grad_weight at TF32 precision as split-K wgmma GEMMs per (group, stride phase, group of taps) and
-    the fixed-order reduction, reading either layout in place.  ``stages`` defaults to the deepest ring up to
-    :data:`WEIGHT_STAGES` that fits shared memory, ``step`` to :func:`tf32_weight_step`."""
+    the fixed-order reduction, reading either layout in place, K in :func:`tf32_weight_step`'s steps.  ``stages``
+    defaults to the deepest ring up to :data:`WEIGHT_STAGES` that fits shared memory."""
     tile = tile or tf32_weight_tile(g)
-    step = step or tf32_weight_step(g)
-    if stages is not None and stages not in WEIGHT_STAGE_CHOICES:
-        raise ValueError(f"stages must be one of {WEIGHT_STAGE_CHOICES} for grad_weight, got {stages}")
-    ring = stages or WEIGHT_STAGES
-    while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and \
-            tf32_weight_smem_bytes(g, tile, ring, step) > SMEM_LIMIT:
-        ring -= 1
-    smem = tf32_weight_smem_bytes(g, tile, ring, step)
-    if smem > SMEM_LIMIT:
-        raise ValueError(f"grad_weight tile {tile.name} with {ring} stages does not fit shared memory")
-    phase_taps, span_h, span_w = weight_phases(g)
-    tap_chunks = cdiv(phase_taps, tile.taps)
-    phases = g.params.stride[0] * g.params.stride[1]
+    step = tf32_weight_step(g)
+    ring, smem = _weight_ring(tile, stages, WEIGHT_STAGES, lambda depth: tf32_weight_smem_bytes(g, tile, depth))
     h, w = g.in_size
     k_tiles = cdiv(g.batch, 4 * step.quads) * cdiv(h, step.rows) * cdiv(w, step.cols)
-    channel_tiles = cdiv(g.in_per_group, tile.bm) * cdiv(g.out_per_group, tile.bn)
-    tap_blocks = g.groups * phases * tap_chunks
-    splits = max(1, min(cdiv(2 * sm_count, tap_blocks * channel_tiles), cdiv(k_tiles, 2), 512))
-    per_split = cdiv(k_tiles, splits)
-    splits = cdiv(k_tiles, per_split)
-    weight_elems = numel(g.weight_shape)
-    taps = g.kernel[0] * g.kernel[1]
-    direct = splits == 1 and taps == 1
-    index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
-    constants = layer_constants(g, "float32", index_t)
-    constants.update(WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps, TAP_CHUNKS=tap_chunks,
-                     TILE_H=step.rows, TILE_W=step.cols,
-                     QUADS=step.quads, SPAN_H=span_h, SPAN_W=span_w, STAGES=ring, SINGLE_CHUNK=direct,
-                     NHWC=layout == "nhwc")
-    spec = KernelSpec.make("conv_transpose2d_grad_weight_wgmma_tf32.cu", "conv_transpose2d_grad_weight_wgmma_tf32",
-                           constants, TARGET)
-    partial = Plan(spec, (tap_blocks, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
-                   (g.batch, h, w) + g.out_size + (per_split,), index_t,
-                   scratch_bytes=0 if direct else splits * weight_elems * 4, smem_bytes=smem)
-    reduce = None if direct else plan_tap_major_reduce("float32", weight_elems // taps, taps, splits, index_t)
+    partial, reduce = _weight_split_k(g, "float32", tile, k_tiles, sm_count, smem,
+                                      "conv_transpose2d_grad_weight_wgmma_tf32",
+                                      dict(TILE_H=step.rows, TILE_W=step.cols, QUADS=step.quads, STAGES=ring,
+                                           NHWC=layout == "nhwc"))
     return SplitK(partial, reduce)
 
 
