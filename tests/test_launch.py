@@ -108,6 +108,22 @@ def test_plans_fetch_their_kernels_again_after_the_compiler_cache_is_cleared(mon
     assert held is built[0], "the old kernel stayed referenced until the plan let it go"
 
 
+def test_any_dynamic_shared_memory_opts_the_function_in(monkeypatch):
+    """Static and dynamic shared memory together may pass 48 KB only once a function has opted in: a plan with
+    any dynamic amount sets it (48 960 bytes plus a kernel's static tables failed to launch), one without none."""
+    from types import SimpleNamespace
+
+    def fake_get_function(spec, device_id):
+        return SimpleNamespace(kernel=SimpleNamespace(ptr=0x1000), max_dynamic_shared_size_bytes=0)
+
+    monkeypatch.setattr(launch, "get_function", fake_get_function)
+    cached = reduction.plan_reduce("float32", 1000, 4, "int")
+    for smem in (48960, 0):
+        plan = launch.Plan(cached.spec, cached.grid, cached.block, cached.scalars, cached.index_t, smem_bytes=smem)
+        plan.function(0)
+        assert plan._functions[0][2].max_dynamic_shared_size_bytes == smem
+
+
 def _direct_geometry(kernel, groups=4):
     return geometry((1, 8, 5, 5), (8, 12 // groups) + kernel, None, ConvParams.from_args(groups=groups))
 

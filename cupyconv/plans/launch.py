@@ -99,8 +99,10 @@ class Plan:
         held = self._functions.get(device_id)
         if held is None or held[0] != compiler._generation:
             kernel = get_function(self.spec, device_id)
-            if self.smem_bytes > STATIC_SMEM_LIMIT:
-                # Blocks may only use more than 48 KB once the function has opted in.
+            if self.smem_bytes:
+                # A block's static and dynamic shared memory together may pass 48 KB only once the function has
+                # opted in, so any dynamic amount opts in: under 48 KB of it can still cross the line with the
+                # kernel's static tables.
                 kernel.max_dynamic_shared_size_bytes = self.smem_bytes
             held = self._functions[device_id] = (compiler._generation, kernel.kernel.ptr, kernel)
         return held[1]
