@@ -7,6 +7,10 @@ pass the pass table lists the candidate variants; the tuner picks one on the
 configuration's first call (a dict lookup afterwards), and its planned launches run.
 Nothing here synchronises the host, except a first call that times candidates.
 
+Once every choice a call ran is final, its launches are taped (:class:`~cupyconv.plans.launch.Tape`):
+a repeated forward or backward of the configuration, with pointers of the same alignment,
+replays them with its own pointers and one scratch allocation, planning nothing.
+
 Activations are contiguous in ``layout`` ("nchw", or "nhwc" for channels_last) and the
 weight is contiguous (C_in, C_out/groups, kH, kW).  ``precision`` is "strict" (fp32
 accuracy for float32) or "tf32"; it only matters for float32.
@@ -21,7 +25,7 @@ from .core.geometry import Geometry
 from .jit import compiler
 from .plans import table
 from .plans.gemm import enabled as gemm_enabled
-from .plans.launch import Arena, Launcher, SourceCopies
+from .plans.launch import Arena, Launcher, Replay, SourceCopies, Tape, pointer_signature
 from .plans.sequences import PassPlan
 from .tuning import decide
 from .tuning.variants import Variant
@@ -37,10 +41,41 @@ _prepared: Dict[tuple, tuple] = {}
 _PREPARED_LIMIT = 4096
 
 
+# (call, geometry, dtype, layout, precision, tensor cores on, device, pointer signature) -> Replay of a call whose
+# passes' choices are final: a repeated call costs this lookup, one scratch allocation and its launches.
+_replays: Dict[tuple, Replay] = {}
+
+
 def clear() -> None:
     """Forget the prepared passes (after the plans or the tuner's choices were forgotten)."""
     _prepared.clear()
     _prefetched.clear()
+    _replays.clear()
+
+
+def _replayed(key: tuple, launcher: Launcher, pointers: Sequence[int]) -> bool:
+    """Run the call's taped launches if it has a current tape."""
+    if not launcher.replays:
+        return False
+    replay = _replays.get(key)
+    if replay is None or replay.generation != decide.generation():
+        return False
+    replay.run(launcher, pointers)
+    return True
+
+
+def _tape(key: tuple, launcher: Launcher, pointers: Sequence[int], passes) -> None:
+    """After a call ran its passes, tape them (``passes(tape, stand_in_pointers)``) for the next call, if every
+    choice they ran is final."""
+    if not launcher.replays:
+        return
+    generation = decide.generation()
+    tape = Tape(launcher.device, pointers)
+    passes(tape, tape.stand_ins)
+    if tape.final:
+        if len(_replays) >= _PREPARED_LIMIT:
+            _replays.clear()
+        _replays[key] = tape.replay(generation)
 
 
 def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str, has_bias: bool, aligned: bool,
@@ -72,6 +107,8 @@ def _pass_plan(pass_: str, g: Geometry, dtype: str, layout: str, precision: str,
         return variant, found
     variant = decide.chosen(pass_, g, dtype, layout, precision, device.index)
     if variant is None:
+        if isinstance(launcher, Tape):
+            launcher.final = False  # the tuner has not chosen yet: what runs now may change
         def plan(v):
             return table.plan(pass_, v, g, dtype, layout, precision, has_bias, aligned, device.sm_count)
 
@@ -108,8 +145,17 @@ def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], o
     pointers = (x, weight, bias or 0, out)
     if backward_mask is not None and launcher.timing:
         _prefetch_backward(g, dtype, layout, precision, launcher.device, tuple(backward_mask))
-    _run(table.FORWARD, _pass_plan(table.FORWARD, g, dtype, layout, precision, bias is not None, _aligned(x, out),
-                                   launcher, pointers), pointers, launcher)
+    tensor_cores = gemm_enabled()
+    key = (table.FORWARD, g, dtype, layout, precision, tensor_cores, launcher.device_id, pointer_signature(pointers))
+    if _replayed(key, launcher, pointers):
+        return
+
+    def passes(launcher, pointers):
+        x, _, _, out = pointers
+        _run(table.FORWARD, _pass_plan(table.FORWARD, g, dtype, layout, precision, bias is not None, _aligned(x, out),
+                                       launcher, pointers, tensor_cores), pointers, launcher)
+    passes(launcher, pointers)
+    _tape(key, launcher, pointers, passes)
 
 
 # (geometry, dtype, layout, precision, device, mask) whose backward kernels were handed to the compiler
@@ -202,24 +248,34 @@ def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_i
             grad_bias(g, dtype, grad_out, grad_bias_out, launcher, layout, tensor_cores)
         return
     both = grad_input_out is not None and grad_weight_out is not None
-    launcher.copies = SourceCopies() if both and layout == "nchw" else None
-    alloc = launcher.alloc
-    try:
-        # Chosen first (a first call may time candidates, with scratch of their own), then run.
-        runs = []
-        if grad_input_out is not None:
-            runs.append(_grad_input_pass(g, dtype, grad_out, weight, grad_input_out, launcher, layout, precision,
-                                         tensor_cores))
-        if grad_weight_out is not None:
-            runs.append(_grad_weight_pass(g, dtype, x, grad_out, grad_weight_out, launcher, layout, precision,
-                                          tensor_cores))
-        if grad_bias_out is not None:
-            runs.append(_grad_bias_pass(g, dtype, grad_out, grad_bias_out, launcher, layout, tensor_cores))
-        scratch = sum(chosen[1].scratch_bound for _, chosen, _ in runs)
-        if scratch:
-            launcher.alloc = Arena(alloc, scratch).alloc
-        for run in runs:
-            _run(*run, launcher)
-    finally:
-        launcher.copies = None
-        launcher.alloc = alloc
+    pointers = (grad_out, x, weight, grad_input_out or 0, grad_weight_out or 0, grad_bias_out or 0)
+    key = ("backward", g, dtype, layout, precision, tensor_cores, launcher.device_id,
+           pointer_signature(pointers), grad_input_out is not None, grad_weight_out is not None,
+           grad_bias_out is not None)
+    if _replayed(key, launcher, pointers):
+        return
+
+    def passes(launcher, pointers):
+        grad_out, x, weight, gi, gw, gb = pointers
+        launcher.copies = SourceCopies() if both and layout == "nchw" else None
+        alloc = launcher.alloc
+        try:
+            # Chosen first (a first call may time candidates, with scratch of their own), then run.
+            runs = []
+            if grad_input_out is not None:
+                runs.append(_grad_input_pass(g, dtype, grad_out, weight, gi, launcher, layout, precision,
+                                             tensor_cores))
+            if grad_weight_out is not None:
+                runs.append(_grad_weight_pass(g, dtype, x, grad_out, gw, launcher, layout, precision, tensor_cores))
+            if grad_bias_out is not None:
+                runs.append(_grad_bias_pass(g, dtype, grad_out, gb, launcher, layout, tensor_cores))
+            scratch = sum(chosen[1].scratch_bound for _, chosen, _ in runs)
+            if scratch:
+                launcher.alloc = Arena(alloc, scratch).alloc
+            for run in runs:
+                _run(*run, launcher)
+        finally:
+            launcher.copies = None
+            launcher.alloc = alloc
+    passes(launcher, pointers)
+    _tape(key, launcher, pointers, passes)

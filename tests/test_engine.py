@@ -129,3 +129,137 @@ def test_a_small_backward_allocates_no_scratch(handed):
     assert rec.requests == []
     assert [(p.name, [stage for stage, _ in p.launches]) for p in rec.passes] == [
         ("grad_input", ["main"]), ("grad_weight", ["main"]), ("grad_bias", ["main"])]
+
+
+# ------------------------------------------------------------------ taped launches of repeated calls
+
+class PointerRecorder(Recorder):
+    """A recorder that also writes down each launch's pointers, and lets the engine replay tapes on it."""
+
+    replays = True
+
+    def __init__(self, dev):
+        super().__init__(dev)
+        self.calls = []     # (stage, plan, pointers) of every launch
+        self.requests = []  # scratch sizes asked for
+
+    def _alloc(self, nbytes):
+        keep, ptr = super()._alloc(nbytes)
+        self.requests.append((nbytes, ptr))
+        return keep, ptr
+
+    def launch(self, stage, plan, pointers):
+        if self.passes:
+            super().launch(stage, plan, pointers)
+        self.calls.append((stage, plan, tuple(pointers)))
+
+
+class PlanningRecorder(PointerRecorder):
+    """The same, planning every call: what the engine launches without a tape."""
+
+    replays = False
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Counts the engine's planning lookups: a replayed call makes none."""
+    calls = []
+    real = engine._pass_plan
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine, "_pass_plan", counting)
+    return calls
+
+
+BIG = geometry((16, 8, 32, 32), (8, 8, 3, 3), None, ConvParams.from_args(stride=2))
+_GI, _GW, _GB = (1 << 36, 2 << 36, 3 << 36)
+
+
+def _backward(g, rec, pointers=(_Y, _X, _W, _GI, _GW, _GB), layout="nchw", dtype="float32"):
+    engine.backward(g, dtype, *pointers, rec, layout)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_a_repeated_backward_replays_the_launches_it_planned_with_its_own_pointers(handed, planned, layout):
+    first = PointerRecorder(DEV)
+    _backward(BIG, first, layout=layout)
+    assert planned and engine._replays, "a call whose choices are final is taped"
+    planned.clear()
+    moved = tuple(p + (5 << 20) for p in (_Y, _X, _W, _GI, _GW, _GB))  # other buffers, the same alignment
+    again = PointerRecorder(DEV)
+    _backward(BIG, again, moved, layout=layout)
+    assert planned == [], "a replayed call plans nothing"
+    fresh = PlanningRecorder(DEV)
+    _backward(BIG, fresh, moved, layout=layout)
+    assert [(s, p) for s, p, _ in again.calls] == [(s, p) for s, p, _ in fresh.calls]
+    assert len(again.requests) == 1, "one scratch allocation"
+    assert [n for n, _ in again.requests] == [n for n, _ in fresh.requests]
+    # Pointers agree wherever they name the caller's buffers; scratch sits at the same offsets from its base.
+    (_, base_again), (_, base_fresh) = again.requests[0], fresh.requests[0]
+    for (_, _, got), (_, _, want) in zip(again.calls, fresh.calls):
+        assert [p - base_again if p >= base_again else p for p in got] == \
+               [p - base_fresh if p >= base_fresh else p for p in want]
+    assert any(stage == "reduce" for stage, _, _ in again.calls), "the replay includes split-K's scratch"
+
+
+def test_a_repeated_forward_replays_with_or_without_bias(handed, planned):
+    for bias in (_B, None):
+        rec = PointerRecorder(DEV)
+        engine.forward(SMALL, "float32", _X, _W, bias, _Y, rec)
+        planned.clear()
+        again = PointerRecorder(DEV)
+        engine.forward(SMALL, "float32", _X + 1024, _W, bias, _Y + 2048, again)
+        assert planned == []
+        assert [ptrs for _, _, ptrs in again.calls] == [(_X + 1024, _W, bias or 0, _Y + 2048)]
+
+
+def test_another_alignment_or_mask_is_planned_again(handed, planned):
+    _backward(SMALL, PointerRecorder(DEV))
+    planned.clear()
+    _backward(SMALL, PointerRecorder(DEV), (_Y + 2, _X, _W, _GI, _GW, _GB), dtype="float32")
+    assert planned, "a pointer of another alignment may change the plans"
+    planned.clear()
+    _backward(SMALL, PointerRecorder(DEV), (_Y, _X, _W, _GI, None, _GB))
+    assert planned, "another set of gradients is another call"
+
+
+def test_a_tape_is_dropped_when_the_tuner_changes_its_mind_or_pins_variants(handed, planned):
+    _backward(SMALL, PointerRecorder(DEV))
+    tuning.clear()
+    planned.clear()
+    _backward(SMALL, PointerRecorder(DEV))
+    assert planned, "forgotten choices are made again"
+    planned.clear()
+    from cupyconv.tuning import decide
+    v = table.candidates("grad_input", SMALL, "float32", "nchw", "strict", DEV)[0]
+    with decide.pinned({"grad_input": v}):
+        _backward(SMALL, PointerRecorder(DEV))
+    assert planned, "pinned variants are planned, not replayed"
+    planned.clear()
+    engine.clear()
+    _backward(SMALL, PointerRecorder(DEV))
+    assert planned
+
+
+def test_a_choice_the_tuner_has_not_made_is_not_taped(handed, monkeypatch, planned):
+    """With autotuning on, the first calls of a layer with several candidates run the heuristic while the
+    others build; only once a choice is remembered is the call taped."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
+    cands = table.candidates("grad_weight", THIN, "float16", "nchw", "strict", DEV)
+    assert len(cands) > 1
+    engine.backward(THIN, "float16", _Y, _X, _W, None, _GW, None, PointerRecorder(DEV))
+    assert not engine._replays
+    from cupyconv.tuning import decide
+    decide.remember(("grad_weight", THIN, "float16", "nchw", "strict", DEV.index), cands[-1])
+    engine.backward(THIN, "float16", _Y, _X, _W, None, _GW, None, PointerRecorder(DEV))
+    planned.clear()
+    rec = PointerRecorder(DEV)
+    engine.backward(THIN, "float16", _Y, _X, _W, None, _GW, None, rec)
+    assert planned == []
+    fresh = PlanningRecorder(DEV)
+    engine.backward(THIN, "float16", _Y, _X, _W, None, _GW, None, fresh)
+    assert [(s, p) for s, p, _ in rec.calls] == [(s, p) for s, p, _ in fresh.calls]
+    want = table.plan("grad_weight", cands[-1], THIN, "float16", "nchw", "strict", False, True, DEV.sm_count)
+    assert {p for _, p, _ in rec.calls} <= set(want.plans()), "the remembered choice runs"

@@ -218,3 +218,45 @@ def test_an_arena_hands_out_aligned_pieces_in_turn_and_overflows_to_the_caller()
     assert taken == [1024, 512] and fourth == 4096 * 8
     _, last = arena.alloc(200)            # what is left still serves smaller pieces
     assert last == 4096 + 768
+
+
+def _plan(name):
+    from cupyconv.jit.compiler import KernelSpec
+
+    return launch.Plan(KernelSpec.make("t.cu", name, {}), (1, 1, 1), (32, 1, 1), (), "int")
+
+
+class _Sink(launch.Recorder):
+    def __init__(self, dev):
+        super().__init__(dev)
+        self.calls = []
+
+    def launch(self, stage, plan, pointers):
+        self.calls.append((stage, plan, list(pointers)))
+
+
+def test_a_tape_replays_each_pointer_from_where_it_came():
+    dev = device.fake(0)
+    x, w, out = 0x7F0000001000, 0x7F0000200010, 0x7F0000400000
+    tape = launch.Tape(dev, (x, w, 0, out))
+    sx, sw, sb, so = tape.stand_ins
+    assert sb == 0 and sx % 256 == x % 256 and sw % 256 == w % 256, "alignment is what the caller's is"
+    assert launch.pointer_signature((x, w, 0, out)) == (0, 16, -1, 0)
+    keep, (a, b) = tape.scratch([100, 300])
+    tape.launch("main", _plan("k1"), (sx, sw + 64, sb, a))
+    tape.launch("reduce", _plan("k2"), (b, so))
+    assert tape.final
+    replay = tape.replay("gen")
+    assert replay.scratch_bytes == 256 + 512
+    sink = _Sink(dev)
+    x2, w2, out2 = 0x7E0000000000, 0x7E0000100010, 0x7E0000300000
+    replay.run(sink, (x2, w2, 0, out2))
+    base = 1 << 40  # the recorder's first made-up scratch address
+    assert [(s, p.spec.function, ptrs) for s, p, ptrs in sink.calls] == [
+        ("main", "k1", [x2, w2 + 64, 0, base]), ("reduce", "k2", [base + 256, out2])]
+
+
+def test_a_pointer_the_call_did_not_give_is_not_taped():
+    tape = launch.Tape(device.fake(0), (0x7F0000001000,))
+    tape.launch("main", _plan("k"), (0x123456,))
+    assert not tape.final

@@ -253,6 +253,7 @@ class Launcher:
     """
 
     timing = True   # the tuner may time candidate kernels on this launcher's stream
+    replays = True  # a repeated configuration may replay its taped launches here (see Tape)
 
     def __init__(self, device_id: int, stream_ptr: int, alloc: Allocator):
         self.device = _device.get(device_id)
@@ -296,6 +297,7 @@ class Recorder(Launcher):
     """
 
     timing = False
+    replays = False  # it is asked what a call would launch: it plans every call
 
     def __init__(self, device: _device.Device):
         self.device = device
@@ -323,3 +325,94 @@ class Recorder(Launcher):
     @property
     def launches(self) -> List[Tuple[str, Plan]]:
         return [launch for p in self.passes for launch in p.launches]
+
+
+# A tape's stand-in for pointer i of a call is ((i + 1) << _SOURCE_SHIFT) plus the pointer's low byte, and its
+# scratch lies at (_SCRATCH_SOURCE << _SOURCE_SHIFT): a launch pointer's high bits say where it came from.  Real
+# device addresses stay below 2**47, and no pointer moves further than 2**44 from where it came from.
+_SOURCE_SHIFT = 44
+_SCRATCH_SOURCE = 15
+_LOW_BYTE = 255
+
+
+def pointer_signature(pointers: Sequence[int]) -> Tuple[int, ...]:
+    """What of a call's pointers its planning may look at: whether each is given, and its alignment.
+
+    Plans test alignment up to 16 bytes and scratch is aligned to 256; the low byte covers both.
+    """
+    return tuple(p & _LOW_BYTE if p else -1 for p in pointers)
+
+
+class Tape(Launcher):
+    """A launcher that launches nothing and writes down each launch with where its pointers came from.
+
+    The engine runs a configuration's passes on one, with stand-ins for the call's pointers
+    and scratch, once the tuner's choices for them are final.  The :class:`Replay` it
+    makes launches the same kernels for a later call of the configuration with that call's
+    pointers and one scratch allocation: no planning, lookups or carving on the way.
+    """
+
+    timing = False
+    replays = False
+
+    def __init__(self, device: _device.Device, pointers: Sequence[int]):
+        self.device = device
+        self.device_id = device.index
+        self.stream_ptr = 0
+        self.alloc = self._alloc
+        self.copies = None
+        self.final = True  # False once a pass ran a choice the tuner may still change, or a launch did not fit
+        self._stand_ins = [((i + 1) << _SOURCE_SHIFT) + (p & _LOW_BYTE) if p else 0 for i, p in enumerate(pointers)]
+        self._scratch_base = _SCRATCH_SOURCE << _SOURCE_SHIFT
+        self._scratch_end = self._scratch_base
+        self._steps: List[Tuple[str, Plan, Tuple[Tuple[int, int], ...]]] = []
+
+    @property
+    def stand_ins(self) -> Tuple[int, ...]:
+        """The pointers the passes are to be run with."""
+        return tuple(self._stand_ins)
+
+    def _alloc(self, nbytes: int):
+        ptr = self._scratch_end
+        self._scratch_end += aligned_size(max(nbytes, 1))
+        return None, ptr
+
+    def _source(self, ptr: int) -> Tuple[int, int]:
+        """(index of the call's pointer, or len(pointers) for scratch, or -1 for null; offset from it)."""
+        if not ptr:
+            return -1, 0
+        source = ptr >> _SOURCE_SHIFT
+        if source == _SCRATCH_SOURCE and ptr < self._scratch_end:
+            return len(self._stand_ins), ptr - self._scratch_base
+        if 1 <= source <= len(self._stand_ins) and self._stand_ins[source - 1]:
+            return source - 1, ptr - self._stand_ins[source - 1]
+        self.final = False
+        return -1, 0
+
+    def launch(self, stage: str, plan: Plan, pointers: Sequence[int]) -> None:
+        self._steps.append((stage, plan, tuple(self._source(p) for p in pointers)))
+
+    def zero(self, ptr: int, nbytes: int) -> None:
+        self.final = False  # only empty batches zero, and they are not taped
+
+    def replay(self, generation: object) -> "Replay":
+        return Replay(tuple(self._steps), self._scratch_end - self._scratch_base, generation)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A taped call's launches; ``generation`` is the tuner's state it was taped under."""
+
+    steps: Tuple[Tuple[str, Plan, Tuple[Tuple[int, int], ...]], ...]
+    scratch_bytes: int
+    generation: object
+
+    def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
+        sources = list(pointers)
+        keep = None
+        if self.scratch_bytes:
+            keep, base = launcher.alloc(self.scratch_bytes)
+            sources.append(base)
+        for stage, plan, recipe in self.steps:
+            launcher.launch(stage, plan, [sources[i] + offset if i >= 0 else 0 for i, offset in recipe])
+        del keep

@@ -57,6 +57,18 @@ _local = threading.local()
 _pins: Optional[Dict[str, Variant]] = None
 # the same keys -> futures of the candidates' background builds, until they are timed
 _building: Dict[tuple, list] = {}
+# Changes whenever chosen() may answer differently: a choice remembered or forgotten, pins set or lifted.
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever :func:`chosen` may answer differently for some configuration."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
 
 
 def enabled() -> bool:
@@ -70,6 +82,7 @@ def clear() -> None:
         _memo.clear()
         _memo_locks.clear()
         _building.clear()
+        _changed()
     store.forget()
 
 
@@ -101,10 +114,12 @@ def pinned(variants: Mapping[str, Variant]) -> Iterator[None]:
     global _pins
     previous = _pins
     _pins = dict(variants)
+    _changed()
     try:
         yield
     finally:
         _pins = previous
+        _changed()
 
 
 @dataclass
@@ -148,6 +163,7 @@ def remember(key: tuple, v: Variant) -> None:
     if len(_memo) >= _MEMO_LIMIT:
         _memo.clear()
     _memo[key] = v
+    _changed()
 
 
 def _capturing(stream_ptr: int) -> bool:
