@@ -260,3 +260,44 @@ def test_a_pointer_the_call_did_not_give_is_not_taped():
     tape = launch.Tape(device.fake(0), (0x7F0000001000,))
     tape.launch("main", _plan("k"), (0x123456,))
     assert not tape.final
+
+
+def test_any_taped_call_replays_its_pointers_from_their_sources():
+    """Random calls: pointers (some null), scratch pieces, and launches reading any of them at small offsets.
+    The replay with other pointers of the same low bytes moves each launch pointer with its source."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=200, deadline=None, derandomize=True)
+    @hypothesis.given(st.data())
+    def check(data):
+        count = data.draw(st.integers(1, 6))
+        low = data.draw(st.lists(st.integers(0, 255), min_size=count, max_size=count))
+        given = data.draw(st.lists(st.booleans(), min_size=count, max_size=count))
+        first = [((0x7F00 + i) << 32) + lo if g else 0 for i, (lo, g) in enumerate(zip(low, given))]
+        second = [((0x7E00 + 3 * i) << 32) + lo if g else 0 for i, (lo, g) in enumerate(zip(low, given))]
+        tape = launch.Tape(device.fake(0), first)
+        sizes = data.draw(st.lists(st.integers(1, 5000), max_size=3))
+        _, pieces = tape.scratch(sizes)
+        sources = [("call", i) for i, g in enumerate(given) if g] + [("scratch", j) for j in range(len(pieces))]
+        launches = []
+        for _ in range(data.draw(st.integers(1, 4))):
+            picks = data.draw(st.lists(st.tuples(st.sampled_from(sources + [("null", 0)]), st.integers(0, 4096)),
+                                       min_size=1, max_size=5))
+            # a scratch pointer stays inside its piece; a call's may point anywhere in its buffer
+            launches.append([(kind, i, 0 if kind == "null" else offset % sizes[i] if kind == "scratch" else offset)
+                             for (kind, i), offset in picks])
+        stand_ins = tape.stand_ins
+        for n, picks in enumerate(launches):
+            tape.launch("main", _plan(f"k{n}"), [0 if kind == "null" else (stand_ins[i] if kind == "call" else
+                                                                              pieces[i]) + offset
+                                                 for kind, i, offset in picks])
+        assert tape.final
+        sink = _Sink(device.fake(0))
+        tape.replay(None).run(sink, second)
+        base = 1 << 40  # where the sink's one scratch allocation starts
+        scratch_at = [p - (launch._SCRATCH_SOURCE << launch._SOURCE_SHIFT) for p in pieces]
+        want = [[0 if kind == "null" else (second[i] if kind == "call" else base + scratch_at[i]) + offset
+                 for kind, i, offset in picks] for picks in launches]
+        assert [ptrs for _, _, ptrs in sink.calls] == want
+    check()
