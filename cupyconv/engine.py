@@ -17,6 +17,7 @@ accuracy for float32) or "tf32"; it only matters for float32.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -29,6 +30,9 @@ from .plans.launch import Arena, Launcher, Replay, SourceCopies, Tape, pointer_s
 from .plans.sequences import PassPlan
 from .tuning import decide
 from .tuning.variants import Variant
+
+
+_log = logging.getLogger("cupyconv.engine")
 
 
 def _aligned(a: int, b: int) -> bool:
@@ -71,7 +75,11 @@ def _tape(key: tuple, launcher: Launcher, pointers: Sequence[int], passes) -> No
         return
     generation = decide.generation()
     tape = Tape(launcher.device, pointers)
-    passes(tape, tape.stand_ins)
+    try:
+        passes(tape, tape.stand_ins)
+    except Exception as exc:  # the call itself has run: a tape that cannot be made only costs the next call a plan
+        _log.debug("cupyconv: not taped: %s", exc)
+        return
     if tape.final:
         if len(_replays) >= _PREPARED_LIMIT:
             _replays.clear()

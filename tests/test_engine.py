@@ -263,3 +263,15 @@ def test_a_choice_the_tuner_has_not_made_is_not_taped(handed, monkeypatch, plann
     assert [(s, p) for s, p, _ in rec.calls] == [(s, p) for s, p, _ in fresh.calls]
     want = table.plan("grad_weight", cands[-1], THIN, "float16", "nchw", "strict", False, True, DEV.sm_count)
     assert {p for _, p, _ in rec.calls} <= set(want.plans()), "the remembered choice runs"
+
+
+def test_a_tape_that_cannot_be_made_leaves_the_call_alone(handed, planned, monkeypatch):
+    from cupyconv.plans import launch
+
+    def broken(self, stage, plan, pointers):
+        raise RuntimeError("tape broke")
+    monkeypatch.setattr(launch.Tape, "launch", broken)
+    rec = PointerRecorder(DEV)
+    _backward(SMALL, rec)
+    assert [s for s, _, _ in rec.calls] == ["main", "main", "main"], "the call's own launches all ran"
+    assert not engine._replays

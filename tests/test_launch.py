@@ -301,3 +301,10 @@ def test_any_taped_call_replays_its_pointers_from_their_sources():
                  for kind, i, offset in picks] for picks in launches]
         assert [ptrs for _, _, ptrs in sink.calls] == want
     check()
+
+
+def test_a_pointer_before_its_source_is_not_taped():
+    tape = launch.Tape(device.fake(0), (0x7F0000001000, 0x7F0000002000))
+    first, second = tape.stand_ins
+    tape.launch("main", _plan("k"), (second - 64,))   # would decode as far past the first pointer
+    assert not tape.final

@@ -328,9 +328,11 @@ class Recorder(Launcher):
 
 
 # A tape's stand-in for pointer i of a call is ((i + 1) << _SOURCE_SHIFT) plus the pointer's low byte, and its
-# scratch lies at (_SCRATCH_SOURCE << _SOURCE_SHIFT): a launch pointer's high bits say where it came from.  Real
-# device addresses stay below 2**47, and no pointer moves further than 2**44 from where it came from.
+# scratch lies at (_SCRATCH_SOURCE << _SOURCE_SHIFT): a launch pointer's high bits say where it came from.
+# Stand-ins are never launched, so they need not be addresses; a launch pointer further than _MAX_OFFSET past
+# its source (or before it) is not taped.
 _SOURCE_SHIFT = 44
+_MAX_OFFSET = 1 << (_SOURCE_SHIFT - 1)
 _SCRATCH_SOURCE = 15
 _LOW_BYTE = 255
 
@@ -385,7 +387,9 @@ class Tape(Launcher):
         if source == _SCRATCH_SOURCE and ptr < self._scratch_end:
             return len(self._stand_ins), ptr - self._scratch_base
         if 1 <= source <= len(self._stand_ins) and self._stand_ins[source - 1]:
-            return source - 1, ptr - self._stand_ins[source - 1]
+            offset = ptr - self._stand_ins[source - 1]
+            if 0 <= offset < _MAX_OFFSET:
+                return source - 1, offset
         self.final = False
         return -1, 0
 
