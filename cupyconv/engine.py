@@ -255,13 +255,13 @@ def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_i
         if grad_bias_out is not None:
             grad_bias(g, dtype, grad_out, grad_bias_out, launcher, layout, tensor_cores)
         return
-    both = grad_input_out is not None and grad_weight_out is not None
     pointers = (grad_out, x, weight, grad_input_out or 0, grad_weight_out or 0, grad_bias_out or 0)
     key = ("backward", g, dtype, layout, precision, tensor_cores, launcher.device_id,
            pointer_signature(pointers), grad_input_out is not None, grad_weight_out is not None,
            grad_bias_out is not None)
     if _replayed(key, launcher, pointers):
         return
+    both = grad_input_out is not None and grad_weight_out is not None
 
     def passes(launcher, pointers):
         grad_out, x, weight, gi, gw, gb = pointers

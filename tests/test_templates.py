@@ -23,6 +23,8 @@ WGMMA = {"conv_transpose2d_wgmma.cu"}
 WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
 WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its 32 x 8 block is its transpose tile, not a setting
+# the constants of kernels/include/layer.cuh: every layer template takes them
+LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"})
 
 
 def test_every_template_is_found():
@@ -38,10 +40,9 @@ def test_the_wgmma_grad_weight_template_inlines_the_mma_headers():
     text = templates.expanded(name)
     assert "#include" not in text
     assert "wgmma_async" in text and "smem_descriptor" in text and "cp_async_16" in text
-    layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
     tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TAP_COUNTS", "TILE_H", "SPAN_H", "SPAN_W",
             "STAGES", "SINGLE_CHUNK"}
-    assert {"SCALAR_T", "INDEX_T"} | layer | tile == templates.placeholders(name)
+    assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 
 def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_the_layout():
@@ -50,10 +51,9 @@ def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_the_layout(
     assert "#include" not in text
     # wgmma.cuh, mma.cuh's TF32 rounding, and the phase-tap helpers shared with the 16-bit kernel
     assert "wgmma_async" in text and "round_shared_tf32" in text and "find_phase_taps" in text
-    layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
     tile = {"WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TILE_H", "TILE_W", "QUADS", "SPAN_H", "SPAN_W",
             "STAGES", "SINGLE_CHUNK", "NHWC"}
-    assert {"SCALAR_T", "INDEX_T"} | layer | tile == templates.placeholders(name)
+    assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 
 def test_the_tap_major_reduce_takes_its_types_and_tap_count():
@@ -67,9 +67,8 @@ def test_wgmma_templates_inline_the_mma_headers(name):
     text = templates.expanded(name)
     assert "#include" not in text
     assert "wgmma_async" in text and "smem_descriptor" in text and "MMA_F16" in text   # wgmma.cuh, mma.cuh
-    layer = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
     tile = {"MMA_KIND", "TILE_IMAGES", "TILE_H", "TILE_W", "WARPGROUPS", "BN", "CK", "HALO_H", "HALO_W"}
-    assert {"SCALAR_T", "INDEX_T", "DST_CL", "HAS_BIAS"} | layer | tile <= templates.placeholders(name)
+    assert {"SCALAR_T", "INDEX_T", "DST_CL", "HAS_BIAS"} | LAYER | tile <= templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))
@@ -94,9 +93,8 @@ def test_includes_are_inlined_and_placeholders_listed(name):
 
 
 def test_layer_templates_take_every_layer_constant():
-    layer_constants = {"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"}
     for name in ("conv_transpose2d_forward.cu", "conv_transpose2d_grad_input.cu", "conv_transpose2d_grad_weight.cu"):
-        assert layer_constants <= templates.placeholders(name), name
+        assert LAYER <= templates.placeholders(name), name
         # output_padding only sizes the output, which the host passes at run time
         assert not {"OPH", "OPW"} & templates.placeholders(name), name
 

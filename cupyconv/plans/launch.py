@@ -345,8 +345,8 @@ def pointer_signature(pointers: Sequence[int]) -> Tuple[int, ...]:
     return tuple(p & _LOW_BYTE if p else -1 for p in pointers)
 
 
-class Tape(Launcher):
-    """A launcher that launches nothing and writes down each launch with where its pointers came from.
+class Tape(Recorder):
+    """A recorder that writes down each launch with where its pointers came from.
 
     The engine runs a configuration's passes on one, with stand-ins for the call's pointers
     and scratch, once the tuner's choices for them are final.  The :class:`Replay` it
@@ -354,19 +354,11 @@ class Tape(Launcher):
     pointers and one scratch allocation: no planning, lookups or carving on the way.
     """
 
-    timing = False
-    replays = False
-
     def __init__(self, device: _device.Device, pointers: Sequence[int]):
-        self.device = device
-        self.device_id = device.index
-        self.stream_ptr = 0
-        self.alloc = self._alloc
-        self.copies = None
+        super().__init__(device)
         self.final = True  # False once a pass ran a choice the tuner may still change, or a launch did not fit
         self._stand_ins = [((i + 1) << _SOURCE_SHIFT) + (p & _LOW_BYTE) if p else 0 for i, p in enumerate(pointers)]
-        self._scratch_base = _SCRATCH_SOURCE << _SOURCE_SHIFT
-        self._scratch_end = self._scratch_base
+        self._scratch_base = self._next = _SCRATCH_SOURCE << _SOURCE_SHIFT   # the recorder's scratch starts here
         self._steps: List[Tuple[str, Plan, Tuple[Tuple[int, int], ...]]] = []
 
     @property
@@ -374,17 +366,12 @@ class Tape(Launcher):
         """The pointers the passes are to be run with."""
         return tuple(self._stand_ins)
 
-    def _alloc(self, nbytes: int):
-        ptr = self._scratch_end
-        self._scratch_end += aligned_size(max(nbytes, 1))
-        return None, ptr
-
     def _source(self, ptr: int) -> Tuple[int, int]:
         """(index of the call's pointer, or len(pointers) for scratch, or -1 for null; offset from it)."""
         if not ptr:
             return -1, 0
         source = ptr >> _SOURCE_SHIFT
-        if source == _SCRATCH_SOURCE and ptr < self._scratch_end:
+        if source == _SCRATCH_SOURCE and ptr < self._next:
             return len(self._stand_ins), ptr - self._scratch_base
         if 1 <= source <= len(self._stand_ins) and self._stand_ins[source - 1]:
             offset = ptr - self._stand_ins[source - 1]
@@ -400,7 +387,7 @@ class Tape(Launcher):
         self.final = False  # only empty batches zero, and they are not taped
 
     def replay(self, generation: object) -> "Replay":
-        return Replay(tuple(self._steps), self._scratch_end - self._scratch_base, generation)
+        return Replay(tuple(self._steps), self._next - self._scratch_base, generation)
 
 
 @dataclass(frozen=True)
