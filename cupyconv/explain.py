@@ -213,8 +213,9 @@ class Explanation:
 
     def _memory_line(self) -> str:
         layout = "channels_last (NHWC)" if self.layout == "nhwc" else "contiguous (NCHW)"
+        weight = ", weight channels_last (read and written in place)" if self.geometry.weight_channels_last else ""
         precision = f", float32 precision {self.precision}" if self.dtype == "float32" else ""
-        return f"activations {layout}{precision}"
+        return f"activations {layout}{weight}{precision}"
 
     # -- plain text
     def text(self, show_source: Optional[bool] = None) -> str:
@@ -372,6 +373,16 @@ def _layout_name(layout, example, weight=None) -> str:
     return _LAYOUTS[layout]
 
 
+def _weight_channels_last(weight) -> bool:
+    """Whether cupyconv.torch reads this weight (a torch tensor) in its channels_last memory, as its kernels do."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(weight, torch.Tensor):
+        return False
+    from .torch import _is_channels_last
+
+    return _is_channels_last(weight)
+
+
 def _shape(value, name: str) -> Tuple[int, ...]:
     shape = getattr(value, "shape", value)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
@@ -450,6 +461,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         in_shape, w_shape, has_bias, layer, dtype = _from_module(input_shape, weight_shape, dtype)
         source_kind = f"module {type(input_shape).__name__}"
         layout = _layout_name(layout, weight_shape, input_shape.weight)
+        weight = input_shape.weight
         if precision is None and dtype == "float32":
             precision = "tf32" if sys.modules["torch"].backends.cudnn.allow_tf32 else "strict"
     else:
@@ -464,6 +476,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         has_bias = bias
         source_kind = "arguments"
         layout = _layout_name(layout, input_shape, weight_shape)
+        weight = weight_shape
     precision = "strict" if precision is None else precision
     dtypes.check_precision(precision)
 
@@ -482,7 +495,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         op = output_padding_for(output_size, in_shape, w_shape[2:], params.stride, params.padding,
                                 params.dilation)
         params = ConvParams.from_args(params.stride, params.padding, op, params.groups, params.dilation)
-    g = geometry(in_shape, w_shape, bias_shape, params)
+    g = geometry(in_shape, w_shape, bias_shape, params).with_weight_channels_last(_weight_channels_last(weight))
 
     if output_mask is not None:
         mask = _output_mask(output_mask)

@@ -253,7 +253,7 @@ def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation):
         g = _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation)
         device = x.device
         entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1,
-                 g.user_shape(g.output_shape))
+                 g.user_shape(g.output_shape), g.with_weight_channels_last())
         if key is not None:
             if len(_forward_cache) >= _CACHE_LIMIT:
                 _forward_cache.clear()
@@ -274,7 +274,8 @@ def _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation,
     if entry is None:
         g = _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask)
         device = x.device
-        entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1)
+        entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1,
+                 g.with_weight_channels_last())
         if key is not None:
             if len(_backward_cache) >= _CACHE_LIMIT:
                 _backward_cache.clear()
@@ -344,11 +345,15 @@ def _empty(shape, like: Tensor, device, layout: str) -> Tensor:
 
 
 def _cuda_forward(x, w, b, entry):
-    g, dt, device, index, out_shape = entry
+    g, dt, device, index, out_shape, g_weight_channels_last = entry
     # Tensors that want gradients let a configuration's first forward start compiling the backward.
     wants = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
     layout = _layout_for(x, w)
-    x, w = _in_layout(x, layout), w.contiguous()
+    x = _in_layout(x, layout)
+    if _is_channels_last(w):
+        g = g_weight_channels_last   # read in place
+    else:
+        w = w.contiguous()
     if b is not None:
         b = b.contiguous()
     out = _empty(out_shape, x, device, layout)
@@ -364,18 +369,25 @@ def _cuda_forward(x, w, b, entry):
 
 
 def _cuda_backward(go, x, w, mask, entry):
-    g, dt, device, index, = entry
+    g, dt, device, index, g_weight_channels_last = entry
     layout = _layout_for(x, w)
-    gw_channels_last = layout == "nhwc" and _grad_weight_channels_last(x, w)
+    gw_channels_last = layout == "nhwc" and _grad_weight_channels_last(x, w)   # torch's memory format for it
     precision = _precision(dt)
     go = _in_layout(go, layout)
     gi = gw = gb = None
+    # The kernels read the weight, and write grad_weight, in the weight's layout: (C_in, C_out/groups, kH, kW)
+    # contiguous, or channels_last in place (what model.to(memory_format=torch.channels_last) gives).
+    weight_channels_last = _is_channels_last(w)
+    if weight_channels_last:
+        g = g_weight_channels_last
     if mask[0]:
-        w = w.contiguous()
+        if not weight_channels_last:
+            w = w.contiguous()
         gi = _empty(x.shape, x, device, layout)
     if mask[1]:
         x = _in_layout(x, layout)
-        gw = torch.empty(w.shape, dtype=w.dtype, device=device)
+        gw = torch.empty(w.shape, dtype=w.dtype, device=device,
+                         memory_format=torch.channels_last if weight_channels_last else torch.contiguous_format)
     if mask[2]:
         gb = torch.empty((g.out_channels,), dtype=go.dtype, device=device)
     prev = _enter_device(index)
@@ -386,8 +398,8 @@ def _cuda_backward(go, x, w, mask, entry):
     finally:
         if prev != index:
             _set_device(prev)
-    if gw is not None and gw_channels_last:
-        gw = _as_channels_last(gw)  # the kernels write weights as (C_in, C_out/groups, kH, kW)
+    if gw is not None and gw_channels_last != weight_channels_last:
+        gw = _as_channels_last(gw) if gw_channels_last else gw.contiguous()
     return gi, gw, gb
 
 

@@ -185,9 +185,8 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
         }
     }
 
-    // partial[split][g*CIN_G + ic][oc][t]: the weight's own layout, one copy per split
-    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * CIN * COUT_G * TAPS
-                 + static_cast<index_t>(g) * CIN_G * COUT_G * TAPS + t;
+    // partial[split] in the weight's own layout, one copy per split
+    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * CIN * COUT_G * TAPS;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -200,7 +199,8 @@ conv_transpose2d_grad_weight_igemm(const scalar_t* __restrict__ x, const scalar_
                 for (int q = 0; q < 2; ++q) {
                     const int oc = n0 + warp_col + ni * 8 + (lane & 3) * 2 + q;
                     if (oc < COUT_G)
-                        store(out + (static_cast<index_t>(ic) * COUT_G + oc) * TAPS, pick_result<KIND>(acc, total)[mi][ni][h * 2 + q]);
+                        store(out + weight_index(static_cast<index_t>(g) * CIN_G + ic, oc, t),
+                              pick_result<KIND>(acc, total)[mi][ni][h * 2 + q]);
                 }
         }
 }

@@ -16,8 +16,10 @@
 // atomics) tap-major, partial[range][tap][ic][oc], so that a warp's stores fill whole sectors
 // (in the weight's own layout a block's four taps leave every 4-byte store its own sector).
 // reduce_tap_major_partials.cu adds the ranges in a fixed order, so the result is bitwise
-// reproducible, and moves the taps last.  A single range of a one-tap layer (SINGLE_CHUNK),
-// whose two layouts agree, writes grad_weight itself.
+// reproducible, and moves the taps last.  A channels_last weight's layout, [ic][tap][oc], serves
+// as well as tap-major, so its partials are written in it and reduce_partials.cu adds them.
+// A single range (SINGLE_CHUNK) of a one-tap layer or a channels_last weight, whose partials
+// are the weight's layout, writes grad_weight itself.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -53,7 +55,7 @@ constexpr int A_RUNS = BM / VEC, B_RUNS = BN / VEC;
 static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "MN-major operands exist for 16-bit types only");
 static_assert(CIN_G % VEC == 0 && COUT_G % VEC == 0, "channels in whole 16-byte runs");
 static_assert(TILE_H % 2 == 0, "one MMA takes two rows of eight pixels");
-static_assert(!SINGLE_CHUNK || TAPS == 1, "the tap-major partials are the weight's layout only for one tap");
+static_assert(!SINGLE_CHUNK || TAPS == 1 || WEIGHT_CL, "tap-major partials are the weight's layout only for one tap");
 static_assert(TAP_GROUP >= 1 && TAP_GROUP <= 4, "a block accumulates one to four taps");
 static_assert(STAGES >= 3, "one tile copied ahead and one whose MMAs are in flight");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
@@ -174,8 +176,7 @@ conv_transpose2d_grad_weight_wgmma(const scalar_t* __restrict__ x, const scalar_
 
     accumulate<TAP_COUNTS != 1 << TAP_GROUP>(acc, offsets, taps, smem, k_tiles, wg, issue);
 
-    // partial[split][tap][g*CIN_G + ic][oc], one copy per split (grad_weight itself for SINGLE_CHUNK)
-    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G
-                     + static_cast<index_t>(g) * CIN_G * COUT_G;
-    store_tap_partials<TAP_GROUP, BN>(acc, taps, tap_ids, out, m0, n0, wg, warp, lane);
+    // one copy of the partials per split (grad_weight itself for SINGLE_CHUNK)
+    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G;
+    store_tap_partials<TAP_GROUP, BN>(acc, taps, tap_ids, out, g, m0, n0, wg, warp, lane);
 }

@@ -51,7 +51,7 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 static_assert(sizeof(scalar_t) == 4, "TF32 operands are fp32 words");
 static_assert(TILE_W % 2 == 0, "one MMA takes two neighbouring pixels of a row");
 static_assert(TAP_GROUP >= 1 && TAP_GROUP <= 4, "a block accumulates one to four taps");
-static_assert(!SINGLE_CHUNK || TAPS == 1, "the tap-major partials are the weight's layout only for one tap");
+static_assert(!SINGLE_CHUNK || TAPS == 1 || WEIGHT_CL, "tap-major partials are the weight's layout only for one tap");
 static_assert(STAGES >= 3, "one tile copied ahead and one whose MMAs are in flight");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
 
@@ -222,8 +222,7 @@ conv_transpose2d_grad_weight_wgmma_tf32(const scalar_t* __restrict__ x, const sc
 
     accumulate(acc, offsets, smem, k_tiles, wg, tid, issue);
 
-    // partial[split][tap][g*CIN_G + ic][oc], one copy per split (grad_weight itself for SINGLE_CHUNK)
-    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G
-                     + static_cast<index_t>(g) * CIN_G * COUT_G;
-    store_tap_partials<TAP_GROUP, BN>(acc, taps, tap_ids, out, m0, n0, wg, warp, lane);
+    // one copy of the partials per split (grad_weight itself for SINGLE_CHUNK)
+    partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G;
+    store_tap_partials<TAP_GROUP, BN>(acc, taps, tap_ids, out, g, m0, n0, wg, warp, lane);
 }

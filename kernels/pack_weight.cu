@@ -1,4 +1,5 @@
-// Repacks a transposed-convolution weight (C_in, C_out/groups, kH, kW) into the
+// Repacks a transposed-convolution weight (C_in, C_out/groups, kH, kW), contiguous or, with
+// WEIGHT_CL, channels_last (memory (C_in, kH, kW, C_out/groups)), into the
 // B operand layout of the implicit-GEMM kernels: packed[g][tap][n][k], k
 // contiguous, n padded to N_PAD and k to K_PAD with zeros.  Every B tile is then
 // BN rows of 64 contiguous bytes: 16-byte vector loads with no bounds tests.
@@ -20,6 +21,7 @@ constexpr int N_PAD = {{N_PAD}}, K_PAD = {{K_PAD}};
 constexpr int BLOCK = {{BLOCK}};
 constexpr int TILE_N = {{TILE_N}}, TILE_K = {{TILE_K}};
 constexpr bool ROUND_TF32 = {{ROUND_TF32}};
+constexpr bool WEIGHT_CL = {{WEIGHT_CL}};
 constexpr int VEC = 16 / ELEMENT_BYTES;
 static_assert(!ROUND_TF32 || ELEMENT_BYTES == 4, "TF32 rounding of fp32 words");
 static_assert(TILE_N == 0 || (N_PAD % TILE_N == 0 && K_PAD % TILE_K == 0 && TILE_K % VEC == 0), "whole tiles");
@@ -58,7 +60,8 @@ pack_weight(const bits_t* __restrict__ weight, bits_t* __restrict__ packed) {
         bits_t v = 0;
         if (n < CG_N && k < CG_K) {
             const int ic = MODE == 0 ? k : n, oc = MODE == 0 ? n : k;
-            v = weight[((static_cast<index_t>(g) * CIN_G + ic) * COUT_G + oc) * TAPS + t];
+            const index_t row = static_cast<index_t>(g) * CIN_G + ic;
+            v = weight[WEIGHT_CL ? (row * TAPS + t) * COUT_G + oc : (row * COUT_G + oc) * TAPS + t];
             // cvt.rna.tf32.f32 by bits, so the kernel builds for any architecture: half a TF32 unit added to the
             // magnitude, the dropped bits cleared; Inf and NaN keep theirs.
             if constexpr (ROUND_TF32) v = (v & 0x7f800000u) == 0x7f800000u ? v : (v + 0x1000u) & 0xffffe000u;

@@ -57,6 +57,11 @@ def _plans():
                     for plan in table.all_plans(g, dtype, bias, layout,
                                                 families_named=("direct", "large_kernel", "reduction")):
                         seen.setdefault(plan.spec, f"{layer}-{dtype}-{layout}-{plan.spec.function}-{plan.index_t}")
+        # a channels_last weight, read and written in place (weight_index): every direct and large kernel
+        for layout in launch.LAYOUTS:
+            for plan in table.all_plans(g.with_weight_channels_last(), "float32", True, layout,
+                                        families_named=("direct", "large_kernel")):
+                seen.setdefault(plan.spec, f"{layer}-weight_cl-{layout}-{plan.spec.function}-{plan.index_t}")
     return seen
 
 
@@ -90,6 +95,9 @@ def _gemm_plans():
             seen.setdefault(plan.spec, f"tile-{tile.name}-{plan.spec.function}")
         vec = gemm.plan_grad_weight_gemm(g, "float16", 132, "nhwc", tile=tile)[0]
         seen.setdefault(vec.spec, f"tile-{tile.name}-vector-{vec.spec.function}")
+    # a channels_last weight: its packs (both modes) and grad_weight's stores
+    for plan in table.all_plans(g.with_weight_channels_last(), "bfloat16", False, "nhwc", families_named=("gemm",)):
+        seen.setdefault(plan.spec, f"gemm_dense_3x5-weight_cl-{plan.spec.function}-{plan.index_t}")
     for stages in gemm.STAGE_CHOICES:
         for plan in (gemm.plan_forward_gemm(g, "float16", True, "nchw", stages=stages).gemm,
                      gemm.plan_grad_input_gemm(g, "float32", "nhwc", "tf32", stages=stages).gemm,
@@ -234,6 +242,18 @@ def _wgmma_plans():
             layout = launch.LAYOUTS[i % 2]
             add(f"{name}-grad_weight-tf32-{opts.get('tile', 'heuristic')}-{layout}",
                 wgmma.plan_grad_weight_tf32(g, 132, layout, wgmma.TF32_WEIGHT_TILES.get(opts.get("tile"))))
+    # a channels_last weight: tiles packed from it, and grad_weight's partials in its layout (several K ranges,
+    # one range of many taps writing grad_weight itself, and a one-tap layer)
+    for name in ("wgmma_dense_3x5", "wgmma_small_grid"):
+        g = _wgmma_layer(name).with_weight_channels_last()
+        add(f"{name}-weight_cl-forward", wgmma.plan_forward(g, "bfloat16", True, "nhwc"))
+        add(f"{name}-weight_cl-grad_input", wgmma.plan_grad_input(g, "float32", "nhwc", precision="tf32"))
+    for name in ("4x4_stride2", "one_tile", "one_tile_1x1"):
+        g = WGMMA_GRAD_WEIGHT_LAYERS[name].with_weight_channels_last()
+        add(f"{name}-weight_cl-grad_weight", wgmma.plan_grad_weight(g, "float16", 132, "nhwc"))
+    for name in ("4x4_stride2", "2x2_input", "one_step_1x1"):
+        g = WGMMA_TF32_WEIGHT_LAYERS[name].with_weight_channels_last()
+        add(f"{name}-weight_cl-grad_weight-tf32", wgmma.plan_grad_weight_tf32(g, 132, "nchw"))
     for stages in (3, 4):   # six stages of this tile do not fit shared memory
         add(f"4x4_stride2-grad_weight-tf32-stages-{stages}",
             wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS["4x4_stride2"], 132, "nhwc",
@@ -301,6 +321,15 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {c["TILE_N"] > 0 for c in packs} == {True, False}, "weights packed row by row and tile by tile"
     assert {c["MODE"] for c in packs if c["TILE_N"] > 0} == {0, 1}, "tiles packed for both wgmma passes"
     assert {(c["ROUND_TF32"], c["ELEMENT_BYTES"]) for c in packs} == {(False, 2), (False, 4), (True, 4)}
+    # channels_last weights: read by every layer template and both packs, and written by every grad_weight kernel,
+    # the wgmma ones' single K range of many taps included
+    layer_templates = {s.template for s in PLANS if "WEIGHT_CL" in dict(s.constants) and s.template != "pack_weight.cu"}
+    assert {s.template for s in PLANS if dict(s.constants).get("WEIGHT_CL")} == layer_templates | {"pack_weight.cu"}
+    assert {(c["MODE"], c["TILE_N"] > 0) for c in packs if c["WEIGHT_CL"]} == {(0, False), (1, False), (0, True),
+                                                                                (1, True)}
+    for cl_weights in ([c for c in weights if c["WEIGHT_CL"]], [c for c in tf32_weights if c["WEIGHT_CL"]]):
+        assert {(c["SINGLE_CHUNK"], c["KH"] * c["KW"] > 1) for c in cl_weights} == {(True, True), (True, False),
+                                                                                    (False, True)}
 
 
 def _compile_cases():
@@ -542,6 +571,20 @@ def test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile,
     assert "serialized" not in log and "Performance Loss" not in log, log
     static = re.search(r"(\d+) bytes smem", log)
     assert split.partial.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
+
+
+@pytest.mark.parametrize("layer", ("4x4_stride2", "one_tile", "2x2_input"))
+def test_grad_weight_kernels_writing_a_channels_last_weight_build_without_spilling(layer):
+    layers = {**WGMMA_GRAD_WEIGHT_LAYERS, **WGMMA_TF32_WEIGHT_LAYERS}
+    g = layers[layer].with_weight_channels_last()
+    splits = [wgmma.plan_grad_weight_tf32(g, 132, "nhwc")]
+    if layer in WGMMA_GRAD_WEIGHT_LAYERS:
+        splits.append(wgmma.plan_grad_weight(g, "bfloat16", 132, "nhwc"))
+    for split in splits:
+        assert dict(split.partial.spec.constants)["WEIGHT_CL"]
+        log = _ptxas_log(split.partial.spec)
+        found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert found and found.groups() == ("0", "0", "0"), log
 
 
 def test_the_wgmma_transpose_immediates_follow_the_operand_majors():

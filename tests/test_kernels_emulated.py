@@ -259,3 +259,64 @@ def test_weight_packed_for_tf32_wgmma_is_rounded_to_nearest():
         assert (rounded[plain == np.float32(1 + 2 ** -11)] == np.float32(1 + 2 ** -10)).all(), "a tie, away"
     with pytest.raises(ValueError, match="float32"):
         gemm.plan_pack_weight_padded(g, "float16", 0, 32, 32, (32, 16), round_tf32=True)
+
+
+def _weight_channels_last(w):
+    """A (C_in, C_out/groups, kH, kW) weight's channels_last memory: (C_in, kH, kW, C_out/groups)."""
+    return np.ascontiguousarray(w.transpose(0, 2, 3, 1))
+
+
+def _direct_passes(g, dtype, layout, x, w, b, go):
+    """(output, grad_input, grad_weight) of the direct kernels, in ``layout`` and the weight layout ``g`` names;
+    grad_weight comes back in that layout's memory, flattened."""
+    ctype = C_TYPE[dtype]
+    to_layout = _nhwc if layout == "nhwc" else np.ascontiguousarray
+    xl, gol = to_layout(x), to_layout(go)
+    *_, y = cuda_emulator.run(direct.plan_forward(g, dtype, True, layout),
+                              [xl, w, b, to_layout(_empty(g.output_shape, dtype))], [ctype] * 4)
+    *_, gi = cuda_emulator.run(direct.plan_grad_input(g, dtype, layout),
+                               [gol, w, to_layout(_empty(g.input_shape, dtype))], [ctype] * 3)
+    gw, chunks = _split_k(*direct.plan_grad_weight(g, dtype, 4, layout), (xl, gol), g.weight_shape, dtype)
+    return y, gi, gw.ravel(), chunks
+
+
+@pytest.mark.parametrize("name,dtype,layout", [("grouped_dilated", "float64", "nchw"),
+                                               ("chunked_weights", "float32", "nhwc"),
+                                               ("narrow_rows", "bfloat16", "nhwc"), ("depthwise", "float16", "nchw")])
+def test_direct_kernels_read_and_write_a_channels_last_weight_in_place(name, dtype, layout):
+    """With the weight in channels_last memory (``model.to(memory_format=torch.channels_last)``), every direct
+    kernel reads it and grad_weight is written in it: the same values, bit for bit, as from a contiguous weight,
+    each on the reference."""
+    g, args = _layer(name)
+    x, w, b, go = _data(g, dtype, seed=len(name) + 1)
+    y, gi, gw, _ = _direct_passes(g, dtype, layout, x, w, b, go)
+    cl = g.with_weight_channels_last()
+    y_cl, gi_cl, gw_cl_memory, chunks = _direct_passes(cl, dtype, layout, x, _weight_channels_last(w), b, go)
+    cin, cg, kh, kw = g.weight_shape
+    gw_cl = np.ascontiguousarray(gw_cl_memory.reshape(cin, kh, kw, cg).transpose(0, 3, 1, 2))
+    np.testing.assert_array_equal(y_cl, y)
+    np.testing.assert_array_equal(gi_cl, gi)
+    np.testing.assert_array_equal(gw_cl.ravel(), gw)
+    want_gw = reference.conv_transpose2d_backward(*(_values(a, dtype) for a in (go, x, w)), **args)[1]
+    _close(gw_cl, want_gw, TOLERANCE[dtype], f"{name} {layout} grad_weight", dtype)
+    assert name != "depthwise" or chunks > 1, "several split-K chunks, summed in the weight's layout"
+
+
+@pytest.mark.parametrize("tile", [(0, 0), (32, 8)])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_weight_packed_from_channels_last_memory_matches_the_contiguous_pack(mode, tile):
+    """Both GEMM packs (row by row, and tile by tile as the wgmma kernels read them) give the same packed bits
+    from a channels_last weight as from a contiguous one: grouped, taps of a 3 x 2 kernel, padded n and k."""
+    from cupyconv.plans import gemm
+
+    g = geometry((1, 24, 3, 3), (24, 10, 3, 2), None, ConvParams.from_args(stride=2, groups=2))
+    w = np.random.default_rng(3).standard_normal(g.weight_shape).astype(np.float32)
+    packed = []
+    for geom, memory in ((g, w), (g.with_weight_channels_last(), _weight_channels_last(w))):
+        plan = gemm.plan_pack_weight_padded(geom, "float32", mode, 32, 32, tile)
+        assert dict(plan.spec.constants)["WEIGHT_CL"] == geom.weight_channels_last
+        _, out = cuda_emulator.run(plan, [memory.view(np.uint32), np.zeros(plan.scratch_bytes // 4, np.uint32)],
+                                   ["unsigned int"] * 2)
+        packed.append(out)
+    np.testing.assert_array_equal(packed[1], packed[0])
+    assert np.count_nonzero(packed[0]) == w.size, "every weight value packed once"

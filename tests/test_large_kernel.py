@@ -432,6 +432,23 @@ def test_kernels_match_the_reference(name, dtype, layout, prebuilt):
 
 
 @emulated
+@pytest.mark.parametrize("name,dtype,layout", [("phases", "float64", "nhwc"), ("many_rows", "float32", "nchw")])
+def test_a_channels_last_weight_is_read_and_written_in_place(name, dtype, layout):
+    """The weight in channels_last memory, (C_in, kH, kW, C_out/groups): read so by the forward and grad_input,
+    and grad_weight written so (several split-K chunks for many_rows)."""
+    run = Emulated(name, dtype, layout, seed=3)
+    g = run.g.with_weight_channels_last()
+    run.w = np.ascontiguousarray(run.w.transpose(0, 2, 3, 1))
+    run.forward(large_kernel.plan_forward(g, dtype, True, layout))
+    run.grad_input(large_kernel.plan_grad_input(g, dtype, layout))
+    # grad_weight's memory, compared element by element with the reference's channels_last memory
+    run.want_gw = np.ascontiguousarray(run.want_gw.transpose(0, 2, 3, 1)).reshape(run.want_gw.shape)
+    partial, reduce = large_kernel.plan_grad_weight(g, dtype, 4, layout)
+    assert dict(partial.spec.constants)["WEIGHT_CL"] and (reduce is not None) == (name == "many_rows")
+    run.grad_weight(partial, reduce)
+
+
+@emulated
 def test_the_tabled_101x101_layer_runs_what_the_table_plans():
     run = Emulated("k101", "float32", "nchw", seed=5)
     g = run.g

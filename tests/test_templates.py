@@ -24,7 +24,8 @@ WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
 WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its 32 x 8 block is its transpose tile, not a setting
 # the constants of kernels/include/layer.cuh: every layer template takes them
-LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G"})
+LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G",
+                   "WEIGHT_CL"})
 
 
 def test_every_template_is_found():

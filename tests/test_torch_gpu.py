@@ -164,6 +164,75 @@ def test_channels_last_in_channels_last_out():
     assert_close(m(xc.detach()), ref.double()(x.double()), TOLERANCE[torch.float32], "channels_last model")
 
 
+# (x shape, weight shape, layer arguments, dtype, TF32): the wgmma kernels (16-bit, TF32 and strict float32
+# through 3xTF32), the mma.sync GEMMs and the direct kernels; a grad_weight of one K range on many taps; groups,
+# and a kernel the direct kernels cannot stage (large_kernel)
+WEIGHT_CL_CASES = [
+    ((4, 64, 12, 10), (64, 48, 4, 4), dict(stride=2, padding=1), torch.bfloat16, False),
+    ((4, 64, 12, 10), (64, 48, 4, 4), dict(stride=2, padding=1), torch.float32, True),
+    ((2, 32, 9, 11), (32, 24, 3, 5), dict(padding=(1, 2)), torch.float32, False),
+    ((1, 64, 8, 8), (64, 64, 4, 4), dict(stride=2, padding=1), torch.float16, False),
+    ((2, 12, 9, 7), (12, 5, 3, 3), dict(stride=2, groups=3, dilation=2, output_padding=1), torch.float16, False),
+    ((2, 4, 5, 6), (4, 3, 101, 101), dict(stride=(2, 1), dilation=(1, 2), padding=3, groups=2), torch.float32,
+     False),
+]
+
+
+@pytest.mark.parametrize("case", WEIGHT_CL_CASES,
+                         ids=["wgmma_bf16", "wgmma_tf32", "strict_fp32", "one_k_range_fp16", "grouped_fp16",
+                              "large_kernel"])
+def test_a_channels_last_weight_is_read_and_written_in_place_by_every_family(case):
+    """``model.to(memory_format=torch.channels_last)`` leaves 4-D weights channels_last; every family's kernels
+    read that weight, and write grad_weight, in place: the same bits as from a contiguous weight (so
+    nothing is copied back and forth), grad_weight in the weight's format as torch gives it, and each within
+    tolerance of float64 torch."""
+    from cupyconv import tuning
+    from cupyconv.core import device as core_device
+    from cupyconv.core.geometry import ConvParams, geometry
+    from cupyconv.plans import table
+
+    x_shape, w_shape, kwargs, dtype, tf32 = case
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x64, w64, b64 = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64)
+                     for shape in (x_shape, w_shape, (w_shape[1] * kwargs.get("groups", 1),)))
+    x = x64.to(dtype).contiguous(memory_format=torch.channels_last)
+    b = b64.to(dtype)
+    y64 = F.conv_transpose2d(x.double(), w64.to(dtype).double(), b.double(), **kwargs)
+    go = torch.randn(y64.shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype) \
+        .contiguous(memory_format=torch.channels_last)
+    xr, wr = x.double().requires_grad_(), w64.to(dtype).double().requires_grad_()
+    F.conv_transpose2d(xr, wr, b.double(), **kwargs).backward(go.double())
+    want = (y64, xr.grad, wr.grad)
+    g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs)).with_weight_channels_last()
+    dt = ct._DTYPE_NAMES[dtype]
+    precision = ct._precision(dt)
+    cands = {}
+    for p in ("forward", "grad_input", "grad_weight"):   # each family's first candidate (its tiles pack alike)
+        firsts = {}
+        for v in table.candidates(p, g, dt, "nhwc", precision, core_device.get(0)):
+            firsts.setdefault(v.family, v)
+        cands[p] = list(firsts.values())
+    tol = 3e-3 if tf32 else TOLERANCE[dtype]   # TF32 keeps 10 mantissa bits
+    for i in range(max(len(c) for c in cands.values())):
+        pins = {p: c[i % len(c)] for p, c in cands.items()}
+        runs = []
+        for memory_format in (torch.contiguous_format, torch.channels_last):
+            xi = x.detach().clone().requires_grad_()
+            wi = w64.to(dtype).contiguous(memory_format=memory_format).requires_grad_()
+            with tuning.pinned(pins):
+                y = ct.conv_transpose2d(xi, wi, b, **kwargs)
+                y.backward(go)
+            torch.cuda.synchronize()
+            runs.append((y.detach(), xi.grad, wi.grad))
+        (y0, gi0, gw0), (y1, gi1, gw1) = runs
+        what = f"{[v.name for v in pins.values()]}"
+        assert gw1.is_contiguous(memory_format=torch.channels_last) and not gw1.is_contiguous(), what
+        assert torch.equal(y1, y0) and torch.equal(gi1, gi0) and torch.equal(gw1, gw0), what
+        for name, got, ref in zip(("output", "grad_input", "grad_weight"), (y1, gi1, gw1), want):
+            assert_close(got, ref, tol, f"{what} {name}")
+
+
 def test_empty_batch():
     m = ct.ConvTranspose2d(4, 3, 3, stride=2, device="cuda")
     x = torch.zeros((0, 4, 5, 5), device="cuda", requires_grad=True)

@@ -1000,6 +1000,42 @@ def test_grad_weight_plans_a_split_k_over_pixel_tiles(layout):
     assert dict(one_tap.partial.spec.constants)["SINGLE_CHUNK"] is True and one_tap.partial.scratch_bytes == 0
 
 
+@pytest.mark.parametrize("tf32", [False, True])
+def test_grad_weight_partials_of_a_channels_last_weight_are_in_its_layout(tf32):
+    """A channels_last weight's own layout keeps a warp's output channels together as tap-major does, so its
+    partials are written in it: an elementwise reduce, and a single K range of many taps writes grad_weight
+    itself, with no scratch and no reduce launch."""
+    def plan(g):
+        return wgmma.plan_grad_weight_tf32(g, 132, "nhwc") if tf32 else wgmma.plan_grad_weight(g, "float16", 132,
+                                                                                                "nhwc")
+    big = _g((8, 128, 32, 32), (128, 64, 4, 4), stride=2, padding=1, groups=2)
+    contiguous, cl = plan(big), plan(big.with_weight_channels_last())
+    assert cl.partial.grid == contiguous.partial.grid and cl.partial.scratch_bytes == contiguous.partial.scratch_bytes
+    splits = cl.partial.grid[2]
+    assert splits > 1 and dict(cl.partial.spec.constants)["WEIGHT_CL"] is True
+    assert contiguous.reduce.spec.function == "reduce_tap_major_partials"
+    assert cl.reduce.spec.function == "reduce_partials" and cl.reduce.scalars == (128 * 64 * 16, splits)
+    small = _g((1, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1) if not tf32 else \
+        _g((16, 64, 2, 2), (64, 48, 4, 4), stride=2, padding=1)
+    one_range, one_range_cl = plan(small), plan(small.with_weight_channels_last())
+    assert one_range.partial.grid[2] == one_range_cl.partial.grid[2] == 1
+    assert one_range.reduce is not None and one_range.partial.scratch_bytes > 0, "tap-major: transposed"
+    assert one_range_cl.reduce is None and one_range_cl.partial.scratch_bytes == 0
+    assert dict(one_range_cl.partial.spec.constants)["SINGLE_CHUNK"] is True
+
+
+def test_weight_packs_read_the_weight_in_its_layout():
+    g = _g((2, 64, 9, 11), (64, 48, 3, 5), padding=(1, 2))
+    for geom in (g, g.with_weight_channels_last()):
+        forward = wgmma.plan_forward(geom, "bfloat16", True, "nhwc")
+        grad_input = wgmma.plan_grad_input(geom, "bfloat16", "nhwc")
+        for p in (forward, grad_input):
+            packs = [q for q in p.plans() if q.spec.template == "pack_weight.cu"]
+            assert len(packs) == 1 and dict(packs[0].spec.constants)["WEIGHT_CL"] is geom.weight_channels_last
+            assert all(dict(q.spec.constants)["WEIGHT_CL"] is geom.weight_channels_last for q in p.plans()
+                       if "WEIGHT_CL" in dict(q.spec.constants))
+
+
 def test_grad_weight_16_row_tiles_are_offered_where_the_input_has_16_rows():
     tall = _g((2, 64, 20, 12), (64, 64, 4, 4), stride=2, padding=1)
     short = _g((2, 64, 12, 20), (64, 64, 4, 4), stride=2, padding=1)

@@ -122,15 +122,26 @@ class Geometry:
     kernel: Pair
     out_size: Pair
     batched: bool = True
+    # The weight's memory: (C_in, C_out/groups, kH, kW) contiguous, or channels_last, (C_in, kH, kW, C_out/groups)
+    # in memory, as ``model.to(memory_format=torch.channels_last)`` leaves it.  Kernels read it, and write
+    # grad_weight, in place either way.
+    weight_channels_last: bool = False
 
     def __hash__(self) -> int:
         # Every launch looks a geometry up in a few caches; hash its fields once.
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash((self.params, self.batch, self.in_channels, self.out_channels, self.in_size, self.kernel,
-                           self.out_size, self.batched))
+                           self.out_size, self.batched, self.weight_channels_last))
             object.__setattr__(self, "_hash", cached)
         return cached
+
+    def with_weight_channels_last(self, channels_last: bool = True) -> "Geometry":
+        """The same layer with its weight (and grad_weight) in the other memory layout."""
+        if channels_last == self.weight_channels_last:
+            return self
+        return Geometry(self.params, self.batch, self.in_channels, self.out_channels, self.in_size, self.kernel,
+                        self.out_size, self.batched, channels_last)
 
     @property
     def groups(self) -> int:
@@ -159,7 +170,7 @@ class Geometry:
 
     @property
     def weight_shape(self) -> Tuple[int, int, int, int]:
-        """(C_in, C_out // groups, kH, kW)."""
+        """(C_in, C_out // groups, kH, kW), whatever its memory layout."""
         return (self.in_channels, self.out_per_group) + self.kernel
 
     def user_shape(self, shape: Sequence[int]) -> Tuple[int, ...]:

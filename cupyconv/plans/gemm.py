@@ -138,8 +138,8 @@ def plan_pack_weight(g: Geometry, dtype: str, mode: int, tile: Tile) -> Plan:
 def plan_pack_weight_padded(g: Geometry, dtype: str, mode: int, n_pad: int, k_pad: int,
                             tile: Tuple[int, int] = (0, 0), round_tf32: bool = False) -> Plan:
     """Repack the weight as [group][tap][n_pad][k_pad], zero-padded, or with ``tile`` = (n, k) as
-    contiguous n x k tiles, one per (n tile, k chunk, tap) (see pack_weight.cu); ``round_tf32`` rounds
-    float32 values to TF32 on the way."""
+    contiguous n x k tiles, one per (n tile, k chunk, tap) (see pack_weight.cu), from the weight in either
+    layout; ``round_tf32`` rounds float32 values to TF32 on the way."""
     if round_tf32 and dtype != "float32":
         raise ValueError(f"only float32 weights round to TF32, got {dtype}")
     taps = g.kernel[0] * g.kernel[1]
@@ -147,7 +147,8 @@ def plan_pack_weight_padded(g: Geometry, dtype: str, mode: int, n_pad: int, k_pa
     element = _itemsize(dtype)
     constants = dict(INDEX_T=index_type(total, numel(g.weight_shape)), MODE=mode, ELEMENT_BYTES=element,
                      TAPS=taps, GROUPS=g.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group, N_PAD=n_pad,
-                     K_PAD=k_pad, BLOCK=ELEMENTWISE_BLOCK, TILE_N=tile[0], TILE_K=tile[1], ROUND_TF32=round_tf32)
+                     K_PAD=k_pad, BLOCK=ELEMENTWISE_BLOCK, TILE_N=tile[0], TILE_K=tile[1], ROUND_TF32=round_tf32,
+                     WEIGHT_CL=g.weight_channels_last)
     spec = KernelSpec.make("pack_weight.cu", "pack_weight", constants)
     return Plan(spec, (min(cdiv(total, ELEMENTWISE_BLOCK), 8192), 1, 1), (ELEMENTWISE_BLOCK, 1, 1), (),
                 constants["INDEX_T"], scratch_bytes=total * element)

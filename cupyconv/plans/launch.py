@@ -69,12 +69,14 @@ def even_block(size: int, cap: int) -> int:
 
 
 def layer_constants(g: Geometry, dtype: str, index_t: str) -> dict:
-    """The constants of ``kernels/include/layer.cuh``: storage and index types, and the layer's geometry."""
+    """The constants of ``kernels/include/layer.cuh``: storage and index types, the layer's geometry and its
+    weight's layout."""
     p = g.params
     return dict(
         SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t,
         KH=g.kernel[0], KW=g.kernel[1], SH=p.stride[0], SW=p.stride[1], PH=p.padding[0], PW=p.padding[1],
-        DH=p.dilation[0], DW=p.dilation[1], GROUPS=p.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group)
+        DH=p.dilation[0], DW=p.dilation[1], GROUPS=p.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group,
+        WEIGHT_CL=g.weight_channels_last)
 
 
 @dataclass(frozen=True)

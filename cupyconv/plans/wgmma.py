@@ -27,7 +27,7 @@ from ..tuning.variants import Variant
 from . import gemm
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
-from .reduction import plan_tap_major_reduce
+from .reduction import plan_reduce, plan_tap_major_reduce
 from .sequences import PackedGemm, PassPlan, SplitK
 
 TARGET = "sm_90a"
@@ -512,8 +512,9 @@ def _weight_split_k(g: Geometry, dtype: str, tile: WeightTile, k_tiles: int, sm_
     splits = cdiv(k_tiles, per_split)
     weight_elems = numel(g.weight_shape)
     taps = g.kernel[0] * g.kernel[1]
-    # The partials are tap-major ([split][tap][ic][oc]); only one split of a one-tap layer is the weight itself.
-    direct = splits == 1 and taps == 1
+    # The partials are tap-major ([split][tap][ic][oc]), or a channels_last weight's own layout: one split of
+    # a one-tap layer, or of a channels_last weight, is the weight itself.
+    direct = splits == 1 and (taps == 1 or g.weight_channels_last)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
     constants = {**layer_constants(g, dtype, index_t), **constants}
     constants.update(WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps, TAP_CHUNKS=tap_chunks,
@@ -522,7 +523,12 @@ def _weight_split_k(g: Geometry, dtype: str, tile: WeightTile, k_tiles: int, sm_
     partial = Plan(spec, (tap_blocks, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
                    (g.batch,) + g.in_size + g.out_size + (per_split,), index_t,
                    scratch_bytes=0 if direct else splits * weight_elems * 4, smem_bytes=smem)
-    reduce = None if direct else plan_tap_major_reduce(dtype, weight_elems // taps, taps, splits, index_t)
+    if direct:
+        reduce = None
+    elif g.weight_channels_last:
+        reduce = plan_reduce(dtype, weight_elems, splits, index_t)
+    else:
+        reduce = plan_tap_major_reduce(dtype, weight_elems // taps, taps, splits, index_t)
     return partial, reduce
 
 

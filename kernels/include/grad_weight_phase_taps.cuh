@@ -35,25 +35,34 @@ __device__ __forceinline__ int find_phase_taps(int rh, int rw, int chunk, int ha
     return count;
 }
 
-// Writes a warpgroup's accumulators (wgmma's m64nBN layout, rows = input channels from m0 + 64 wg)
-// into this split's partial[tap][g*CIN_G + ic][oc], `out` pointing at the group's first row.
+// Offset of product (ic, oc, tap) in one split's partials.  For a contiguous weight they are tap-major,
+// [tap][ic][oc], so that a warp's stores fill whole sectors (in the weight's own layout a block's four taps
+// leave every 4-byte store its own sector), and the reduce moves the taps last; a channels_last weight's
+// own layout, [ic][tap][oc], already keeps a warp's output channels together, so its partials (and a single
+// split's grad_weight) are written in it.
+__device__ __forceinline__ index_t tap_partial_index(index_t ic, int oc, int tap) {
+    return WEIGHT_CL ? weight_index(ic, oc, tap) : (static_cast<index_t>(tap) * CIN + ic) * COUT_G + oc;
+}
+
+// Writes a warpgroup's accumulators (wgmma's m64nBN layout, rows = input channels m0 + 64 wg + ... of group g)
+// into this split's partials, `out` pointing at the split's first element.
 template <int TAP_GROUP, int BN, typename partial_t>
 __device__ __forceinline__ void store_tap_partials(const float (&acc)[TAP_GROUP][BN / 2], int taps, const int* tap_ids,
-                                                   partial_t* out, int m0, int n0, int wg, int warp, int lane) {
+                                                   partial_t* out, int g, int m0, int n0, int wg, int warp, int lane) {
 #pragma unroll
     for (int t = 0; t < TAP_GROUP; ++t) {
         if (t >= taps) continue;
-        partial_t* tap_out = out + static_cast<index_t>(tap_ids[t]) * CIN * COUT_G;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int ic = m0 + wg * 64 + warp * 16 + lane / 4 + h * 8;
             if (ic >= CIN_G) continue;
+            const index_t row = static_cast<index_t>(g) * CIN_G + ic;
 #pragma unroll
             for (int jn = 0; jn < BN / 8; ++jn)
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     const int oc = n0 + jn * 8 + (lane % 4) * 2 + q;
-                    if (oc < COUT_G) store(tap_out + static_cast<index_t>(ic) * COUT_G + oc, acc[t][jn * 4 + h * 2 + q]);
+                    if (oc < COUT_G) store(out + tap_partial_index(row, oc, tap_ids[t]), acc[t][jn * 4 + h * 2 + q]);
                 }
         }
     }
