@@ -83,8 +83,11 @@ class Case:
 
     @property
     def geometry(self):
+        """The layer as the call runs it: a weight left channels_last is read (and written) in place."""
+        x, w = self.arrange(*(torch.empty(s, dtype=self.dtype, device="meta") for s in (self.layer.input_shape,
+                                                                                       self.layer.weight_shape)))
         return geometry(self.layer.input_shape, self.layer.weight_shape, None,
-                        ConvParams.from_args(**self.layer.kwargs()))
+                        ConvParams.from_args(**self.layer.kwargs())).with_weight_channels_last(ct._is_channels_last(w))
 
     @property
     def precision(self) -> str:
