@@ -391,6 +391,28 @@ def test_explain_reports_the_layouts_kernels(layout):
 
 
 @pytest.mark.skipif(GPU, reason="checks the host-only plan for the assumed H100")
+def test_explain_reads_a_channels_last_weight_in_place():
+    """A module moved to channels_last keeps its weight so: explain plans what the call runs, the weight read
+    (packed) and grad_weight written in that layout, with the wgmma grad_weight's plain reduce, and says so."""
+    torch = pytest.importorskip("torch")
+    cct = pytest.importorskip("cupyconv.torch")
+    m = cct.ConvTranspose2d(32, 48, (3, 5), stride=2, padding=1).to(torch.bfloat16)
+    x = torch.zeros(2, 32, 9, 11, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    contiguous = explain(m, x)
+    m.to(memory_format=torch.channels_last)
+    cl = explain(m, x)
+    assert not contiguous.geometry.weight_channels_last and cl.geometry.weight_channels_last
+    assert contiguous.layout == cl.layout == "nhwc"
+    for e, flag in ((contiguous, False), (cl, True)):
+        weight_readers = [k for k in e.kernels if "WEIGHT_CL" in dict(k.constants)]
+        assert {k.stage for k in weight_readers} >= {"pack", "main", "partial"}
+        assert all(dict(k.constants)["WEIGHT_CL"] is flag for k in weight_readers)
+    reduces = [[k.function for k in e.pass_("grad_weight").kernels if k.stage == "reduce"] for e in (contiguous, cl)]
+    assert reduces in ([["reduce_tap_major_partials"], ["reduce_partials"]], [["reduce_tap_major_partials"], []])
+    assert "weight channels_last" in cl.text() and "weight channels_last" not in contiguous.text()
+
+
+@pytest.mark.skipif(GPU, reason="checks the host-only plan for the assumed H100")
 def test_explain_reports_the_precision_that_runs():
     args = ((2, 32, 9, 11), (32, 32, 4, 4))
     strict = explain(*args, stride=2, padding=1, dtype="float32")

@@ -314,8 +314,11 @@ def _specs(case: FuzzCase) -> list:
     def probe(shape, kind):
         return _view(torch.zeros(shape, dtype=torch.float64, device=DEVICE), dtype, kind)
 
-    x, go = probe(case.input_shape, case.x_view), probe(case.output_shape, case.go_view)
-    layout = _layout(case, g, x, probe(case.weight_shape, case.w_view))
+    x, go, w_probe = (probe(shape, view) for shape, view in ((case.input_shape, case.x_view),
+                                                            (case.output_shape, case.go_view),
+                                                            (case.weight_shape, case.w_view)))
+    layout = _layout(case, g, x, w_probe)
+    g = g.with_weight_channels_last(ct._is_channels_last(w_probe))   # read in place, as the call will
     xp, gop = (ct._in_layout(t, layout).data_ptr() for t in (x, go))
     w, out = 1 << 20, 2 << 20
     recorder = Recorder(device.get(0))
