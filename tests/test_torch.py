@@ -628,3 +628,72 @@ def test_tf32_hook_reads_cudnn_flag():
         assert ct.tf32_allowed() is True
     finally:
         torch.backends.cudnn.allow_tf32 = old
+
+
+# ------------------------------------------------- the CUDA glue, with the engine replaced
+
+class _EngineCalls:
+    """Stands in for cupyconv.engine under cupyconv.torch's CUDA glue: notes each call's geometry, layout and
+    pointers, and launches nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, g, dt, x, w, b, out, launcher, layout, precision, mask=None):
+        self.calls.append(("forward", g, layout, w))
+
+    def backward(self, g, dt, go, x, w, gi, gw, gb, launcher, layout, precision):
+        self.calls.append(("backward", g, layout, w))
+
+
+@pytest.fixture
+def cuda_glue(monkeypatch):
+    """cupyconv.torch's CUDA functions run on CPU tensors, with the engine, device switches and streams faked."""
+    calls = _EngineCalls()
+    monkeypatch.setattr(ct, "_engine", calls)
+    monkeypatch.setattr(ct, "_enter_device", lambda index: index)
+    monkeypatch.setattr(ct, "_raw_stream", lambda index: 0, raising=False)
+    monkeypatch.setattr(ct, "_Launcher", lambda *args: None)
+    return calls
+
+
+def _glue_call(x, w, mask):
+    """The forward and a backward of ``mask`` through the CUDA glue (the engine faked); returns grad_weight."""
+    entry = ct._forward_entry(x, w, None, 2, 1, 1, 1, 1)
+    g, dt, device, _, out_shape, g_weight_cl = entry
+    ct._cuda_forward(x, w, None, (g, dt, device, 0, out_shape, g_weight_cl))
+    go = torch.randn(out_shape, dtype=x.dtype)
+    return ct._cuda_backward(go, x, w, mask, (g, dt, device, 0, g_weight_cl))[1]
+
+
+@pytest.mark.parametrize("mask", [(True, True, False), (False, True, False)])
+@pytest.mark.parametrize("x_cl,w_cl", [(True, True), (True, False), (False, True), (False, False)])
+def test_the_weight_is_handed_to_the_kernels_in_its_own_layout(cuda_glue, x_cl, w_cl, mask):
+    """A channels_last weight goes to the engine as it is (its own pointer, and a geometry naming its layout),
+    and so does a contiguous one; grad_weight comes back in torch's memory format either way."""
+    x = torch.randn(2, 8, 5, 6)
+    w = torch.randn(8, 4, 3, 3)
+    if x_cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    if w_cl:
+        w = w.contiguous(memory_format=torch.channels_last)
+    gw = _glue_call(x, w, mask)
+    assert [c[0] for c in cuda_glue.calls] == ["forward", "backward"]
+    for kind, g, layout, pointer in cuda_glue.calls:
+        assert g.weight_channels_last is w_cl, kind
+        assert pointer == w.data_ptr(), f"{kind}: the weight was copied"
+        assert layout == ct._layout_for(x, w)
+    torch_format = x_cl or w_cl   # torch's convolution: channels_last when the input or the weight is
+    assert gw.is_contiguous(memory_format=torch.channels_last if torch_format else torch.contiguous_format)
+    assert gw.is_contiguous() != (torch_format and gw.shape[1] > 1)
+
+
+def test_grad_weight_written_channels_last_is_made_contiguous_where_torch_keeps_it_so(cuda_glue, monkeypatch):
+    """Where torch's grad_weight is contiguous beside a channels_last weight (float64 on CUDA, an unbatched
+    channels_last input), the kernels still write the weight's layout and the glue converts."""
+    monkeypatch.setattr(ct, "_grad_weight_channels_last", lambda x, w: False)
+    x = torch.randn(2, 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+    gw = _glue_call(x, w, (True, True, False))
+    assert cuda_glue.calls[-1][1].weight_channels_last
+    assert gw.is_contiguous()
