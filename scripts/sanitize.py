@@ -12,7 +12,7 @@ their split-K reductions) in float32, float64, float16 and bfloat16; the tensor-
 kernels (GEMM forward and grad_input, grad_weight GEMM, weight repack, channels_last copy)
 in float16, bfloat16, strict float32 and TF32, on NCHW, channels_last and misaligned
 channels_last memory; every tuner candidate (block tile, pipeline depth) of one layer per
-layout; and NaN/Inf data.  Data is made on the host and copied over, and memory caching
+layout; weights in channels_last memory (read, and grad_weight written, in place); and NaN/Inf data.  Data is made on the host and copied over, and memory caching
 is off in torch and CuPy, so the only kernels that run are cupyconv's and every buffer is
 its own allocation (memcheck sees an access one element past it).
 
@@ -66,6 +66,7 @@ class Case:
     unaligned: bool = False          # activations one element past a 16-byte boundary
     nonfinite: bool = False          # NaN and Inf planted in input and grad_output
     variants: Tuple[Tuple[str, str], ...] = ()   # (pass, tuner variant name) forced
+    weight_cl: bool = False          # the weight channels_last: read, and grad_weight written, in place
 
     @property
     def kw(self) -> dict:
@@ -157,7 +158,27 @@ def base_cases() -> List[Case]:
                       "float32", "tf32", layout="nchw", variants=(("grad_weight", "wgmma"),)))
     cases.append(Case("wgmma-grad-weight-tf32-nhwc", (5, 20, 6, 6), (20, 17, 3, 3), _kw(padding=1), False,
                       "float32", "tf32", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
+    # channels_last weights (model.to(memory_format=torch.channels_last)): every weight offset, both packs and
+    # grad_weight's stores in that layout; wgmma's grad_weight split over K (the plain reduce) and in one K range
+    # of 16 taps (writing grad_weight itself)
+    xs, ws, kw = DIRECT_LAYERS["grouped"]
+    for layout in ("nchw", "nhwc"):
+        cases.append(Case(f"direct-grouped-float32-{layout}-weight_cl", xs, ws, kw, True, "float32", layout=layout,
+                          weight_cl=True))
+    cases.append(Case("large-k101-float32-nhwc-weight_cl", (8, 2, 9, 6), (2, 2, 101, 101),
+                      _kw(stride=(2, 1), padding=(3, 50)), True, "float32", layout="nhwc", weight_cl=True))
     xs, ws, kw = GEMM_LAYERS["dense"]
+    for dtype, precision in GEMM_CASES:
+        tag = "tf32" if precision == "tf32" else dtype
+        cases.append(Case(f"gemm-dense-{tag}-nhwc-weight_cl", xs, ws, kw, True, dtype, precision, "nhwc",
+                          weight_cl=True))
+    for tag, dtype, precision in (("float16", "float16", "strict"), ("tf32", "float32", "tf32")):
+        cases.append(Case(f"wgmma-grad-weight-{tag}-nhwc-weight_cl", (2, 16, 10, 9), (16, 16, 4, 4),
+                          _kw(stride=2, padding=1), False, dtype, precision, layout="nhwc",
+                          variants=(("grad_weight", "wgmma"),), weight_cl=True))
+        cases.append(Case(f"wgmma-grad-weight-{tag}-nhwc-weight_cl-one-range", (1, 16, 2, 2), (16, 16, 4, 4),
+                          _kw(stride=2, padding=1), False, dtype, precision, layout="nhwc",
+                          variants=(("grad_weight", "wgmma"),), weight_cl=True))
     cases.append(Case("gemm-dense-float16-cupy", xs, ws, kw, True, "float16", api="cupy"))
     cases.append(Case("gemm-dense-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))
     cases.append(Case("gemm-dense-tf32-nhwc-nonfinite", xs, ws, kw, True, "float32", "tf32", "nhwc", nonfinite=True))
@@ -206,7 +227,8 @@ def select(cases: Sequence[Case], patterns: Optional[str]) -> List[Case]:
 def _geometry(case: Case):
     from cupyconv.core.geometry import ConvParams, geometry
 
-    return geometry(case.x_shape, case.w_shape, None, ConvParams.from_args(**case.kw))
+    g = geometry(case.x_shape, case.w_shape, None, ConvParams.from_args(**case.kw))
+    return g.with_weight_channels_last(case.weight_cl)
 
 
 # -------------------------------------------------------------------- the plan, no GPU
@@ -319,7 +341,10 @@ def run_case(case: Case, check: bool) -> dict:
             got = [torch.from_numpy(cupy.asnumpy(a)) for a in (y,) + tuple(grads)]
         else:
             xd = _to_device(torch, x, case.layout, case.unaligned).requires_grad_()
-            wd = w.to("cuda").requires_grad_()
+            wd = w.to("cuda")
+            if case.weight_cl:
+                wd = wd.contiguous(memory_format=torch.channels_last)
+            wd.requires_grad_()
             bd = None if b is None else b.to("cuda").requires_grad_()
             god = _to_device(torch, go, case.layout, case.unaligned)
             y = ct.conv_transpose2d(xd, wd, bd, **case.kw)
