@@ -91,17 +91,24 @@ def test_channels_last_cases_have_memory_that_says_so(plan):
 
 def test_channels_last_weights_reach_every_template_that_reads_or_writes_weights(plan):
     """Cases with a channels_last weight (one whose memory differs from the contiguous one) plan every kernel that
-    takes the weight layout with it, and wgmma's grad_weight both split over K and in one K range of many taps."""
+    takes the weight layout with it, and wgmma's grad_weight both split over K and in one K range of many taps.
+    The torch path runs such a layer in channels_last (as cuDNN does), so the takers are the nhwc cases'."""
     cases, specs = plan
     cl_cases = [c for c in cases if c.weight_cl]
-    assert all(c.w_shape[1] > 1 and c.w_shape[2] * c.w_shape[3] > 1 for c in cl_cases)
-    takers = {s.function for ss in specs.values() for s in ss if "WEIGHT_CL" in dict(s.constants)}
+    assert all(c.w_shape[1] > 1 and c.w_shape[2] * c.w_shape[3] > 1 and c.layout == "nhwc" for c in cl_cases)
+    takers = {s.function for c in cases if c.layout == "nhwc" and c.api == "torch" for s in specs[c.name]
+              if "WEIGHT_CL" in dict(s.constants)}
     with_cl = {s.function for c in cl_cases for s in specs[c.name] if dict(s.constants).get("WEIGHT_CL")}
     assert with_cl == takers
     assert not any(dict(s.constants).get("WEIGHT_CL") for c in cases if not c.weight_cl for s in specs[c.name])
     for function in ("conv_transpose2d_grad_weight_wgmma", "conv_transpose2d_grad_weight_wgmma_tf32"):
         ranges = {(c["SINGLE_CHUNK"], c["KH"] * c["KW"] > 1) for c in _constants(specs, function) if c["WEIGHT_CL"]}
         assert ranges == {(False, True), (True, True)}, function
+
+
+def test_a_channels_last_weight_case_must_run_channels_last(san):
+    with pytest.raises(ValueError, match="nhwc"):
+        san.Case("w", (1, 2, 3, 3), (2, 2, 3, 3), (), False, "float32", weight_cl=True)
 
 
 def test_arguments(san):
