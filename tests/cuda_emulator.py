@@ -47,6 +47,7 @@ thread_local int emu_lane, emu_warp;
 
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
@@ -179,6 +180,14 @@ def build(plan, pointer_types: Sequence[str]) -> Path:
                        capture_output=True)
         os.replace(tmp, exe)
     return exe
+
+
+def respecialized(plan, **constants):
+    """``plan`` with some of its kernel's constants changed (a deliberately wrong kernel, say)."""
+    from cupyconv.plans import launch
+
+    spec = launch.KernelSpec.make(plan.spec.template, plan.spec.function, {**dict(plan.spec.constants), **constants})
+    return launch.Plan(spec, plan.grid, plan.block, plan.scalars, plan.index_t)
 
 
 def run(plan, buffers: Sequence[np.ndarray], pointer_types: Sequence[str]) -> List[np.ndarray]:

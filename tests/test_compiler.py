@@ -55,12 +55,12 @@ def _plans():
             for bias in (False, True):
                 for layout in launch.LAYOUTS:
                     for plan in table.all_plans(g, dtype, bias, layout,
-                                                families_named=("direct", "large_kernel", "reduction")):
+                                                families_named=("direct", "tiled", "large_kernel", "reduction")):
                         seen.setdefault(plan.spec, f"{layer}-{dtype}-{layout}-{plan.spec.function}-{plan.index_t}")
-        # a channels_last weight, read and written in place (weight_index): every direct and large kernel
+        # a channels_last weight, read and written in place (weight_index): every direct, tiled and large kernel
         for layout in launch.LAYOUTS:
             for plan in table.all_plans(g.with_weight_channels_last(), "float32", True, layout,
-                                        families_named=("direct", "large_kernel")):
+                                        families_named=("direct", "tiled", "large_kernel")):
                 seen.setdefault(plan.spec, f"{layer}-weight_cl-{layout}-{plan.spec.function}-{plan.index_t}")
     return seen
 

@@ -12,7 +12,7 @@ from cupyconv.core.device import attribute_peak as _attribute_peak, gpu_present,
 from cupyconv.core.geometry import ConvParams, geometry
 from cupyconv.explain import DEFAULT_PEAK, NA_NO_GPU, Explanation, Peak, explain
 from cupyconv.jit.templates import format_constant
-from cupyconv.plans import direct, reduction
+from cupyconv.plans import direct, reduction, table, tiled
 
 GPU = gpu_present()
 
@@ -56,7 +56,10 @@ def test_reports_every_pass_with_the_plans(name):
         for stage in (("partial", "reduce") if reduce is not None else ("main",))]
     assert e.geometry == g and e.input_shape == tuple(x_shape) and e.dtype == dtype
     assert e.output_shape == g.user_shape(g.output_shape) and len(e.output_shape) == len(x_shape)
-    plans = [direct.plan_forward(g, dtype, has_bias), direct.plan_grad_input(g, dtype),
+    # thin layers' NCHW forwards run the tiled kernels, the rest the direct ones
+    tiles = table.eligible("forward", g, dtype, "nchw")[0] is tiled.FAMILY
+    forward = tiled.plan_forward(g, dtype, has_bias) if tiles else direct.plan_forward(g, dtype, has_bias)
+    plans = [forward, direct.plan_grad_input(g, dtype),
              *(p for pair in split_k.values() for p in pair if p is not None)]
     assert len(plans) == len(e.kernels)
     for k, plan in zip(e.kernels, plans):
@@ -184,7 +187,7 @@ def test_text_rendering():
     e = _explain("seed_grouped_dilated")
     text = str(e)
     for needle in ("ConvTranspose2d(32, 64", "stride=(2, 3)", "groups=4", "bias=False", "float32",
-                   "(16, 64, 257, 766)", "conv_transpose2d_forward.cu:conv_transpose2d_forward",
+                   "(16, 64, 257, 766)", "conv_transpose2d_forward_tiled.cu:conv_transpose2d_forward_tiled",
                    "reduce_partials", "grid (", "block (128, 1, 1)", "scalars: N=16, H=128", "rows_per_chunk=",
                    "scratch", "memory-bound", "floor", "GFLOP", "lines elided", "total floor"):
         assert needle in text, needle
@@ -367,14 +370,16 @@ def test_explain_takes_the_layout_cupyconv_torch_runs():
 @pytest.mark.skipif(GPU, reason="checks the host-only plan for the assumed H100")
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_explain_reports_the_layouts_kernels(layout):
-    """channels_last layers run the NHWC direct kernels and read the GEMM sources in place."""
+    """channels_last layers run the NHWC direct kernels (NCHW ones the tiled forward) and read the GEMM sources
+    in place."""
     thin = explain((2, 8, 7, 6), (8, 3, 3, 2), groups=4, stride=2, layout=layout)
     functions = {k.function for k in thin.kernels}
     nhwc = layout == "channels_last"
     assert thin.layout == ("nhwc" if nhwc else "nchw")
     assert ("conv_transpose2d_forward_nhwc" in functions) == nhwc
-    assert ("conv_transpose2d_forward" in functions) != nhwc
-    assert thin.pass_("forward").variant == "direct" and thin.pass_("grad_bias").variant == "reduction"
+    assert ("conv_transpose2d_forward_tiled" in functions) != nhwc
+    assert thin.pass_("forward").variant.split(":")[0] == ("direct" if nhwc else "tiled")
+    assert thin.pass_("grad_bias").variant == "reduction"
     dense = explain((2, 32, 9, 11), (32, 48, 3, 5), stride=2, padding=1, dtype="float16", layout=layout)
     stages = [k.stage for k in dense.kernels]
     # NCHW sources go through channels_last copies; grad_output's is made once for both grads

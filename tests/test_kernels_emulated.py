@@ -14,7 +14,7 @@ import pytest
 
 from cupyconv import reference
 from cupyconv.jit import templates
-from cupyconv.plans import direct, launch, reduction
+from cupyconv.plans import direct, reduction
 from cupyconv.core.geometry import ConvParams, geometry
 
 import cuda_emulator
@@ -171,10 +171,7 @@ def test_a_wrong_kernel_is_caught(monkeypatch):
     """The emulation is a real check: a kernel that drops one tap no longer matches."""
     g, args = _layer("grouped_dilated")
     x, w, b, _ = _data(g, "float64", seed=1)
-    plan = direct.plan_forward(g, "float64", True)
-    broken = launch.Plan(launch.KernelSpec.make(plan.spec.template, plan.spec.function,
-                                                {**dict(plan.spec.constants), "KW": 4}),
-                         plan.grid, plan.block, plan.scalars, plan.index_t)
+    broken = cuda_emulator.respecialized(direct.plan_forward(g, "float64", True), KW=4)
     *_, y = cuda_emulator.run(broken, [x, w, b, _empty(g.output_shape, "float64")], ["double"] * 4)
     with pytest.raises(AssertionError, match="max error"):
         _close(y, reference.conv_transpose2d(x, w, b, **args), TOLERANCE["float64"], "broken forward", "float64")

@@ -115,7 +115,7 @@ def precompiled():
                      ConvParams.from_args(**layer.kwargs()))
         for layout in ("nchw", "nhwc"):
             specs += [p.spec for p in table.all_plans(g, layer.dtype, layer.bias, layout, device=device.get(0),
-                                                      families_named=("direct", "reduction"))]
+                                                      families_named=("direct", "tiled", "reduction"))]
     compile_many(specs, 0, workers=os.cpu_count() or 8)
 
 

@@ -23,6 +23,7 @@ WGMMA = {"conv_transpose2d_wgmma.cu"}
 WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
 WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its 32 x 8 block is its transpose tile, not a setting
+TILED = {"conv_transpose2d_forward_tiled.cu"}
 # the constants of kernels/include/layer.cuh: every layer template takes them
 LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G",
                    "WEIGHT_CL"})
@@ -30,7 +31,7 @@ LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CI
 
 def test_every_template_is_found():
     assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
-                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE)
+                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
@@ -54,6 +55,13 @@ def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_the_layout(
     assert "wgmma_async" in text and "round_shared_tf32" in text and "find_phase_taps" in text
     tile = {"WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TILE_H", "TILE_W", "QUADS", "SPAN_H", "SPAN_W",
             "STAGES", "SINGLE_CHUNK", "NHWC"}
+    assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
+
+
+def test_the_tiled_forward_takes_the_layer_and_its_tile():
+    name, = TILED
+    assert "#include" not in templates.expanded(name)
+    tile = {"HAS_BIAS", "OCB", "TILE_R", "TILE_V", "VEC", "BLOCK", "MIN_BLOCKS"}
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 

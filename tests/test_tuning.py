@@ -20,7 +20,7 @@ import cupyconv
 from cupyconv import engine, tuning
 from cupyconv.core import device
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import direct, gemm, launch, table, wgmma
+from cupyconv.plans import direct, gemm, launch, table, tiled, wgmma
 from cupyconv.plans.launch import Recorder
 from cupyconv.tuning import decide, explicit, store
 from cupyconv.tuning.variants import DIRECT, GEMM, Variant
@@ -209,9 +209,16 @@ def _tile(v, pass_="forward"):
     name = v.kwargs.get("tile")
     if name is None:
         return None
+    if v.family == "tiled":
+        return tiled.parse_tile(name)
     if v.family == "wgmma":
         return (wgmma.WEIGHT_TILES if pass_ == "grad_weight" else wgmma.TILES)[name]
     return gemm.TILES[name]
+
+
+def _untiled(cands):
+    """The candidates but the tiled family's, which add themselves to any NCHW forward of a thin layer."""
+    return tuple(v for v in cands if v.family != "tiled")
 
 
 @pytest.mark.parametrize("pass_", TUNED)
@@ -238,7 +245,10 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
             assert sum(v.family == "gemm" for v in cands) <= gemm.FAMILY.max_variants == 7
             assert (sum(v.family == "wgmma" for v in cands) >= 1) == hopper
             assert sum(v.family == "wgmma" for v in cands) <= wgmma.FAMILY.max_variants
-            assert set(v.family for v in cands) <= {"wgmma", "gemm", "direct"} and cands.count(DIRECT) <= 1
+            # the NCHW forward of a layer under 64 channels on a side races the tiled kernels too
+            assert set(v.family for v in cands) <= {"wgmma", "gemm", "direct", "tiled"} and cands.count(DIRECT) <= 1
+            tiles = g is not WIDE and pass_ == "forward" and layout == "nchw"
+            assert any(v.family == "tiled" for v in cands) == tiles
             identities = set()
             for v in cands:
                 plans = table.plan(pass_, v, g, dtype, layout, precision).plans()
@@ -324,13 +334,20 @@ def test_strict_float32_never_tries_tiles_over_64x64():
 def test_direct_kernels_are_a_candidate_for_thin_layers_only():
     for pass_ in TUNED:
         for layout in ("nchw", "nhwc"):
-            assert table.candidates(pass_, THIN, "float16", layout, "strict")[-1] == DIRECT
+            cands = table.candidates(pass_, THIN, "float16", layout, "strict")
+            assert [v for v in cands if v.family != "tiled"][-1] == DIRECT
         assert DIRECT not in table.candidates(pass_, WIDE, "float16", "nchw", "strict")
-        # layers the tensor cores cannot run have the direct kernels only
-        assert table.candidates(pass_, DEPTHWISE, "float16", "nchw", "strict") == (DIRECT,)
-        assert table.candidates(pass_, THIN, "float64", "nchw", "strict") == (DIRECT,)
+        # layers the tensor cores cannot run have the CUDA-core kernels only: the direct ones, and for an NCHW
+        # forward the tiled ones, ahead on depthwise layers and behind on wider groups
+        depthwise = table.candidates(pass_, DEPTHWISE, "float16", "nchw", "strict")
+        thin64 = table.candidates(pass_, THIN, "float64", "nchw", "strict")
+        if pass_ == "forward":
+            assert depthwise[-1] == DIRECT and len(depthwise) > 1 and {v.family for v in depthwise[:-1]} == {"tiled"}
+            assert thin64[0] == DIRECT and len(thin64) > 1 and {v.family for v in thin64[1:]} == {"tiled"}
+        else:
+            assert depthwise == (DIRECT,) and thin64 == (DIRECT,)
         # ...and so has a device without tensor cores the kernels can use
-        assert table.candidates(pass_, THIN, "float16", "nchw", "strict", PRE_AMPERE) == (DIRECT,)
+        assert _untiled(table.candidates(pass_, THIN, "float16", "nchw", "strict", PRE_AMPERE)) == (DIRECT,)
         assert table.candidates(pass_, WIDE, "float16", "nhwc", "strict", PRE_AMPERE) == (DIRECT,)
 
 
@@ -360,8 +377,9 @@ def test_direct_kernels_race_below_64_channels_per_group(pass_):
             assert cands[0] == (WGMMA if first else GEMM) and (DIRECT in cands) == races, \
                 (g.in_per_group, g.out_per_group)
             assert GEMM in cands
+            tiles = pass_ == "forward" and layout == "nchw" and tiled.eligible(g, "float16")
             assert [f.name for f in table.eligible(pass_, g, "float16", layout)] == \
-                ["wgmma"] * first + ["gemm"] + ["wgmma"] * (hopper and not first) + ["direct"]
+                ["wgmma"] * first + ["gemm"] + ["wgmma"] * (hopper and not first) + ["direct"] + ["tiled"] * tiles
 
 
 @pytest.mark.parametrize("pass_", TUNED)
@@ -394,12 +412,13 @@ def test_tensor_cores_off_forces_direct(fresh, monkeypatch):
     monkeypatch.setattr(decide, "_measure", timer)
     for pass_ in TUNED:
         cands = table.candidates(pass_, THIN, "float16", "nchw", "strict", DEV)
-        assert cands == (DIRECT,)
+        assert _untiled(cands) == (DIRECT,)
         assert tuning.current(pass_, THIN, "float16", "nchw", "strict", DEV, cands) == DIRECT
         recorded = _run_engine(TimingRecorder(DEV), pass_)
         assert recorded.variant == DIRECT and recorded.launches
         assert not any("igemm" in plan.spec.template for _, plan in recorded.launches)
-    assert not timer.calls, "a single candidate is not timed"
+    # only the NCHW forward has a choice left, between CUDA-core kernels: the direct and tiled ones
+    assert [{n.split(":")[0] for n in call} for call in timer.calls] == [{"direct", "tiled"}]
     monkeypatch.delenv(gemm.TENSOR_CORES_ENV)
     assert table.candidates("forward", THIN, "float16", "nchw", "strict", DEV)[0] == WGMMA
 
@@ -411,15 +430,16 @@ def test_a_substituted_pre_ampere_device_gets_the_direct_kernels_only(fresh, mon
         with device.substitute(PRE_AMPERE) as dev:
             assert device.get(0) is dev and dev.tensor_cores == device.NO_TENSOR_CORES
             for pass_ in TUNED:
-                assert table.candidates(pass_, THIN, "float16", "nchw", "strict", device.get(0)) == (DIRECT,)
-                assert [f.name for f in table.eligible(pass_, THIN, "float16", "nchw", device.get(0))] == ["direct"]
+                assert _untiled(table.candidates(pass_, THIN, "float16", "nchw", "strict", device.get(0))) == (DIRECT,)
+                assert [f.name for f in table.eligible(pass_, THIN, "float16", "nchw", device.get(0))] == \
+                    ["direct"] + ["tiled"] * (pass_ == "forward")
                 recorded = _run_engine(TimingRecorder(device.get(0)), pass_)
                 assert recorded.variant == DIRECT
                 assert not any("igemm" in plan.spec.template for _, plan in recorded.launches)
         # the outer substitute is back, and with it the tensor cores
         assert device.get(0).sm_count == 108 and device.get(0).tensor_cores >= device.MMA_SYNC
         assert table.candidates("forward", THIN, "float16", "nchw", "strict", device.get(0))[0] == WGMMA
-    assert not timer.calls
+    assert [{n.split(":")[0] for n in call} for call in timer.calls] == [{"direct", "tiled"}]
     with pytest.raises(ValueError):
         with device.substitute(device.ASSUMED):
             pass

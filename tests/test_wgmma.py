@@ -249,8 +249,9 @@ def test_thin_destinations_take_narrow_n_tiles_and_wide_patches():
     32-wide tile they had before the thin ones existed."""
     for x, w in (((16, 128, 128, 128), (128, 3, 4, 4)), ((128, 64, 32, 32), (64, 3, 4, 4))):
         g = _g(x, w, stride=2, padding=1)
-        assert not wgmma.eligible(g, "float32", "forward", "tf32"), "thin float32 stays on the direct kernels"
-        assert table.candidates("forward", g, "float32", "nchw", "tf32") == (Variant("direct"),)
+        assert not wgmma.eligible(g, "float32", "forward", "tf32"), "thin float32 stays on the CUDA-core kernels"
+        assert table.candidates("forward", g, "float32", "nchw", "tf32")[0] == Variant("direct")
+        assert {v.family for v in table.candidates("forward", g, "float32", "nchw", "tf32")} == {"direct", "tiled"}
         for dtype in ("float16", "bfloat16", "float32"):
             assert wgmma.forward_tile(g, "forward", dtype) == wgmma.TILES["32x16x8"]
             tiles = {o.get("tile") for o in wgmma.options(g, "forward", dtype)} - {None}
@@ -311,7 +312,7 @@ def test_an_sm_90_without_wgmma_or_with_tensor_cores_off_keeps_the_gemms(monkeyp
     assert no_wgmma.arch == "90"
     assert [f.name for f in table.eligible("forward", DENSE, "float16", "nchw", no_wgmma)][:1] == ["gemm"]
     monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
-    assert [f.name for f in table.eligible("forward", DENSE, "float16", "nchw")] == ["direct"]
+    assert [f.name for f in table.eligible("forward", DENSE, "float16", "nchw") if f.name != "tiled"] == ["direct"]
     monkeypatch.delenv(gemm.TENSOR_CORES_ENV)
     assert table.eligible("forward", DENSE, "float16", "nchw")[0] is wgmma.FAMILY
 
@@ -377,7 +378,8 @@ def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
                 cands = table.candidates(pass_, g, "float16", layout)
                 assert cands[0] == WGMMA, (name, pass_)
                 families = [v.family for v in cands]
-                assert "gemm" in families and families == sorted(families, key=["wgmma", "gemm", "direct"].index)
+                order = ["wgmma", "gemm", "direct", "tiled"]
+                assert "gemm" in families and families == sorted(families, key=order.index)
                 assert families.count("wgmma") <= wgmma.FAMILY.max_variants
             # grad_weight: the wgmma kernel leads where a stride phase has two taps or more, else the mma.sync
             # GEMM does and the wgmma tiles race it

@@ -1,8 +1,8 @@
 """A variant: one way to run a pass, as a kernel family and its planner options.
 
 Its name is what the tuning file stores: ``direct``, ``gemm``, ``gemm:128x64``,
-``gemm:s3``, ``gemm:64x64:s2``, ``wgmma:4i8x8x128``, ``wgmma:16x16x64:s6`` or ``wgmma:64x64x4r16``
-(family, then a block tile, then a pipeline depth).
+``gemm:s3``, ``gemm:64x64:s2``, ``wgmma:4i8x8x128``, ``wgmma:16x16x64:s6``, ``wgmma:64x64x4r16``
+or ``tiled:8x8x1b6`` (family, then a block tile, then a pipeline depth).
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-# rows x columns, or [images i] height x width x channels, or grad_weight's channels x channels x taps [r rows]
-_TILE = re.compile(r"(\d+i)?\d+x\d+(x\d+)?(r\d+)?")
+# rows x columns, or [images i] height x width x channels, or grad_weight's channels x channels x taps [r rows],
+# or the tiled forward's rows x columns x channels [b blocks per SM]
+_TILE = re.compile(r"(\d+i)?\d+x\d+(x\d+)?(r\d+|b\d+)?")
 _STAGES = re.compile(r"s(\d+)")
 _FAMILY = re.compile(r"[a-z][a-z0-9_]*")
 # the order of options in a name

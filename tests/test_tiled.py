@@ -1,0 +1,193 @@
+"""The tiled forward family: its planner, its place in the pass table, and its kernel run on the CPU through the
+C++ emulation against the float64 reference (every candidate tile, every dtype, aligned and unaligned stores)."""
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+
+from cupyconv import reference
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import table, tiled
+from cupyconv.tuning.variants import Variant
+
+import cuda_emulator
+from layers import random_layer
+from test_kernels_emulated import C_TYPE, TOLERANCE, _data, _empty, _values
+
+GROUPED_DILATED = geometry((16, 32, 128, 256), (32, 16, 3, 5), None, ConvParams.from_args((2, 3), (1, 2), 0, 4, (2, 1)))
+DEPTHWISE_UP = geometry((16, 128, 64, 64), (128, 1, 4, 4), (128,), ConvParams.from_args(2, 1, 0, 128, 1))
+
+# (input shape, weight shape, layer arguments): small layers for the emulation
+LAYERS = {
+    # the grouped_dilated bench layer in miniature: stride 2 x 3, an empty row phase, outputs 2 wide per store
+    "grouped_dilated": ((2, 8, 5, 7), (8, 4, 3, 5), dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4)),
+    # depthwise 4x4 stride 2: output rows of 16, whole 16-byte stores in 16-bit types and a partial last tile
+    "depthwise": ((2, 3, 9, 8), (3, 1, 4, 4), dict(stride=2, padding=1, groups=3)),
+    # padding past a stride period, output_padding, 5 output channels (a partial channel block)
+    "padded": ((1, 2, 6, 5), (2, 5, 3, 2), dict(stride=(2, 1), padding=(3, 1), output_padding=(1, 0))),
+    # a stride larger than the dilated kernel: most tile rows and columns hold the bias alone
+    "sparse": ((2, 3, 3, 4), (3, 2, 2, 3), dict(stride=(5, 4), padding=(1, 2), output_padding=(2, 1))),
+}
+_rng = random.Random(20261127)
+for _i in range(5):
+    _l = random_layer(_rng, "float64", max_kernel=5, max_size=9)
+    LAYERS[f"random{_i}"] = ((_l.batch or 1,) + _l.input_shape[-3:], _l.weight_shape, _l.kwargs())
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+# every dtype on the named layers, two a random one
+CASES = [(name, dtype) for i, name in enumerate(LAYERS) for j, dtype in enumerate(DTYPES)
+         if not name.startswith("random") or (i + j) % 2 == 0]
+
+
+def _layer(name):
+    x_shape, w_shape, kwargs = LAYERS[name]
+    params = ConvParams.from_args(**kwargs)
+    args = dict(stride=params.stride, padding=params.padding, output_padding=params.output_padding,
+                groups=params.groups, dilation=params.dilation)
+    return geometry(x_shape, w_shape, (w_shape[1] * params.groups,), params), args
+
+
+def _geometry(x_shape, w_shape, **kwargs):
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+# ------------------------------------------------------------------------------------------ planner
+
+def test_tile_names_round_trip_through_the_tuners_variant_names():
+    for tile in tiled.tiles(GROUPED_DILATED, "float16") + tiled.tiles(DEPTHWISE_UP, "float32"):
+        name = tiled.tile_name(tile)
+        assert tiled.parse_tile(name) == tile
+        variant = Variant.parse(f"tiled:{name}")
+        assert variant.kwargs["tile"] == name and Variant.parse(variant.name) == variant
+    for bad in ("8x8", "8x8x1", "8x8x1r2", "axbxcbd"):
+        with pytest.raises(ValueError):
+            tiled.parse_tile(bad)
+
+
+def test_stores_are_as_wide_as_every_output_row_allows():
+    assert tiled.store_vector(DEPTHWISE_UP, "float16") == 8         # rows of 128: 16-byte stores
+    assert tiled.store_vector(DEPTHWISE_UP, "float32") == 4
+    assert tiled.store_vector(DEPTHWISE_UP, "float64") == 2
+    assert tiled.store_vector(GROUPED_DILATED, "float16") == 2      # rows of 766 start 4-byte aligned at best
+    assert tiled.store_vector(DEPTHWISE_UP, "float16", aligned=False) == 1
+    odd = _geometry((1, 2, 4, 4), (2, 2, 2, 2), stride=1)           # 5 wide
+    assert tiled.store_vector(odd, "float16") == 1
+
+
+def test_candidates_leave_the_image_size_out():
+    """A stored choice serves a bucket of batch and image sizes: every size must offer the same tiles."""
+    for x_shape in ((2, 32, 9, 11), (4, 32, 15, 12), (1, 32, 16, 16), (3, 32, 7, 5)):
+        g = _geometry(x_shape, (32, 48, 3, 3), stride=2, padding=1)
+        assert tiled.tiles(g, "float16") == tiled.tiles(_geometry((2, 32, 9, 11), (32, 48, 3, 3), stride=2,
+                                                                   padding=1), "float16")
+
+
+def test_heuristic_tiles_span_whole_stride_periods_and_fit_the_budgets():
+    assert tiled.heuristic_tile(DEPTHWISE_UP, "float16")[:3] == (8, 8, 1)
+    assert tiled.heuristic_tile(GROUPED_DILATED, "float16")[:3] == (2, 6, 8)
+    for g in (GROUPED_DILATED, DEPTHWISE_UP) + tuple(_layer(n)[0] for n in LAYERS):
+        for dtype in ("float64", "float32", "float16", "bfloat16"):
+            for rows, cols, channels, blocks in tiled.tiles(g, dtype):
+                assert rows % g.params.stride[0] == 0 and cols % g.params.stride[1] == 0
+                assert 1 <= channels <= g.out_per_group and 1 <= blocks <= 8
+                assert tiled.live_accumulators(g, (rows, cols, channels)) <= 128
+
+
+def test_an_empty_phase_holds_no_live_accumulators():
+    # grouped_dilated: dilation 2 = stride 2 along h, so one row in two gets no tap
+    assert tiled.live_accumulators(GROUPED_DILATED, (2, 6, 8)) == 6 * 8
+    assert tiled.live_accumulators(DEPTHWISE_UP, (8, 8, 1)) == 64
+
+
+def test_the_family_runs_nchw_forwards_of_thin_layers_and_leads_there():
+    for g in (GROUPED_DILATED, DEPTHWISE_UP):
+        fams = [f.name for f in table.eligible("forward", g, "float16", "nchw")]
+        assert fams.index("tiled") < fams.index("direct")
+        cands = table.candidates("forward", g, "float16", "nchw")
+        assert cands[0].family == "tiled" and Variant("direct") in cands
+        assert "tiled" not in [f.name for f in table.eligible("forward", g, "float16", "nhwc")]
+        for pass_ in ("grad_input", "grad_weight"):
+            assert "tiled" not in [f.name for f in table.eligible(pass_, g, "float16", "nchw")]
+    # wider groups: the direct kernels' heuristic stays ahead, the tiles race it
+    wide = _geometry((2, 48, 8, 8), (48, 48, 3, 3), padding=1)
+    cands = table.candidates("forward", wide, "float64", "nchw")
+    assert cands[0] == Variant("direct") and any(v.family == "tiled" for v in cands)
+    # too many taps to unroll, or weights past shared memory: not eligible
+    assert not tiled.eligible(_geometry((1, 2, 8, 8), (2, 2, 7, 7), stride=1), "float32")
+    assert not tiled.eligible(_geometry((1, 512, 4, 4), (512, 8, 3, 3), stride=1), "float64")
+
+
+def test_plans_name_their_tile_in_the_kernels_constants():
+    plan = tiled.plan_forward(DEPTHWISE_UP, "float16", True, (4, 8, 1, 4))
+    c = dict(plan.spec.constants)
+    assert (c["TILE_R"], c["TILE_V"], c["OCB"], c["MIN_BLOCKS"], c["VEC"], c["HAS_BIAS"]) == (4, 8, 1, 4, 8, True)
+    assert plan.grid == (4, 128, 16) and plan.block == (128, 1, 1)   # 32 x 16 tiles of a 128 x 128 plane
+    assert dict(tiled.plan_forward(DEPTHWISE_UP, "float16", True, (4, 8, 1, 4), aligned=False)
+                .spec.constants)["VEC"] == 1
+    with pytest.raises(ValueError, match="tile"):
+        tiled.plan_forward(DEPTHWISE_UP, "float16", True, (3, 8, 1, 4))   # not a whole stride period
+
+
+# ------------------------------------------------------------------------------------------ emulation
+
+emulated = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ to emulate the kernels")
+
+
+@emulated
+@pytest.mark.parametrize("name,dtype", CASES)
+def test_every_tile_matches_the_reference(name, dtype):
+    g, kwargs = _layer(name)
+    if not tiled.eligible(g, dtype):
+        pytest.skip("not a tiled layer")
+    x, w, b, _ = _data(g, dtype, seed=len(name))
+    want = reference.conv_transpose2d(*(_values(a, dtype) for a in (x, w, b)), **kwargs)
+    plans = [tiled.plan_forward(g, dtype, True, t) for t in tiled.tiles(g, dtype)]
+    plans.append(tiled.plan_forward(g, dtype, True, aligned=False))   # element stores
+    for plan in plans:
+        *_, y = cuda_emulator.run(plan, [x, w, b, _empty(g.output_shape, dtype)], [C_TYPE[dtype]] * 4)
+        err = np.abs(_values(y, dtype) - want).max()
+        tile = {k: v for k, v in plan.spec.constants if k in ("TILE_R", "TILE_V", "OCB", "VEC")}
+        assert err <= TOLERANCE[dtype] * np.abs(want).max(), (name, dtype, tile, err)
+
+
+@emulated
+def test_the_cases_reach_partial_tiles_partial_channel_blocks_and_every_store_width():
+    widths, partial_cols, partial_channels = set(), False, False
+    for name, dtype in CASES:
+        g, _ = _layer(name)
+        for t in tiled.tiles(g, dtype) if tiled.eligible(g, dtype) else ():
+            widths.add(dict(tiled.plan_forward(g, dtype, True, t).spec.constants)["VEC"])
+            partial_cols |= g.out_size[1] % t[1] != 0
+            partial_channels |= g.out_per_group % t[2] != 0
+    assert {1, 2, 4, 8} <= widths and partial_cols and partial_channels
+
+
+@emulated
+def test_a_wrong_phase_is_caught():
+    """The emulation is a real check: a kernel that takes its column phases one column off no longer matches."""
+    g, kwargs = _layer("depthwise")
+    x, w, b, _ = _data(g, "float64", seed=1)
+    broken = cuda_emulator.respecialized(tiled.plan_forward(g, "float64", True), PW=2)
+    *_, y = cuda_emulator.run(broken, [x, w, b, _empty(g.output_shape, "float64")], ["double"] * 4)
+    want = reference.conv_transpose2d(x, w, b, **kwargs)
+    assert np.abs(y - want).max() > 1e-3 * np.abs(want).max()
+
+
+# ------------------------------------------------------------------------------------------ registers
+
+SPILL_LAYERS = {"grouped_dilated": GROUPED_DILATED, "depthwise_up": DEPTHWISE_UP}
+SPILL_CASES = [(name, dtype, tiled.tile_name(t)) for name, g in SPILL_LAYERS.items()
+               for dtype in ("float16", "float32") for t in tiled.tiles(g, dtype)]
+
+
+@pytest.mark.parametrize("name,dtype,tile", SPILL_CASES)
+def test_every_candidate_tile_builds_without_spilling(name, dtype, tile):
+    from test_compiler import _ptxas_log
+
+    spec = tiled.plan_forward(SPILL_LAYERS[name], dtype, name == "depthwise_up", tiled.parse_tile(tile)).spec
+    log = _ptxas_log(spec, ("-arch=sm_90",))
+    assert "for 'sm_90'" in log, log
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found and found.groups() == ("0", "0", "0"), log
