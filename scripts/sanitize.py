@@ -8,12 +8,12 @@
 
 The workload is a set of tiny layers run forward and backward through cupyconv.torch (and
 the CuPy API): the direct kernels (forward, grad_input, grad_weight and grad_bias with
-their split-K reductions) in float32, float64, float16 and bfloat16; the tensor-core
-kernels (GEMM forward and grad_input, grad_weight GEMM, weight repack, channels_last copy)
-in float16, bfloat16, strict float32 and TF32, on NCHW, channels_last and misaligned
-channels_last memory; every tuner candidate (block tile, pipeline depth) of one layer per
-layout; weights in channels_last memory (read, and grad_weight written, in place); and
-NaN/Inf data.  Data is made on the host and copied over, and memory caching is off in
+their split-K reductions) in float32, float64, float16 and bfloat16; every tile of the
+tiled NCHW forward, with vector and element stores; the tensor-core kernels (GEMM forward
+and grad_input, grad_weight GEMM, weight repack, channels_last copy) in float16, bfloat16,
+strict float32 and TF32, on NCHW, channels_last and misaligned channels_last memory; every
+tuner candidate (block tile, pipeline depth) of one layer per layout; weights in
+channels_last memory (read, and grad_weight written, in place); and NaN/Inf data.  Data is made on the host and copied over, and memory caching is off in
 torch and CuPy, so the only kernels that run are cupyconv's and every buffer is its own
 allocation (memcheck sees an access one element past it).
 
@@ -114,10 +114,26 @@ GEMM_CASES = (("float16", "strict"), ("bfloat16", "strict"), ("float32", "strict
 
 
 def base_cases() -> List[Case]:
+    from cupyconv.core.geometry import ConvParams, geometry
+    from cupyconv.plans import tiled
+
     cases = []
     for name, (xs, ws, kw) in DIRECT_LAYERS.items():
         for dtype in ("float32", "float64", "float16", "bfloat16"):
             cases.append(Case(f"direct-{name}-{dtype}", xs, ws, kw, name != "depthwise", dtype))
+    # NCHW forwards of thin layers lead with the tiled kernels: the direct forward forced, and every tile of
+    # the tiled one, with element stores (an input one element off a 16-byte boundary) on top
+    for name, (xs, ws, kw) in DIRECT_LAYERS.items():
+        cases.append(Case(f"direct-{name}-float16-direct-forward", xs, ws, kw, name != "depthwise", "float16",
+                          variants=(("forward", "direct"),)))
+    for name in ("grouped", "depthwise"):
+        xs, ws, kw = DIRECT_LAYERS[name]
+        g = geometry(xs, ws, None, ConvParams.from_args(**dict(kw)))
+        for tile in tiled.tiles(g, "float16"):
+            variant = f"tiled:{tiled.tile_name(tile)}"
+            cases.append(Case(f"{variant}-{name}-float16", xs, ws, kw, True, "float16",
+                              variants=(("forward", variant),)))
+        cases.append(Case(f"tiled-{name}-float32-unaligned", xs, ws, kw, True, "float32", unaligned=True))
     xs, ws, kw = DIRECT_LAYERS["grouped"]
     cases.append(Case("direct-grouped-float32-cupy", xs, ws, kw, True, "float32", api="cupy"))
     cases.append(Case("direct-grouped-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))
@@ -316,6 +332,10 @@ def _to_device(torch, t, layout: str, unaligned: bool):
             flat[1:] = nhwc.reshape(-1)
             return flat.to("cuda")[1:].view(nhwc.shape).permute(0, 3, 1, 2)
         return nhwc.to("cuda").permute(0, 3, 1, 2)
+    if unaligned:
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype)
+        flat[1:] = t.reshape(-1)
+        return flat.to("cuda")[1:].view(t.shape)
     return t.contiguous().to("cuda")
 
 
