@@ -92,7 +92,7 @@ def test_heuristic_tiles_span_whole_stride_periods_and_fit_the_budgets():
             for rows, cols, channels, blocks in tiled.tiles(g, dtype):
                 assert rows % g.params.stride[0] == 0 and cols % g.params.stride[1] == 0
                 assert 1 <= channels <= g.out_per_group and 1 <= blocks <= 8
-                assert tiled.live_accumulators(g, (rows, cols, channels)) <= 128
+                assert tiled.accumulator_registers(g, dtype, (rows, cols, channels)) <= 128
 
 
 def test_an_empty_phase_holds_no_live_accumulators():
@@ -177,9 +177,11 @@ def test_a_wrong_phase_is_caught():
 
 # ------------------------------------------------------------------------------------------ registers
 
-SPILL_LAYERS = {"grouped_dilated": GROUPED_DILATED, "depthwise_up": DEPTHWISE_UP}
+# the bench's two bandwidth layers, and wider groups where the tiles race the direct forward
+SPILL_LAYERS = {"grouped_dilated": GROUPED_DILATED, "depthwise_up": DEPTHWISE_UP,
+                "thin": _geometry((2, 32, 9, 11), (32, 48, 3, 3), stride=2, padding=1)}
 SPILL_CASES = [(name, dtype, tiled.tile_name(t)) for name, g in SPILL_LAYERS.items()
-               for dtype in ("float16", "float32") for t in tiled.tiles(g, dtype)]
+               for dtype in ("float16", "float32", "float64") for t in tiled.tiles(g, dtype)]
 
 
 @pytest.mark.parametrize("name,dtype,tile", SPILL_CASES)

@@ -32,7 +32,8 @@ Tile = Tuple[int, int, int, int]   # output rows, columns and channels per threa
 _THREADS = 128
 # The block's weights, all of a group's input channels for its output channels, staged at once.
 WEIGHT_SMEM = 16 * 1024
-# fp32 accumulators of the fed stride phases a thread keeps: room for several blocks per SM.
+# Registers of the fed stride phases' accumulators a thread keeps (the heuristic; other candidates up to twice
+# that): room for several blocks per SM, and no spills (float64 past 128 spilled, ptxas sm_90).
 _ACCUMULATORS = 64
 # The unrolled tap loops grow with the kernel and the tile; past this many taps the direct kernels run.
 _MAX_TAPS = 32
@@ -71,6 +72,11 @@ def live_accumulators(g: Geometry, tile: Tile) -> int:
     return _fed(kh, dh, sh, ph, rows) * _fed(kw, dw, sw, pw, cols) * channels
 
 
+def accumulator_registers(g: Geometry, dtype: str, tile: Tile) -> int:
+    """The registers the live accumulators take: two a float64 one."""
+    return live_accumulators(g, tile) * _acc_bytes(dtype) // _REGISTER_BYTES
+
+
 def fits(g: Geometry, dtype: str, tile: Tile) -> bool:
     rows, cols, channels, blocks = tile
     sh, sw = g.params.stride
@@ -101,7 +107,7 @@ def _blocks(g: Geometry, dtype: str, rows: int, cols: int, channels: int) -> int
     """Blocks per SM that leave each thread registers for its live accumulators (two a float64 one) and 96 more:
     ptxas keeps the input window, its addresses and the loads in flight there, and spilled below that (sm_90,
     the bench's depthwise and grouped layers)."""
-    registers = live_accumulators(g, (rows, cols, channels)) * _acc_bytes(dtype) // _REGISTER_BYTES + 96
+    registers = accumulator_registers(g, dtype, (rows, cols, channels)) + 96
     return max(1, min(_MAX_BLOCKS, _REGISTERS_PER_SM // (_THREADS * registers)))
 
 
@@ -114,11 +120,12 @@ def heuristic_tile(g: Geometry, dtype: str) -> Optional[Tile]:
         return None
     channels = 1
     while channels * 2 <= min(_MAX_CHANNELS, g.out_per_group) \
-            and live_accumulators(g, (sh, cols, channels * 2)) <= _ACCUMULATORS \
+            and accumulator_registers(g, dtype, (sh, cols, channels * 2)) <= _ACCUMULATORS \
             and fits(g, dtype, (sh, cols, channels * 2, 1)):
         channels *= 2
     rows = sh
-    while rows * 2 <= max(_MAX_ROWS, sh) and live_accumulators(g, (rows * 2, cols, channels)) <= _ACCUMULATORS:
+    while rows * 2 <= max(_MAX_ROWS, sh) \
+            and accumulator_registers(g, dtype, (rows * 2, cols, channels)) <= _ACCUMULATORS:
         rows *= 2
     tile = (rows, cols, channels, _blocks(g, dtype, rows, cols, channels))
     return tile if fits(g, dtype, tile) else None
@@ -137,7 +144,8 @@ def tiles(g: Geometry, dtype: str) -> Tuple[Tile, ...]:
     found = [first]
     for r, c, o in ((rows * 2, cols, channels), (rows // 2, cols, channels), (rows, cols, channels * 2),
                     (rows, cols, channels // 2), (rows, cols * 2, channels)):
-        if r < sh or o < 1 or live_accumulators(g, (r, c, o)) > 2 * _ACCUMULATORS or r > max(_MAX_ROWS, sh):
+        if r < sh or o < 1 or accumulator_registers(g, dtype, (r, c, o)) > 2 * _ACCUMULATORS \
+                or r > max(_MAX_ROWS, sh):
             continue
         tile = (r, c, o, _blocks(g, dtype, r, c, o))
         if tile not in found and fits(g, dtype, tile):
