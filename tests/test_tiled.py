@@ -10,7 +10,7 @@ import pytest
 
 from cupyconv import reference
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import table, tiled
+from cupyconv.plans import launch, table, tiled
 from cupyconv.tuning.variants import Variant
 
 import cuda_emulator
@@ -162,6 +162,20 @@ def test_the_cases_reach_partial_tiles_partial_channel_blocks_and_every_store_wi
             partial_cols |= g.out_size[1] % t[1] != 0
             partial_channels |= g.out_per_group % t[2] != 0
     assert {1, 2, 4, 8} <= widths and partial_cols and partial_channels
+
+
+@emulated
+def test_blocks_walk_several_channel_blocks_and_images():
+    """Grids past CUDA's y and z limits are clamped; a block then walks output-channel blocks and images in turn,
+    restaging its weights for each channel block."""
+    g, kwargs = _layer("grouped_dilated")
+    x, w, b, _ = _data(g, "float32", seed=4)
+    plan = tiled.plan_forward(g, "float32", True, tiled.tiles(g, "float32")[0])
+    assert plan.grid[1] > 1 and plan.grid[2] > 1
+    walking = launch.Plan(plan.spec, (plan.grid[0], 1, 1), plan.block, plan.scalars, plan.index_t)
+    *_, y = cuda_emulator.run(walking, [x, w, b, _empty(g.output_shape, "float32")], ["float"] * 4)
+    want = reference.conv_transpose2d(*(_values(a, "float32") for a in (x, w, b)), **kwargs)
+    assert np.abs(_values(y, "float32") - want).max() <= TOLERANCE["float32"] * np.abs(want).max()
 
 
 @emulated
