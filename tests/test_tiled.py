@@ -19,6 +19,7 @@ from test_kernels_emulated import C_TYPE, TOLERANCE, _data, _empty, _values
 
 GROUPED_DILATED = geometry((16, 32, 128, 256), (32, 16, 3, 5), None, ConvParams.from_args((2, 3), (1, 2), 0, 4, (2, 1)))
 DEPTHWISE_UP = geometry((16, 128, 64, 64), (128, 1, 4, 4), (128,), ConvParams.from_args(2, 1, 0, 128, 1))
+ONE_D_DEPTHWISE = geometry((4, 16, 1, 2048), (16, 1, 1, 4), None, ConvParams.from_args((1, 2), (0, 1), 0, 16, 1))
 
 # (input shape, weight shape, layer arguments): small layers for the emulation
 LAYERS = {
@@ -30,6 +31,8 @@ LAYERS = {
     "padded": ((1, 2, 6, 5), (2, 5, 3, 2), dict(stride=(2, 1), padding=(3, 1), output_padding=(1, 0))),
     # a stride larger than the dilated kernel: most tile rows and columns hold the bias alone
     "sparse": ((2, 3, 3, 4), (3, 2, 2, 3), dict(stride=(5, 4), padding=(1, 2), output_padding=(2, 1))),
+    # a 1-D depthwise layer: tiles one row high and many columns wide, the last one partial
+    "one_d": ((2, 4, 1, 37), (4, 1, 1, 4), dict(stride=(1, 2), padding=(0, 1), groups=4)),
 }
 _rng = random.Random(20261127)
 for _i in range(5):
@@ -93,6 +96,16 @@ def test_heuristic_tiles_span_whole_stride_periods_and_fit_the_budgets():
                 assert rows % g.params.stride[0] == 0 and cols % g.params.stride[1] == 0
                 assert 1 <= channels <= g.out_per_group and 1 <= blocks <= 8
                 assert tiled.accumulator_registers(g, dtype, (rows, cols, channels)) <= 128
+
+
+def test_a_one_row_input_takes_tiles_of_its_output_rows_only():
+    """A 1-D layer's single output row: taller tiles would compute rows that are never stored, so the rows stop at
+    the output's height and the columns grow instead."""
+    for dtype in ("float16", "float32"):
+        for rows, cols, _, _ in tiled.tiles(ONE_D_DEPTHWISE, dtype):
+            assert rows == 1 and cols >= 16
+    tall = _geometry((1, 16, 2, 2048), (16, 1, 1, 4), stride=(1, 2), padding=(0, 1), groups=16)
+    assert tiled.heuristic_tile(tall, "float16")[0] == 8
 
 
 def test_an_empty_phase_holds_no_live_accumulators():
@@ -193,7 +206,8 @@ def test_a_wrong_phase_is_caught():
 
 # the bench's two bandwidth layers, and wider groups where the tiles race the direct forward
 SPILL_LAYERS = {"grouped_dilated": GROUPED_DILATED, "depthwise_up": DEPTHWISE_UP,
-                "thin": _geometry((2, 32, 9, 11), (32, 48, 3, 3), stride=2, padding=1)}
+                "thin": _geometry((2, 32, 9, 11), (32, 48, 3, 3), stride=2, padding=1),
+                "depthwise_1d": ONE_D_DEPTHWISE}
 SPILL_CASES = [(name, dtype, tiled.tile_name(t)) for name, g in SPILL_LAYERS.items()
                for dtype in ("float16", "float32", "float64") for t in tiled.tiles(g, dtype)]
 

@@ -37,7 +37,7 @@ WEIGHT_SMEM = 16 * 1024
 _ACCUMULATORS = 64
 # The unrolled tap loops grow with the kernel and the tile; past this many taps the direct kernels run.
 _MAX_TAPS = 32
-_MAX_ROWS, _MAX_CHANNELS = 8, 8
+_MAX_ROWS, _MAX_CHANNELS, _MAX_COLUMNS = 8, 8, 32
 # Its heuristic runs ahead of the direct kernels' up to this many channels per group.
 LEADS_UP_TO_CHANNELS = 16
 _REGISTERS_PER_SM, _REGISTER_BYTES = 65536, 4
@@ -111,9 +111,19 @@ def _blocks(g: Geometry, dtype: str, rows: int, cols: int, channels: int) -> int
     return max(1, min(_MAX_BLOCKS, _REGISTERS_PER_SM // (_THREADS * registers)))
 
 
+def _row_limit(g: Geometry) -> int:
+    """The most tile rows worth computing: :data:`_MAX_ROWS`, or for an input one row high (a 1-D layer's) its
+    output's height in whole stride periods.  Such an input is its own bucket of stored choices, so the candidates
+    still leave the image size out."""
+    sh = g.params.stride[0]
+    if g.in_size[0] == 1:
+        return cdiv(g.out_size[0], sh) * sh
+    return max(_MAX_ROWS, sh)
+
+
 def heuristic_tile(g: Geometry, dtype: str) -> Optional[Tile]:
-    """Output channels first (each input load feeds them all), then rows (input rows shared between
-    them), within :data:`_ACCUMULATORS`; a tile of one period of columns."""
+    """Output channels first (each input load feeds them all), then rows (input rows shared between them), then
+    columns, within :data:`_ACCUMULATORS`, from a tile of one period of columns."""
     sh = g.params.stride[0]
     cols = _column_period(g, dtype)
     if cols > 64:
@@ -124,9 +134,11 @@ def heuristic_tile(g: Geometry, dtype: str) -> Optional[Tile]:
             and fits(g, dtype, (sh, cols, channels * 2, 1)):
         channels *= 2
     rows = sh
-    while rows * 2 <= max(_MAX_ROWS, sh) \
-            and accumulator_registers(g, dtype, (rows * 2, cols, channels)) <= _ACCUMULATORS:
+    while rows * 2 <= _row_limit(g) and accumulator_registers(g, dtype, (rows * 2, cols, channels)) <= _ACCUMULATORS:
         rows *= 2
+    # then columns, where the rows ran out first (a 1-D layer's single row)
+    while cols * 2 <= _MAX_COLUMNS and accumulator_registers(g, dtype, (rows, cols * 2, channels)) <= _ACCUMULATORS:
+        cols *= 2
     tile = (rows, cols, channels, _blocks(g, dtype, rows, cols, channels))
     return tile if fits(g, dtype, tile) else None
 
@@ -144,8 +156,7 @@ def tiles(g: Geometry, dtype: str) -> Tuple[Tile, ...]:
     found = [first]
     for r, c, o in ((rows * 2, cols, channels), (rows // 2, cols, channels), (rows, cols, channels * 2),
                     (rows, cols, channels // 2), (rows, cols * 2, channels)):
-        if r < sh or o < 1 or accumulator_registers(g, dtype, (r, c, o)) > 2 * _ACCUMULATORS \
-                or r > max(_MAX_ROWS, sh):
+        if r < sh or o < 1 or accumulator_registers(g, dtype, (r, c, o)) > 2 * _ACCUMULATORS or r > _row_limit(g):
             continue
         tile = (r, c, o, _blocks(g, dtype, r, c, o))
         if tile not in found and fits(g, dtype, tile):
