@@ -12,6 +12,7 @@
 // OCB output channels, sit in shared memory and every thread reads the same address,
 // so each tap's OCB weights come in one broadcast vector load.
 #include "layer.cuh"
+#include "direct.cuh"
 
 constexpr bool HAS_BIAS = {{HAS_BIAS}};
 constexpr int OCB = {{OCB}};        // output channels per thread, of one group
@@ -120,13 +121,10 @@ conv_transpose2d_forward_tiled(const scalar_t* __restrict__ x, const scalar_t* _
     for (int ocb = blockIdx.y; ocb < GROUPS * OC_BLOCKS; ocb += gridDim.y) {
         const int g = ocb / OC_BLOCKS;
         const int ocg0 = (ocb % OC_BLOCKS) * OCB;
-        __syncthreads();  // every thread is done with the previous weights
-        for (int e = threadIdx.x; e < CIN_G * TAPS * OCB; e += BLOCK) {
-            const int ic = e / (TAPS * OCB), tap = e / OCB % TAPS, o = e % OCB;
-            ws[e] = ocg0 + o < COUT_G ? static_cast<acc_t>(load(w + weight_index(g * CIN_G + ic, ocg0 + o, tap)))
-                                      : acc_t(0);
-        }
-        __syncthreads();
+        stage_weight_taps<CIN_G, OCB, BLOCK>(ws, [&](int ic, int tap, int o) {
+            return ocg0 + o < COUT_G ? static_cast<acc_t>(load(w + weight_index(g * CIN_G + ic, ocg0 + o, tap)))
+                                     : acc_t(0);
+        });
 
         for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
             acc_t acc[TILE_R][TILE_V][OCB];

@@ -53,10 +53,9 @@ def test_direct_kernels_in_every_dtype(plan):
     assert len({c["CELLS"] for c in grad_weight}) >= 2
 
 
-def test_nchw_forwards_of_thin_layers_run_both_cuda_core_kernels(plan):
+def test_nchw_forwards_of_thin_layers_run_both_cuda_core_kernels(san, plan):
     """The tiled forward leads on thin NCHW layers: the direct forward is forced where it would not run, and every
     candidate tile of the grouped and depthwise layers runs, with whole-vector and element stores."""
-    from cupyconv.core.geometry import ConvParams, geometry
     from cupyconv.plans import tiled
 
     cases, specs = plan
@@ -64,7 +63,7 @@ def test_nchw_forwards_of_thin_layers_run_both_cuda_core_kernels(plan):
     for name in ("grouped", "depthwise"):
         forced = by_name[f"direct-{name}-float16-direct-forward"]
         assert "conv_transpose2d_forward" in {s.function for s in specs[forced.name]}
-        g = geometry(forced.x_shape, forced.w_shape, None, ConvParams.from_args(**forced.kw))
+        g = san._geometry(forced)
         planned = {(c["TILE_R"], c["TILE_V"], c["OCB"], c["MIN_BLOCKS"])
                    for case in cases if case.name.endswith(f"-{name}-float16") for c in
                    [dict(s.constants) for s in specs[case.name] if s.function == "conv_transpose2d_forward_tiled"]}

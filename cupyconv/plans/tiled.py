@@ -146,8 +146,8 @@ def heuristic_tile(g: Geometry, dtype: str) -> Optional[Tile]:
 @functools.lru_cache(maxsize=1024)
 def tiles(g: Geometry, dtype: str) -> Tuple[Tile, ...]:
     """The tiles worth timing, the heuristic first: it with half or twice the rows, channels or columns (within
-    twice the accumulator budget, and :data:`_MAX_ROWS` rows: taller tiles took NVRTC seconds to build and ran
-    no faster on the bench's depthwise layer)."""
+    twice the accumulator budget, and the rows within :func:`_row_limit`: taller tiles took NVRTC seconds to
+    build and ran no faster on the bench's depthwise layer)."""
     first = heuristic_tile(g, dtype)
     if first is None:
         return ()
