@@ -5,23 +5,30 @@
 //
 // A tile starts on a multiple of the stride in both directions, so the stride phase
 // of each of its rows and columns is a compile-time constant, and with it the taps
-// that feed each output and the input row and column each tap reads.  Per input
-// channel a thread loads the window of input rows and columns its tile reads once,
-// and the unrolled tap loops are then plain multiply-adds on that window: no phase
-// tests, no division, no index arithmetic.  The block's weights, [ic][tap][o] for its
-// OCB output channels, sit in shared memory and every thread reads the same address,
-// so each tap's OCB weights come in one broadcast vector load.
+// that feed each output and the input row and column each tap reads: the unrolled tap
+// loops are plain multiply-adds, with no phase tests and no index arithmetic.
+//
+// A block of TX x TY threads covers a TY x TX patch of tiles in one output plane (an
+// "item": image, block of OCB output channels, patch).  It stages the input window the
+// patch reads in shared memory, IC_CHUNK input channels at a time, converted to acc_t
+// once and zero outside the input, so each input value leaves DRAM once and no thread
+// tests a bound.  Blocks are persistent: each walks a run of items, and while it
+// computes one chunk its threads already hold the next chunk's window (and a depthwise
+// layer's next weights) in registers, as stored, so the loads of the next step overlap
+// this one's arithmetic and stores instead of stalling behind a barrier.
 #include "layer.cuh"
-#include "direct.cuh"
 
 constexpr bool HAS_BIAS = {{HAS_BIAS}};
 constexpr int OCB = {{OCB}};        // output channels per thread, of one group
 constexpr int TILE_R = {{TILE_R}};  // output rows per thread, a multiple of SH
 constexpr int TILE_V = {{TILE_V}};  // output columns per thread, a multiple of SW and of VEC
 constexpr int VEC = {{VEC}};        // elements per store; W_out is a multiple of it
-constexpr int BLOCK = {{BLOCK}};
+constexpr int TX = {{TX}}, TY = {{TY}};  // the block's patch, in tiles
+constexpr int IC_CHUNK = {{IC_CHUNK}};    // input channels staged at once
 constexpr int MIN_BLOCKS = {{MIN_BLOCKS}};  // blocks an SM must hold: caps the registers (latency hiding)
+constexpr int BLOCK = TX * TY;
 constexpr int OC_BLOCKS = (COUT_G + OCB - 1) / OCB;
+constexpr int CHUNKS = (CIN_G + IC_CHUNK - 1) / IC_CHUNK;
 static_assert(TILE_R % SH == 0 && TILE_V % SW == 0 && TILE_V % VEC == 0, "tiles start on whole stride periods");
 
 // Along one axis (stride S, padding P, dilation D), tap t feeds tile position i when their stride phases
@@ -58,99 +65,217 @@ __host__ __device__ constexpr int first_col_of(int kw) { return ((kw * DW - PW) 
 
 template <int N>
 struct __align__(N * sizeof(scalar_t)) Packet { scalar_t v[N]; };
+// A store of 16-bit elements converted two at a time (VEC / 2 words; one where VEC is 1 and it goes unused).
+constexpr int WORDS = VEC >= 2 ? VEC / 2 : 1;
+struct __align__(WORDS * 4) Words { unsigned u[WORDS]; };
 
-// acc += the tile's taps over the group's input channels (xg: the group's first plane, shifted to the window's
-// first column); CHECKED tests each window row and column against the input's bounds.
-template <bool CHECKED>
-__device__ __forceinline__ void accumulate(acc_t (&acc)[TILE_R][TILE_V][OCB], const scalar_t* xg, const acc_t* ws,
-                                           index_t plane_size, const index_t (&row_offset)[ROWS],
-                                           const bool (&row_ok)[ROWS], const bool (&col_ok)[COLS]) {
-    for (int ic = 0; ic < CIN_G; ++ic) {
-        const scalar_t* plane = xg + ic * plane_size;
-        const acc_t* wc = ws + ic * TAPS * OCB;
+// The patch's window: a tile reads ROWS x COLS input cells from its first cell (TR x TC cells per tile).
+constexpr int TR = TILE_R / SH, TC = TILE_V / SW;
+constexpr int WR = (TY - 1) * TR + ROWS;
+constexpr int WC = (TX - 1) * TC + COLS;
+// Neighbouring lanes read their window rows TC words apart, where scalar reads would meet bank conflicts:
+// they read whole 16-byte (8-byte) vectors instead, so rows are padded to whole vectors.
+constexpr int VR_MAX = 16 / sizeof(acc_t);
+constexpr int VR = TC % VR_MAX == 0 ? VR_MAX : TC % 2 == 0 ? 2 : 1;
+constexpr int COLS_R = (COLS + VR - 1) / VR * VR;
+constexpr int WC_PAD = ((TX - 1) * TC + COLS_R + VR - 1) / VR * VR;
+constexpr int WINDOW = IC_CHUNK * WR * WC_PAD;
+constexpr int WEIGHTS = CIN_G * TAPS * OCB;
+// What each thread holds of the next chunk's window.
+constexpr int HELD_X = (WINDOW + BLOCK - 1) / BLOCK;
+
+template <int N>
+__device__ __forceinline__ void read_window_row(acc_t (&dst)[COLS_R], const acc_t* src) {
 #pragma unroll
-        for (int a = 0; a < ROWS; ++a) {
-            acc_t xv[COLS];
-#pragma unroll
-            for (int b = 0; b < COLS; ++b)
-                xv[b] = !CHECKED || (row_ok[a] && col_ok[b]) ? static_cast<acc_t>(load(plane + row_offset[a] + b))
-                                                             : acc_t(0);
-#pragma unroll
-            for (int kh = 0; kh < KH; ++kh) {
-                const int r = row_of(a, kh);
-                if (r < 0 || r >= TILE_R) continue;
-#pragma unroll
-                for (int kw = 0; kw < KW; ++kw) {
-                    acc_t wv[OCB];
-                    load_smem_small(wv, wc + (kh * KW + kw) * OCB);
-#pragma unroll
-                    for (int v = first_col_of(kw); v < TILE_V; v += SW)
-#pragma unroll
-                        for (int o = 0; o < OCB; ++o) acc[r][v][o] += xv[tap_col(v, kw) - COL0] * wv[o];
-                }
-            }
+    for (int b = 0; b < COLS_R; b += N) {
+        if constexpr (N == 4) {
+            const float4 v = *reinterpret_cast<const float4*>(src + b);
+            dst[b] = v.x; dst[b + 1] = v.y; dst[b + 2] = v.z; dst[b + 3] = v.w;
+        } else if constexpr (N == 2 && sizeof(acc_t) == 4) {
+            const float2 v = *reinterpret_cast<const float2*>(src + b);
+            dst[b] = v.x; dst[b + 1] = v.y;
+        } else if constexpr (N == 2) {
+            const double2 v = *reinterpret_cast<const double2*>(src + b);
+            dst[b] = v.x; dst[b + 1] = v.y;
+        } else {
+            dst[b] = src[b];
         }
+    }
+}
+
+// An item's place: items run over (image, output-channel block, patch row, patch column), the last fastest, so
+// a block's run of items mostly shares its weights.
+struct Item {
+    index_t n, ih, iw;   // image; the patch window's first input row and column
+    int g, ocg0, ocb;    // group, its first output channel of the block's, and the channel block
+    index_t bh, bw;      // patch row and column
+};
+
+__device__ __forceinline__ Item locate(index_t item, index_t blocks_w, index_t blocks_h) {
+    Item it;
+    it.bw = item % blocks_w;
+    index_t rest = item / blocks_w;
+    it.bh = rest % blocks_h;
+    rest /= blocks_h;
+    it.ocb = static_cast<int>(rest % (GROUPS * OC_BLOCKS));
+    it.n = rest / (GROUPS * OC_BLOCKS);
+    it.g = it.ocb / OC_BLOCKS;
+    it.ocg0 = it.ocb % OC_BLOCKS * OCB;
+    it.ih = it.bh * (TY * TR) + ROW0;
+    it.iw = it.bw * (TX * TC) + COL0;
+    return it;
+}
+
+// threadIdx.x, hidden from the compiler's loop-invariant code motion: each staged cell's indices depend on the
+// thread alone, and hoisted out of the walk over items they took three registers a held cell and spilled
+// (ptxas sm_90, grouped layers); recomputed, they cost a few integer instructions per load.
+__device__ __forceinline__ int opaque_tid() {
+#ifdef __CUDA_ARCH__
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+#else
+    return threadIdx.x;
+#endif
+}
+
+// This thread's share of a chunk's window: cells threadIdx.x + k * BLOCK of [IC_CHUNK][WR][WC_PAD].
+__device__ __forceinline__ void fetch_window(scalar_t (&held)[HELD_X], const scalar_t* x, const Item& it, int chunk,
+                                             index_t H, index_t W) {
+    const scalar_t* planes = x + (it.n * CIN + it.g * CIN_G + chunk * IC_CHUNK) * H * W;
+    const int tid = opaque_tid();
+#pragma unroll
+    for (int k = 0; k < HELD_X; ++k) {
+        const int e = tid + k * BLOCK;
+        const int icl = e / (WR * WC_PAD), r = e / WC_PAD % WR, c = e % WC_PAD;
+        const index_t ih = it.ih + r, iw = it.iw + c;
+        const bool inside = (WINDOW % BLOCK == 0 || e < WINDOW)
+                            && (CIN_G % IC_CHUNK == 0 || chunk * IC_CHUNK + icl < CIN_G)
+                            && c < WC && ih >= 0 && ih < H && iw >= 0 && iw < W;
+        held[k] = inside ? load_raw(planes + icl * H * W + ih * W + iw) : scalar_t{};
+    }
+}
+
+// Its share of the block's weights, [ic][tap][o] for the item's OCB output channels (zero past the group's), and
+// after them the channels' bias.
+constexpr int STAGED_W = WEIGHTS + OCB;
+constexpr int HELD_W = (STAGED_W + BLOCK - 1) / BLOCK;
+// A depthwise block's weights change every item or two, and a thread holds a register or two of them; a wider
+// group's change seldom, and holding them would take registers the tap loops need: those load when staged.
+constexpr bool HOLD_WEIGHTS = HELD_W <= 2;
+
+__device__ __forceinline__ void fetch_weights(scalar_t (&held)[HELD_W], const scalar_t* w, const scalar_t* bias,
+                                              const Item& it) {
+    const int tid = opaque_tid();
+#pragma unroll
+    for (int k = 0; k < HELD_W; ++k) {
+        const int e = tid + k * BLOCK;
+        if (e < WEIGHTS) {
+            const int ic = e / (TAPS * OCB), tap = e / OCB % TAPS, o = e % OCB;
+            held[k] = it.ocg0 + o < COUT_G ? load_raw(w + weight_index(it.g * CIN_G + ic, it.ocg0 + o, tap))
+                                           : scalar_t{};
+        } else {
+            const int o = e - WEIGHTS;
+            held[k] = HAS_BIAS && o < OCB && it.ocg0 + o < COUT_G ? load_raw(bias + it.g * COUT_G + it.ocg0 + o)
+                                                                  : scalar_t{};
+        }
+    }
+}
+
+template <int HELD, int SIZE, typename Held>
+__device__ __forceinline__ void put(acc_t* dst, const Held (&held)[HELD]) {
+#pragma unroll
+    for (int k = 0; k < HELD; ++k) {
+        const int e = threadIdx.x + k * BLOCK;
+        if (SIZE % BLOCK == 0 || e < SIZE) dst[e] = widen(held[k]);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
 conv_transpose2d_forward_tiled(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
                                const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
-                               index_t N, index_t H, index_t W, index_t H_out, index_t W_out,
-                               index_t tiles_w, index_t tiles) {
-    __shared__ __align__(16) acc_t ws[CIN_G * TAPS * OCB];
-    const index_t t = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x;
-    const bool active = t < tiles;
-    const index_t oh0 = (active ? t / tiles_w : 0) * TILE_R;
-    const index_t ow0 = (active ? t % tiles_w : 0) * TILE_V;
-    const index_t ih0 = oh0 / SH + ROW0, iw0 = ow0 / SW + COL0;
+                               index_t H, index_t W, index_t H_out, index_t W_out,
+                               index_t blocks_w, index_t blocks_h, index_t items) {
+    __shared__ __align__(16) acc_t ws[STAGED_W];
+    __shared__ __align__(16) acc_t xs[IC_CHUNK][WR][WC_PAD];
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+    const index_t per_block = (items + gridDim.x - 1) / gridDim.x;
+    const index_t first = blockIdx.x * per_block;
+    const index_t last = first + per_block < items ? first + per_block : items;
+    if (first >= last) return;
 
-    // Offsets and bounds of the input window, tested once.
-    index_t row_offset[ROWS];
-    bool row_ok[ROWS];
-#pragma unroll
-    for (int a = 0; a < ROWS; ++a) {
-        row_ok[a] = active && ih0 + a >= 0 && ih0 + a < H;
-        row_offset[a] = (ih0 + a) * W;
-    }
-    bool col_ok[COLS];
-#pragma unroll
-    for (int b = 0; b < COLS; ++b) col_ok[b] = iw0 + b >= 0 && iw0 + b < W;
-    const bool interior = active && ih0 >= 0 && ih0 + ROWS <= H && iw0 >= 0 && iw0 + COLS <= W;
+    // The next step's loads, as stored: widened when staged, so that they stay in flight until then.
+    scalar_t held_x[HELD_X], held_w[HELD_W];
+    Item it = locate(first, blocks_w, blocks_h);
+    fetch_window(held_x, x, it, 0, H, W);
+    if (HOLD_WEIGHTS) fetch_weights(held_w, w, bias, it);
+    bool new_weights = true;   // the item about to be staged starts a channel block
 
-    for (int ocb = blockIdx.y; ocb < GROUPS * OC_BLOCKS; ocb += gridDim.y) {
-        const int g = ocb / OC_BLOCKS;
-        const int ocg0 = (ocb % OC_BLOCKS) * OCB;
-        stage_weight_taps<CIN_G, OCB, BLOCK>(ws, [&](int ic, int tap, int o) {
-            return ocg0 + o < COUT_G ? static_cast<acc_t>(load(w + weight_index(g * CIN_G + ic, ocg0 + o, tap)))
-                                     : acc_t(0);
-        });
+    for (index_t item = first; item < last; ++item) {
+        acc_t acc[TILE_R][TILE_V][OCB];
+        for (int chunk = 0; chunk < CHUNKS; ++chunk) {
+            __syncthreads();  // every thread is done with the previous chunk's window and weights
+            put<HELD_X, WINDOW>(&xs[0][0][0], held_x);
+            if (new_weights) {
+                if (!HOLD_WEIGHTS) fetch_weights(held_w, w, bias, it);
+                put<HELD_W, STAGED_W>(ws, held_w);
+            }
+            __syncthreads();
 
-        for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
-            acc_t acc[TILE_R][TILE_V][OCB];
-#pragma unroll
-            for (int o = 0; o < OCB; ++o) {
-                const acc_t b0 = HAS_BIAS && ocg0 + o < COUT_G ? static_cast<acc_t>(load(bias + g * COUT_G + ocg0 + o))
-                                                              : acc_t(0);
-#pragma unroll
-                for (int r = 0; r < TILE_R; ++r)
-#pragma unroll
-                    for (int v = 0; v < TILE_V; ++v) acc[r][v][o] = b0;
+            // The next step's loads, in flight while this one computes.
+            new_weights = false;
+            if (chunk + 1 < CHUNKS) {
+                fetch_window(held_x, x, it, chunk + 1, H, W);
+            } else if (item + 1 < last) {
+                const Item next = locate(item + 1, blocks_w, blocks_h);
+                fetch_window(held_x, x, next, 0, H, W);
+                new_weights = next.ocb != it.ocb;
+                if (HOLD_WEIGHTS && new_weights) fetch_weights(held_w, w, bias, next);
             }
 
-            const scalar_t* xg = x + (n * CIN + g * CIN_G) * H * W + iw0;
-            // Most tiles read no pixel outside the input: they load with no bounds tests.
-            if (interior)
-                accumulate<false>(acc, xg, ws, H * W, row_offset, row_ok, col_ok);
-            else
-                accumulate<true>(acc, xg, ws, H * W, row_offset, row_ok, col_ok);
+            if (chunk == 0) {
+#pragma unroll
+                for (int o = 0; o < OCB; ++o) {
+                    const acc_t b0 = ws[WEIGHTS + o];
+#pragma unroll
+                    for (int r = 0; r < TILE_R; ++r)
+#pragma unroll
+                        for (int v = 0; v < TILE_V; ++v) acc[r][v][o] = b0;
+                }
+            }
+            const int channels = CIN_G % IC_CHUNK == 0 || chunk + 1 < CHUNKS ? IC_CHUNK : CIN_G % IC_CHUNK;
+#pragma unroll 1   // a channel at a time: the registers the planner budgets for one
+            for (int icl = 0; icl < channels; ++icl) {
+                const acc_t* wc = ws + (chunk * IC_CHUNK + icl) * TAPS * OCB;
+#pragma unroll
+                for (int a = 0; a < ROWS; ++a) {
+                    acc_t xv[COLS_R];
+                    read_window_row<VR>(xv, &xs[icl][ty * TR + a][tx * TC]);
+#pragma unroll
+                    for (int kh = 0; kh < KH; ++kh) {
+                        const int r = row_of(a, kh);
+                        if (r < 0 || r >= TILE_R) continue;
+#pragma unroll
+                        for (int kw = 0; kw < KW; ++kw) {
+                            acc_t wv[OCB];
+                            load_smem_small(wv, wc + (kh * KW + kw) * OCB);
+#pragma unroll
+                            for (int v = first_col_of(kw); v < TILE_V; v += SW)
+#pragma unroll
+                                for (int o = 0; o < OCB; ++o) acc[r][v][o] += xv[tap_col(v, kw) - COL0] * wv[o];
+                        }
+                    }
+                }
+            }
+        }
 
-            if (!active) continue;
+        const index_t oh0 = (it.bh * TY + ty) * TILE_R, ow0 = (it.bw * TX + tx) * TILE_V;
+        if (ow0 < W_out) {
             const bool whole_row = ow0 + TILE_V <= W_out;
 #pragma unroll
             for (int o = 0; o < OCB; ++o) {
-                if (ocg0 + o >= COUT_G) break;
-                scalar_t* plane = y + (n * COUT + g * COUT_G + ocg0 + o) * H_out * W_out;
+                if (it.ocg0 + o >= COUT_G) break;
+                scalar_t* plane = y + (it.n * COUT + it.g * COUT_G + it.ocg0 + o) * H_out * W_out;
 #pragma unroll
                 for (int r = 0; r < TILE_R; ++r) {
                     if (oh0 + r >= H_out) break;
@@ -158,10 +283,18 @@ conv_transpose2d_forward_tiled(const scalar_t* __restrict__ x, const scalar_t* _
                     if (whole_row) {
 #pragma unroll
                         for (int s = 0; s < TILE_V; s += VEC) {
-                            Packet<VEC> p;
+                            if constexpr (sizeof(scalar_t) == 2 && VEC % 2 == 0) {
+                                Words p;
 #pragma unroll
-                            for (int e = 0; e < VEC; ++e) store(&p.v[e], acc[r][s + e][o]);
-                            *reinterpret_cast<Packet<VEC>*>(row + s) = p;
+                                for (int e = 0; e < WORDS; ++e)
+                                    p.u[e] = pack_pair<scalar_t>(acc[r][s + 2 * e][o], acc[r][s + 2 * e + 1][o]);
+                                *reinterpret_cast<Words*>(row + s) = p;
+                            } else {
+                                Packet<VEC> p;
+#pragma unroll
+                                for (int e = 0; e < VEC; ++e) store(&p.v[e], acc[r][s + e][o]);
+                                *reinterpret_cast<Packet<VEC>*>(row + s) = p;
+                            }
                         }
                     } else {
 #pragma unroll
@@ -171,5 +304,6 @@ conv_transpose2d_forward_tiled(const scalar_t* __restrict__ x, const scalar_t* _
                 }
             }
         }
+        if (item + 1 < last) it = locate(item + 1, blocks_w, blocks_h);
     }
 }

@@ -78,7 +78,13 @@ def test_reports_every_pass_with_the_plans(name):
         assert "{{" not in k.source
     # The forward's scalars match the geometry; the split-K scratch is there.
     fwd = e.kernels[0]
-    assert (fwd.scalars["N"], fwd.scalars["H_out"], fwd.scalars["W_out"]) == (g.batch,) + g.out_size
+    assert (fwd.scalars["H_out"], fwd.scalars["W_out"]) == g.out_size
+    if tiles:   # patches of every image, channel block and place
+        c = fwd.constants
+        assert fwd.scalars["items"] == (g.batch * g.groups * math.ceil(g.out_per_group / c["OCB"])
+                                        * fwd.scalars["blocks_h"] * fwd.scalars["blocks_w"])
+    else:
+        assert fwd.scalars["N"] == g.batch
     for name_, (partial, reduce) in split_k.items():
         kernels = e.pass_(name_).kernels
         if reduce is None:
@@ -188,7 +194,8 @@ def test_text_rendering():
     text = str(e)
     for needle in ("ConvTranspose2d(32, 64", "stride=(2, 3)", "groups=4", "bias=False", "float32",
                    "(16, 64, 257, 766)", "conv_transpose2d_forward_tiled.cu:conv_transpose2d_forward_tiled",
-                   "reduce_partials", "grid (", "block (128, 1, 1)", "scalars: N=16, H=128", "rows_per_chunk=",
+                   "reduce_partials", "grid (", "block (128, 1, 1)", "scalars: H=128, W=256, H_out=257",
+                   "rows_per_chunk=",
                    "scratch", "memory-bound", "floor", "GFLOP", "lines elided", "total floor"):
         assert needle in text, needle
     if not GPU:

@@ -33,6 +33,8 @@ LAYERS = {
     "sparse": ((2, 3, 3, 4), (3, 2, 2, 3), dict(stride=(5, 4), padding=(1, 2), output_padding=(2, 1))),
     # a 1-D depthwise layer: tiles one row high and many columns wide, the last one partial
     "one_d": ((2, 4, 1, 37), (4, 1, 1, 4), dict(stride=(1, 2), padding=(0, 1), groups=4)),
+    # eight input channels a group, for blocks that stage them in chunks
+    "wide_groups": ((3, 16, 5, 7), (16, 3, 3, 5), dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=2)),
 }
 _rng = random.Random(20261127)
 for _i in range(5):
@@ -136,7 +138,10 @@ def test_plans_name_their_tile_in_the_kernels_constants():
     plan = tiled.plan_forward(DEPTHWISE_UP, "float16", True, (4, 8, 1, 4))
     c = dict(plan.spec.constants)
     assert (c["TILE_R"], c["TILE_V"], c["OCB"], c["MIN_BLOCKS"], c["VEC"], c["HAS_BIAS"]) == (4, 8, 1, 4, 8, True)
-    assert plan.grid == (4, 128, 16) and plan.block == (128, 1, 1)   # 32 x 16 tiles of a 128 x 128 plane
+    # 32 x 16 tiles of a 128 x 128 plane: patches of 16 x 8 tiles, 4 to a plane, walked by 4 blocks an SM holds
+    assert (c["TX"], c["TY"]) == (16, 8) and plan.block == (128, 1, 1)
+    assert plan.scalars[-3:] == (1, 4, 16 * 128 * 4) and plan.grid == (132 * 4, 1, 1)
+    assert tiled.plan_forward(DEPTHWISE_UP, "float16", True, (4, 8, 1, 4), sm_count=2).grid == (8, 1, 1)
     assert dict(tiled.plan_forward(DEPTHWISE_UP, "float16", True, (4, 8, 1, 4), aligned=False)
                 .spec.constants)["VEC"] == 1
     with pytest.raises(ValueError, match="tile"):
@@ -178,15 +183,20 @@ def test_the_cases_reach_partial_tiles_partial_channel_blocks_and_every_store_wi
 
 
 @emulated
-def test_blocks_walk_several_channel_blocks_and_images():
-    """Grids past CUDA's y and z limits are clamped; a block then walks output-channel blocks and images in turn,
-    restaging its weights for each channel block."""
-    g, kwargs = _layer("grouped_dilated")
+@pytest.mark.parametrize("ic_chunk", [None, 3])
+def test_blocks_walk_runs_of_patches_channel_blocks_images_and_chunks(ic_chunk):
+    """With a grid of a few blocks, each walks a long run of patches across output-channel blocks and images,
+    holding the next step's window (and weights, where the channel block changes) while it computes; staged
+    three input channels at a time, the group's eight take two whole chunks and a partial one."""
+    g, kwargs = _layer("wide_groups")
     x, w, b, _ = _data(g, "float32", seed=4)
-    plan = tiled.plan_forward(g, "float32", True, tiled.tiles(g, "float32")[0])
-    assert plan.grid[1] > 1 and plan.grid[2] > 1
-    walking = launch.Plan(plan.spec, (plan.grid[0], 1, 1), plan.block, plan.scalars, plan.index_t)
-    *_, y = cuda_emulator.run(walking, [x, w, b, _empty(g.output_shape, "float32")], ["float"] * 4)
+    plan = tiled.plan_forward(g, "float32", True, (2, 6, 2, 2), sm_count=1)
+    blocks_w, blocks_h, items = plan.scalars[-3:]
+    assert items > 4 * plan.grid[0] and g.groups * 2 <= items // (blocks_w * blocks_h)
+    if ic_chunk:
+        assert g.in_per_group % ic_chunk
+        plan = cuda_emulator.respecialized(plan, IC_CHUNK=ic_chunk)
+    *_, y = cuda_emulator.run(plan, [x, w, b, _empty(g.output_shape, "float32")], ["float"] * 4)
     want = reference.conv_transpose2d(*(_values(a, "float32") for a in (x, w, b)), **kwargs)
     assert np.abs(_values(y, "float32") - want).max() <= TOLERANCE["float32"] * np.abs(want).max()
 

@@ -72,3 +72,23 @@ def test_every_tile_of_the_bench_layers(index):
 def test_a_misaligned_input_runs_element_stores(dtype):
     layer = BENCH[DTYPES.index(dtype) + 4]
     _check_every_tile(layer, seed=7, offset=1)
+
+
+# The bench's layers at full size: more patches than the grid's blocks, so each block walks a run of them with the
+# next one's loads in flight, and the grouped layer stages its input channels in more than one chunk.
+FULL = [Layer(16, 32, 64, (3, 5), (2, 3), (1, 2), (0, 0), (2, 1), 4, False, (128, 256), dtype)
+        for dtype in ("float16", "float32")] + \
+       [Layer(16, 128, 128, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 128, True, (64, 64), dtype)
+        for dtype in ("bfloat16", "float32")]
+
+
+@pytest.mark.parametrize("index", range(len(FULL)))
+def test_blocks_walk_runs_of_patches_at_full_size(index):
+    layer = FULL[index]
+    g = _geometry(layer)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    plans = [tiled.plan_forward(g, layer.dtype, layer.bias, t, sm_count=sm_count) for t in tiled.tiles(g, layer.dtype)]
+    assert all(plan.scalars[-1] > 4 * plan.grid[0] for plan in plans)
+    if layer.groups == 4:
+        assert any(dict(plan.spec.constants)["IC_CHUNK"] < g.in_per_group for plan in plans)
+    _check_every_tile(layer, seed=200 + index)

@@ -4,11 +4,14 @@ Depthwise, grouped and dilated layers do little arithmetic per byte, so their fo
 bound by memory and by the instructions spent around each multiply-add.  The kernel
 (``kernels/conv_transpose2d_forward_tiled.cu``) gives each thread an output tile that
 starts on a whole stride period, ``rows`` x ``cols`` pixels of ``channels`` output
-channels: every tap and input offset is then a compile-time constant, each input value
-is loaded once per tile, and each tile row leaves in 16-byte (or narrower) vector
-stores.  A tile is named ``{rows}x{cols}x{channels}b{blocks}`` in the tuner's variants
-(``tiled:4x8x1b6``), ``blocks`` being the blocks of 128 threads an SM must hold at once: it caps the
-registers, trading the loads each thread keeps in flight for more threads keeping them.
+channels: every tap and input offset is then a compile-time constant, and each tile
+row leaves in 16-byte (or narrower) vector stores.  A block of 128 threads covers a
+patch of tiles in one output plane and stages the input window the patch reads in shared
+memory, so each input value leaves memory once; it walks a run of such patches, holding
+the next one's loads in registers while it computes this one.  A tile is named
+``{rows}x{cols}x{channels}b{blocks}`` in the tuner's variants (``tiled:4x8x1b6``),
+``blocks`` being the blocks of 128 threads an SM must hold at once: it caps the registers,
+and with them the input channels a block stages at once.
 """
 from __future__ import annotations
 
@@ -18,13 +21,13 @@ import re
 from typing import List, Optional, Tuple
 
 from ..core import dtypes
-from ..core.device import Device
+from ..core.device import ASSUMED, Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
 from . import direct
 from .family import Family
-from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
+from .launch import Plan, cdiv, index_type, layer_constants, numel
 from .sequences import OneKernel, PassPlan
 
 Tile = Tuple[int, int, int, int]   # output rows, columns and channels per thread; blocks per SM
@@ -32,6 +35,11 @@ Tile = Tuple[int, int, int, int]   # output rows, columns and channels per threa
 _THREADS = 128
 # The block's weights, all of a group's input channels for its output channels, staged at once.
 WEIGHT_SMEM = 16 * 1024
+# Its input window, IC_CHUNK input channels at a time, within this many bytes ...
+WINDOW_SMEM = 24 * 1024
+# ... and the share of the next chunk each thread holds in registers meanwhile, within this many.
+_HELD_REGISTERS = 16
+_SMEM_PER_SM = 200 * 1024
 # Registers of the fed stride phases' accumulators a thread keeps (the heuristic; other candidates up to twice
 # that): room for several blocks per SM, and no spills (float64 past 128 spilled, ptxas sm_90).
 _ACCUMULATORS = 64
@@ -77,11 +85,88 @@ def accumulator_registers(g: Geometry, dtype: str, tile: Tile) -> int:
     return live_accumulators(g, tile) * _acc_bytes(dtype) // _REGISTER_BYTES
 
 
+def _weight_bytes(g: Geometry, dtype: str, channels: int) -> int:
+    return g.in_per_group * g.kernel[0] * g.kernel[1] * channels * _acc_bytes(dtype)
+
+
+def _edges(extent: int, kernel: int, stride: int, padding: int, dilation: int) -> Tuple[int, int]:
+    """The first input position a tile of ``extent`` positions (from a whole stride period) reads along one axis,
+    and how many it reads: the kernel's ROW0/ROWS (COL0/COLS)."""
+    offsets = [(i + padding) // stride - (t * dilation) // stride for i in range(extent) for t in range(kernel)
+               if (t * dilation) % stride == (i + padding) % stride]
+    return min(offsets), max(offsets) - min(offsets) + 1
+
+
+# The block's patch is TX x TY tiles of one output plane, TX a power of two from 4 to 128.
+_PATCH_WIDTHS = (4, 8, 16, 32, 64, 128)
+
+
+def window_cells(g: Geometry, dtype: str, tile: Tile, patch_width: int) -> int:
+    """The window cells one input channel takes in shared memory for a patch ``patch_width`` tiles wide: its
+    rows times its columns padded to the kernel's vector reads (WR x WC_PAD)."""
+    rows, cols = tile[:2]
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.params.stride, g.params.padding, g.params.dilation
+    tr, tc = rows // sh, cols // sw
+    height = (_THREADS // patch_width - 1) * tr + _edges(rows, kh, sh, ph, dh)[1]
+    vr_max = 16 // _acc_bytes(dtype)
+    vr = vr_max if tc % vr_max == 0 else 2 if tc % 2 == 0 else 1
+    cols_read = cdiv(_edges(cols, kw, sw, pw, dw)[1], vr) * vr
+    return height * cdiv((patch_width - 1) * tc + cols_read, vr) * vr
+
+
+def _largest_window(g: Geometry, dtype: str, tile: Tile) -> int:
+    """One input channel's window cells at the patch width that makes it largest: what a tile must fit for every
+    image size a stored choice serves."""
+    return max(window_cells(g, dtype, tile, width) for width in _PATCH_WIDTHS)
+
+
+def _held_width(dtype: str) -> int:
+    """Registers one held window cell takes: it is held as stored, two registers a float64."""
+    return 2 if dtypes.get(dtype).itemsize == 8 else 1
+
+
+def _one_channel_registers(g: Geometry, dtype: str, tile: Tile) -> int:
+    """Registers a thread holds one input channel's share of the window in, at the largest patch window."""
+    return cdiv(_largest_window(g, dtype, tile), _THREADS) * _held_width(dtype)
+
+
+def _weight_registers(g: Geometry, dtype: str, channels: int) -> int:
+    """Registers a thread holds its share of the next channel block's weights (and bias) in: the kernel holds them
+    where that takes two registers or fewer, and loads them when it stages them otherwise."""
+    held = cdiv(g.in_per_group * g.kernel[0] * g.kernel[1] * channels + channels, _THREADS)
+    return held * _held_width(dtype) if held <= 2 else 0
+
+
+def _compute_registers(dtype: str, channels: int) -> int:
+    """Registers the tap loops take besides the accumulators and what is held: a few taps' weights read from
+    shared memory ahead of their multiply-adds (two registers a float64 one), the window row and the addresses
+    (ptxas sm_90, the spill test's layers)."""
+    return 48 + 4 * channels * _acc_bytes(dtype) // _REGISTER_BYTES
+
+
+def _held_registers(g: Geometry, dtype: str, tile: Tile) -> int:
+    """Registers a thread holds the next chunk's window in: what the tile's ``blocks`` leave after its accumulators,
+    the weights it holds and the tap loops, up to :data:`_HELD_REGISTERS`, and at least one input channel's share."""
+    per_thread = _REGISTERS_PER_SM // (_THREADS * tile[3]) // 8 * 8
+    left = (per_thread - accumulator_registers(g, dtype, tile) - _weight_registers(g, dtype, tile[2])
+            - _compute_registers(dtype, tile[2]))
+    return max(_one_channel_registers(g, dtype, tile), min(_HELD_REGISTERS, left))
+
+
+def _window_budget(g: Geometry, dtype: str, tile: Tile) -> int:
+    """Shared-memory bytes for the window: :data:`WINDOW_SMEM`, or less where ``blocks`` of the tile's blocks with
+    their weights must share an SM's."""
+    return min(WINDOW_SMEM, _SMEM_PER_SM // tile[3] - _weight_bytes(g, dtype, tile[2]))
+
+
 def fits(g: Geometry, dtype: str, tile: Tile) -> bool:
+    """Whole stride periods, and a group's weights with one input channel's window in shared memory at every patch
+    width (so that a choice fits every image size it is stored for)."""
     rows, cols, channels, blocks = tile
     sh, sw = g.params.stride
     return (rows % sh == 0 and cols % sw == 0 and 1 <= channels <= g.out_per_group and 1 <= blocks <= _MAX_BLOCKS
-            and g.in_per_group * g.kernel[0] * g.kernel[1] * channels * _acc_bytes(dtype) <= WEIGHT_SMEM)
+            and _weight_bytes(g, dtype, channels) <= WEIGHT_SMEM
+            and _largest_window(g, dtype, tile) * _acc_bytes(dtype) <= _window_budget(g, dtype, tile))
 
 
 def eligible(g: Geometry, dtype: str) -> bool:
@@ -104,10 +189,11 @@ def _column_period(g: Geometry, dtype: str) -> int:
 
 
 def _blocks(g: Geometry, dtype: str, rows: int, cols: int, channels: int) -> int:
-    """Blocks per SM that leave each thread registers for its live accumulators (two a float64 one) and 96 more:
-    ptxas keeps the input window, its addresses and the loads in flight there, and spilled below that (sm_90,
-    the bench's depthwise and grouped layers)."""
-    registers = accumulator_registers(g, dtype, (rows, cols, channels)) + 96
+    """Blocks per SM that leave each thread registers for its live accumulators (two a float64 one), the next
+    chunk's window and weights it holds, and the tap loops' own (:func:`_compute_registers`)."""
+    tile = (rows, cols, channels)
+    registers = (accumulator_registers(g, dtype, tile) + max(_HELD_REGISTERS, _one_channel_registers(g, dtype, tile))
+                 + _weight_registers(g, dtype, channels) + _compute_registers(dtype, channels))
     return max(1, min(_MAX_BLOCKS, _REGISTERS_PER_SM // (_THREADS * registers)))
 
 
@@ -122,8 +208,10 @@ def _row_limit(g: Geometry) -> int:
 
 
 def heuristic_tile(g: Geometry, dtype: str) -> Optional[Tile]:
-    """Output channels first (each input load feeds them all), then rows (input rows shared between them), then
-    columns, within :data:`_ACCUMULATORS`, from a tile of one period of columns."""
+    """Output channels first (each input load feeds them all), then rows (input rows shared between them), within
+    :data:`_ACCUMULATORS`, from a tile of one period of columns; then columns where the rows are cut short (a 1-D
+    layer's single row).  Wider tiles measured slower elsewhere: the bench's float32 depthwise layer ran 8 x 4
+    tiles in 0.058 ms and 8 x 8 ones in 0.074 (H200)."""
     sh = g.params.stride[0]
     cols = _column_period(g, dtype)
     if cols > 64:
@@ -136,8 +224,8 @@ def heuristic_tile(g: Geometry, dtype: str) -> Optional[Tile]:
     rows = sh
     while rows * 2 <= _row_limit(g) and accumulator_registers(g, dtype, (rows * 2, cols, channels)) <= _ACCUMULATORS:
         rows *= 2
-    # then columns, where the rows ran out first (a 1-D layer's single row)
-    while cols * 2 <= _MAX_COLUMNS and accumulator_registers(g, dtype, (rows, cols * 2, channels)) <= _ACCUMULATORS:
+    while _row_limit(g) < _MAX_ROWS and cols * 2 <= _MAX_COLUMNS \
+            and accumulator_registers(g, dtype, (rows, cols * 2, channels)) <= _ACCUMULATORS:
         cols *= 2
     tile = (rows, cols, channels, _blocks(g, dtype, rows, cols, channels))
     return tile if fits(g, dtype, tile) else None
@@ -145,18 +233,21 @@ def heuristic_tile(g: Geometry, dtype: str) -> Optional[Tile]:
 
 @functools.lru_cache(maxsize=1024)
 def tiles(g: Geometry, dtype: str) -> Tuple[Tile, ...]:
-    """The tiles worth timing, the heuristic first: it with half or twice the rows, channels or columns (within
-    twice the accumulator budget, and the rows within :func:`_row_limit`: taller tiles took NVRTC seconds to
-    build and ran no faster on the bench's depthwise layer)."""
+    """The tiles worth timing, the heuristic first: it with one more block an SM, and with half the rows, columns
+    or channels, or twice the channels (within twice the accumulator budget).  Taller and wider tiles than the
+    heuristic's were never the fastest on the bench's grouped and depthwise layers, and took longer to build."""
     first = heuristic_tile(g, dtype)
     if first is None:
         return ()
     rows, cols, channels, blocks = first
-    sh = g.params.stride[0]
+    sh, sw = g.params.stride
     found = [first]
-    for r, c, o in ((rows * 2, cols, channels), (rows // 2, cols, channels), (rows, cols, channels * 2),
-                    (rows, cols, channels // 2), (rows, cols * 2, channels)):
-        if r < sh or o < 1 or accumulator_registers(g, dtype, (r, c, o)) > 2 * _ACCUMULATORS or r > _row_limit(g):
+    # (float64 tiles spilled with one more block: ptxas sm_90, the spill test's grouped layer)
+    if _acc_bytes(dtype) == 4 and fits(g, dtype, (rows, cols, channels, blocks + 1)):
+        found.append((rows, cols, channels, blocks + 1))
+    for r, c, o in ((rows // 2, cols, channels), (rows, cols // 2, channels), (rows, cols, channels * 2),
+                    (rows, cols, channels // 2)):
+        if min(r, c, o) < 1 or r % sh or c % sw or accumulator_registers(g, dtype, (r, c, o)) > 2 * _ACCUMULATORS:
             continue
         tile = (r, c, o, _blocks(g, dtype, r, c, o))
         if tile not in found and fits(g, dtype, tile):
@@ -179,9 +270,34 @@ def parse_tile(name: str) -> Tile:
     return tuple(int(n) for n in found.groups())
 
 
+def patch(g: Geometry, tile: Tile) -> Tuple[int, int]:
+    """A block's patch, tiles across and down, 128 in all: rows of up to 32 tiles where the output's rows hold them
+    (wide rows load in long runs), wider where the output is fewer tiles high (a 1-D layer's one row of tiles), so
+    that few threads fall past the output."""
+    tiles_h, tiles_w = cdiv(g.out_size[0], tile[0]), cdiv(g.out_size[1], tile[1])
+    width = _PATCH_WIDTHS[0]
+    while width < 32 and width * 2 <= tiles_w:
+        width *= 2
+    while width < _PATCH_WIDTHS[-1] and _THREADS // width > tiles_h:
+        width *= 2
+    return width, _THREADS // width
+
+
+def _chunk(g: Geometry, dtype: str, tile: Tile, patch_width: int) -> int:
+    """Input channels staged at once: as many as the window's shared memory and the registers held for the next
+    chunk take (at least one, which :func:`fits` leaves room for), split evenly over the group's."""
+    cells = window_cells(g, dtype, tile, patch_width)
+    limit = min(_window_budget(g, dtype, tile) // (cells * _acc_bytes(dtype)),
+                _held_registers(g, dtype, tile) * _THREADS // (cells * _held_width(dtype)))
+    limit = max(1, min(g.in_per_group, limit))
+    return cdiv(g.in_per_group, cdiv(g.in_per_group, limit))
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_forward(g: Geometry, dtype: str, has_bias: bool, tile: Optional[Tile] = None, aligned: bool = True) -> Plan:
-    """The NCHW forward as output tiles; ``tile`` defaults to :func:`heuristic_tile`."""
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, tile: Optional[Tile] = None, aligned: bool = True,
+                 sm_count: int = ASSUMED.sm_count) -> Plan:
+    """The NCHW forward as output tiles; ``tile`` defaults to :func:`heuristic_tile`.  The grid holds the SMs'
+    ``blocks`` blocks each once, and each block walks an even share of the patches."""
     tile = tile or heuristic_tile(g, dtype)
     if tile is None or not fits(g, dtype, tile):
         raise ValueError(f"no tiled forward tile {tile} for this layer")
@@ -189,16 +305,17 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, tile: Optional[Tile] =
     h_out, w_out = g.out_size
     vec = math.gcd(store_vector(g, dtype, aligned), cols)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
-    tiles_w = cdiv(w_out, cols)
-    count = cdiv(h_out, rows) * tiles_w
+    tx, ty = patch(g, tile)
+    ic_chunk = _chunk(g, dtype, tile, tx)
+    blocks_w, blocks_h = cdiv(w_out, cols * tx), cdiv(h_out, rows * ty)
+    items = g.batch * g.groups * cdiv(g.out_per_group, channels) * blocks_h * blocks_w
     constants = layer_constants(g, dtype, index_t)
-    constants.update(HAS_BIAS=bool(has_bias), OCB=channels, TILE_R=rows, TILE_V=cols, VEC=vec, BLOCK=_THREADS,
-                     MIN_BLOCKS=blocks)
-    oc_blocks = g.groups * cdiv(g.out_per_group, channels)
-    grid = (cdiv(count, _THREADS), min(oc_blocks, GRID_YZ_LIMIT), min(g.batch, GRID_YZ_LIMIT))
+    constants.update(HAS_BIAS=bool(has_bias), OCB=channels, TILE_R=rows, TILE_V=cols, VEC=vec, TX=tx, TY=ty,
+                     IC_CHUNK=ic_chunk, MIN_BLOCKS=blocks)
+    grid = (max(1, min(items, sm_count * blocks)), 1, 1)
     spec = KernelSpec.make("conv_transpose2d_forward_tiled.cu", "conv_transpose2d_forward_tiled", constants)
     h, w = g.in_size
-    return Plan(spec, grid, (_THREADS, 1, 1), (g.batch, h, w, h_out, w_out, tiles_w, count), index_t)
+    return Plan(spec, grid, (_THREADS, 1, 1), (h, w, h_out, w_out, blocks_w, blocks_h, items), index_t)
 
 
 class TiledFamily(Family):
@@ -222,7 +339,7 @@ class TiledFamily(Family):
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         tile = variant.kwargs.get("tile")
-        return OneKernel(plan_forward(g, dtype, has_bias, parse_tile(tile) if tile else None, aligned))
+        return OneKernel(plan_forward(g, dtype, has_bias, parse_tile(tile) if tile else None, aligned, sm_count))
 
     def clear(self) -> None:
         plan_forward.cache_clear()

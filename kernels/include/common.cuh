@@ -14,18 +14,26 @@ struct __align__(2) bf16_t { unsigned short bits; };
 template <typename T> struct Accumulator { typedef float type; };
 template <> struct Accumulator<double> { typedef double type; };
 
-__device__ __forceinline__ float load(const float* p) { return __ldg(p); }
-__device__ __forceinline__ double load(const double* p) { return __ldg(p); }
-__device__ __forceinline__ float load(const half_t* p) {
-    unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p));
+// An element as stored (load_raw), and widened to what it sums in: apart where a kernel holds loads in flight
+// across other work, since the widening waits for the load.
+template <typename T> __device__ __forceinline__ T load_raw(const T* p) { return __ldg(p); }
+__device__ __forceinline__ half_t load_raw(const half_t* p) {
+    return half_t{__ldg(reinterpret_cast<const unsigned short*>(p))};
+}
+__device__ __forceinline__ bf16_t load_raw(const bf16_t* p) {
+    return bf16_t{__ldg(reinterpret_cast<const unsigned short*>(p))};
+}
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ double widen(double v) { return v; }
+__device__ __forceinline__ float widen(half_t h) {
+    const unsigned short bits = h.bits;
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
     return f;
 }
-__device__ __forceinline__ float load(const bf16_t* p) {
-    unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p));
-    return __uint_as_float(static_cast<unsigned int>(bits) << 16);
-}
+__device__ __forceinline__ float widen(bf16_t b) { return __uint_as_float(static_cast<unsigned int>(b.bits) << 16); }
+
+template <typename T> __device__ __forceinline__ auto load(const T* p) { return widen(load_raw(p)); }
 
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(double* p, double v) { *p = v; }
@@ -35,18 +43,44 @@ __device__ __forceinline__ void store(half_t* p, float v) {
     reinterpret_cast<unsigned short*>(p)[0] = bits;
 }
 __device__ __forceinline__ void store(bf16_t* p, float v) {
-    // Round to nearest even by hand: cvt.rn.bf16.f32 needs sm_80 and we also
-    // build for older targets.  NaNs are kept quiet rather than rounded to Inf.
-    unsigned int u = __float_as_uint(v);
     unsigned short bits;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+#else
+    // Round to nearest even by hand where cvt.rn.bf16.f32 is missing (before sm_80).
+    // NaNs are kept quiet rather than rounded to Inf.
+    unsigned int u = __float_as_uint(v);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
         bits = static_cast<unsigned short>((u >> 16) | 0x40u);
     } else {
         u += 0x7fffu + ((u >> 16) & 1u);
         bits = static_cast<unsigned short>(u >> 16);
     }
+#endif
     reinterpret_cast<unsigned short*>(p)[0] = bits;
 }
+
+// v0 and v1 rounded to a 16-bit type and packed in one word, v0 in the low half: one conversion for both on
+// sm_80 and later.
+template <typename T16> __device__ __forceinline__ unsigned pack_pair(float v0, float v1) {
+    static_assert(sizeof(T16) == 2, "16-bit storage types");
+    T16 pair[2];
+    store(&pair[0], v0);
+    store(&pair[1], v1);
+    return static_cast<unsigned>(pair[0].bits) | static_cast<unsigned>(pair[1].bits) << 16;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <> __device__ __forceinline__ unsigned pack_pair<half_t>(float v0, float v1) {
+    unsigned u;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(v1), "f"(v0));
+    return u;
+}
+template <> __device__ __forceinline__ unsigned pack_pair<bf16_t>(float v0, float v1) {
+    unsigned u;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(u) : "f"(v1), "f"(v0));
+    return u;
+}
+#endif
 
 // Two neighbouring values in one store; `p` is aligned to the pair (4 bytes for 16-bit types, 8 for fp32).
 struct __align__(8) float_pair { float x, y; };
@@ -55,11 +89,7 @@ __device__ __forceinline__ void store_pair(float* p, float v0, float v1) {
 }
 template <typename T16>
 __device__ __forceinline__ void store_pair(T16* p, float v0, float v1) {
-    static_assert(sizeof(T16) == 2, "16-bit storage types");
-    T16 pair[2];
-    store(&pair[0], v0);
-    store(&pair[1], v1);
-    *reinterpret_cast<unsigned*>(p) = static_cast<unsigned>(pair[0].bits) | static_cast<unsigned>(pair[1].bits) << 16;
+    *reinterpret_cast<unsigned*>(p) = pack_pair<T16>(v0, v1);
 }
 
 // What a split-K partial pass writes: acc_t partials that reduce_partials.cu adds up,
