@@ -89,6 +89,20 @@ def test_candidates_leave_the_image_size_out():
                                                                    padding=1), "float16")
 
 
+def test_kernels_leave_the_image_size_out():
+    """A new image size compiles nothing: the patch, the chunk and every other constant of each candidate's
+    kernel are the same for every size (where the output rows allow the same store width)."""
+    layers = {"depthwise_up": ((128, 1, 4, 4), dict(stride=2, padding=1, groups=128), (64, 64), (17, 32), (33, 40)),
+              "grouped_dilated": ((32, 16, 3, 5), dict(stride=(2, 3), padding=(1, 2), groups=4, dilation=(2, 1)),
+                                  (128, 256), (31, 100), (9, 14))}
+    for w_shape, kwargs, *sizes in layers.values():
+        for dtype in ("float16", "float32"):
+            geometries = [_geometry((2, w_shape[0]) + size, w_shape, **kwargs) for size in sizes]
+            for tile in tiled.tiles(geometries[0], dtype):
+                specs = {tiled.plan_forward(g, dtype, True, tile).spec for g in geometries}
+                assert len(specs) == 1, (tile, dtype)
+
+
 def test_heuristic_tiles_span_whole_stride_periods_and_fit_the_budgets():
     assert tiled.heuristic_tile(DEPTHWISE_UP, "float16")[:3] == (8, 8, 1)
     assert tiled.heuristic_tile(GROUPED_DILATED, "float16")[:3] == (2, 6, 8)

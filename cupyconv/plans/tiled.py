@@ -97,27 +97,30 @@ def _edges(extent: int, kernel: int, stride: int, padding: int, dilation: int) -
     return min(offsets), max(offsets) - min(offsets) + 1
 
 
-# The block's patch is TX x TY tiles of one output plane, TX a power of two from 4 to 128.
-_PATCH_WIDTHS = (4, 8, 16, 32, 64, 128)
+def patch(g: Geometry, tile: Tile) -> Tuple[int, int]:
+    """A block's patch of tiles in one output plane, across and down, 128 in all: about 128 output columns across
+    (rows of a patch load in long runs), or one row of 128 tiles for an input one row high (a 1-D layer's).  It
+    leaves the image size out, so that a new size compiles nothing (the 1-D case is a bucket of its own)."""
+    if g.in_size[0] == 1:
+        return _THREADS, 1
+    width = 4
+    while width < 32 and width * 2 * tile[1] <= 128:
+        width *= 2
+    return width, _THREADS // width
 
 
-def window_cells(g: Geometry, dtype: str, tile: Tile, patch_width: int) -> int:
-    """The window cells one input channel takes in shared memory for a patch ``patch_width`` tiles wide: its
-    rows times its columns padded to the kernel's vector reads (WR x WC_PAD)."""
+def window_cells(g: Geometry, dtype: str, tile: Tile) -> int:
+    """The window cells one input channel takes in shared memory for the tile's patch: its rows times its columns
+    padded to the kernel's vector reads (WR x WC_PAD)."""
     rows, cols = tile[:2]
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.params.stride, g.params.padding, g.params.dilation
     tr, tc = rows // sh, cols // sw
-    height = (_THREADS // patch_width - 1) * tr + _edges(rows, kh, sh, ph, dh)[1]
+    width, height = patch(g, tile)
+    rows_read = (height - 1) * tr + _edges(rows, kh, sh, ph, dh)[1]
     vr_max = 16 // _acc_bytes(dtype)
     vr = vr_max if tc % vr_max == 0 else 2 if tc % 2 == 0 else 1
     cols_read = cdiv(_edges(cols, kw, sw, pw, dw)[1], vr) * vr
-    return height * cdiv((patch_width - 1) * tc + cols_read, vr) * vr
-
-
-def _largest_window(g: Geometry, dtype: str, tile: Tile) -> int:
-    """One input channel's window cells at the patch width that makes it largest: what a tile must fit for every
-    image size a stored choice serves."""
-    return max(window_cells(g, dtype, tile, width) for width in _PATCH_WIDTHS)
+    return rows_read * cdiv((width - 1) * tc + cols_read, vr) * vr
 
 
 def _held_width(dtype: str) -> int:
@@ -126,8 +129,8 @@ def _held_width(dtype: str) -> int:
 
 
 def _one_channel_registers(g: Geometry, dtype: str, tile: Tile) -> int:
-    """Registers a thread holds one input channel's share of the window in, at the largest patch window."""
-    return cdiv(_largest_window(g, dtype, tile), _THREADS) * _held_width(dtype)
+    """Registers a thread holds one input channel's share of the window in."""
+    return cdiv(window_cells(g, dtype, tile), _THREADS) * _held_width(dtype)
 
 
 def _weight_registers(g: Geometry, dtype: str, channels: int) -> int:
@@ -160,13 +163,12 @@ def _window_budget(g: Geometry, dtype: str, tile: Tile) -> int:
 
 
 def fits(g: Geometry, dtype: str, tile: Tile) -> bool:
-    """Whole stride periods, and a group's weights with one input channel's window in shared memory at every patch
-    width (so that a choice fits every image size it is stored for)."""
+    """Whole stride periods, and a group's weights with one input channel's window in shared memory."""
     rows, cols, channels, blocks = tile
     sh, sw = g.params.stride
     return (rows % sh == 0 and cols % sw == 0 and 1 <= channels <= g.out_per_group and 1 <= blocks <= _MAX_BLOCKS
             and _weight_bytes(g, dtype, channels) <= WEIGHT_SMEM
-            and _largest_window(g, dtype, tile) * _acc_bytes(dtype) <= _window_budget(g, dtype, tile))
+            and window_cells(g, dtype, tile) * _acc_bytes(dtype) <= _window_budget(g, dtype, tile))
 
 
 def eligible(g: Geometry, dtype: str) -> bool:
@@ -214,19 +216,27 @@ def heuristic_tile(g: Geometry, dtype: str) -> Optional[Tile]:
     tiles in 0.058 ms and 8 x 8 ones in 0.074 (H200)."""
     sh = g.params.stride[0]
     cols = _column_period(g, dtype)
-    if cols > 64:
+    if cols > 64 or _sized(g, dtype, sh, cols, 1) is None:
         return None
+
+    def grows(rows: int, cols: int, channels: int) -> bool:
+        return (accumulator_registers(g, dtype, (rows, cols, channels)) <= _ACCUMULATORS
+                and _sized(g, dtype, rows, cols, channels) is not None)
+
     channels = 1
-    while channels * 2 <= min(_MAX_CHANNELS, g.out_per_group) \
-            and accumulator_registers(g, dtype, (sh, cols, channels * 2)) <= _ACCUMULATORS \
-            and fits(g, dtype, (sh, cols, channels * 2, 1)):
+    while channels * 2 <= min(_MAX_CHANNELS, g.out_per_group) and grows(sh, cols, channels * 2):
         channels *= 2
     rows = sh
-    while rows * 2 <= _row_limit(g) and accumulator_registers(g, dtype, (rows * 2, cols, channels)) <= _ACCUMULATORS:
+    # (a stride-1 layer's window, an input pixel for every output one, stops the rows where it fills shared memory)
+    while rows * 2 <= _row_limit(g) and grows(rows * 2, cols, channels):
         rows *= 2
-    while _row_limit(g) < _MAX_ROWS and cols * 2 <= _MAX_COLUMNS \
-            and accumulator_registers(g, dtype, (rows, cols * 2, channels)) <= _ACCUMULATORS:
+    while _row_limit(g) < _MAX_ROWS and cols * 2 <= _MAX_COLUMNS and grows(rows, cols * 2, channels):
         cols *= 2
+    return _sized(g, dtype, rows, cols, channels)
+
+
+def _sized(g: Geometry, dtype: str, rows: int, cols: int, channels: int) -> Optional[Tile]:
+    """The tile with the blocks per SM its registers allow, if it fits."""
     tile = (rows, cols, channels, _blocks(g, dtype, rows, cols, channels))
     return tile if fits(g, dtype, tile) else None
 
@@ -249,8 +259,8 @@ def tiles(g: Geometry, dtype: str) -> Tuple[Tile, ...]:
                     (rows, cols, channels // 2)):
         if min(r, c, o) < 1 or r % sh or c % sw or accumulator_registers(g, dtype, (r, c, o)) > 2 * _ACCUMULATORS:
             continue
-        tile = (r, c, o, _blocks(g, dtype, r, c, o))
-        if tile not in found and fits(g, dtype, tile):
+        tile = _sized(g, dtype, r, c, o)
+        if tile is not None and tile not in found:
             found.append(tile)
     return tuple(found)
 
@@ -270,23 +280,10 @@ def parse_tile(name: str) -> Tile:
     return tuple(int(n) for n in found.groups())
 
 
-def patch(g: Geometry, tile: Tile) -> Tuple[int, int]:
-    """A block's patch, tiles across and down, 128 in all: rows of up to 32 tiles where the output's rows hold them
-    (wide rows load in long runs), wider where the output is fewer tiles high (a 1-D layer's one row of tiles), so
-    that few threads fall past the output."""
-    tiles_h, tiles_w = cdiv(g.out_size[0], tile[0]), cdiv(g.out_size[1], tile[1])
-    width = _PATCH_WIDTHS[0]
-    while width < 32 and width * 2 <= tiles_w:
-        width *= 2
-    while width < _PATCH_WIDTHS[-1] and _THREADS // width > tiles_h:
-        width *= 2
-    return width, _THREADS // width
-
-
-def _chunk(g: Geometry, dtype: str, tile: Tile, patch_width: int) -> int:
+def _chunk(g: Geometry, dtype: str, tile: Tile) -> int:
     """Input channels staged at once: as many as the window's shared memory and the registers held for the next
     chunk take (at least one, which :func:`fits` leaves room for), split evenly over the group's."""
-    cells = window_cells(g, dtype, tile, patch_width)
+    cells = window_cells(g, dtype, tile)
     limit = min(_window_budget(g, dtype, tile) // (cells * _acc_bytes(dtype)),
                 _held_registers(g, dtype, tile) * _THREADS // (cells * _held_width(dtype)))
     limit = max(1, min(g.in_per_group, limit))
@@ -306,7 +303,7 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, tile: Optional[Tile] =
     vec = math.gcd(store_vector(g, dtype, aligned), cols)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     tx, ty = patch(g, tile)
-    ic_chunk = _chunk(g, dtype, tile, tx)
+    ic_chunk = _chunk(g, dtype, tile)
     blocks_w, blocks_h = cdiv(w_out, cols * tx), cdiv(h_out, rows * ty)
     items = g.batch * g.groups * cdiv(g.out_per_group, channels) * blocks_h * blocks_w
     constants = layer_constants(g, dtype, index_t)
