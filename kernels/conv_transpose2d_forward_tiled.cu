@@ -11,8 +11,8 @@
 // A block of TX x TY threads covers a TY x TX patch of tiles in one output plane (an
 // "item": image, block of OCB output channels, patch).  It stages the input window the
 // patch reads in shared memory, IC_CHUNK input channels at a time, converted to acc_t
-// once and zero outside the input, so each input value leaves DRAM once and no thread
-// tests a bound.  Blocks are persistent: each walks a run of items, and while it
+// once and zero outside the input, so each input value is loaded once for the whole
+// patch and no thread tests a bound.  Blocks are persistent: each walks a run of items, and while it
 // computes one chunk its threads already hold the next chunk's window (and a depthwise
 // layer's next weights) in registers, as stored, so the loads of the next step overlap
 // this one's arithmetic and stores instead of stalling behind a barrier.

@@ -7,7 +7,7 @@ starts on a whole stride period, ``rows`` x ``cols`` pixels of ``channels`` outp
 channels: every tap and input offset is then a compile-time constant, and each tile
 row leaves in 16-byte (or narrower) vector stores.  A block of 128 threads covers a
 patch of tiles in one output plane and stages the input window the patch reads in shared
-memory, so each input value leaves memory once; it walks a run of such patches, holding
+memory, so each input value is loaded once for the whole patch; it walks a run of such patches, holding
 the next one's loads in registers while it computes this one.  A tile is named
 ``{rows}x{cols}x{channels}b{blocks}`` in the tuner's variants (``tiled:4x8x1b6``),
 ``blocks`` being the blocks of 128 threads an SM must hold at once: it caps the registers,
@@ -37,8 +37,10 @@ _THREADS = 128
 WEIGHT_SMEM = 16 * 1024
 # Its input window, IC_CHUNK input channels at a time, within this many bytes ...
 WINDOW_SMEM = 24 * 1024
-# ... and the share of the next chunk each thread holds in registers meanwhile, within this many.
+# ... and the registers each thread holds the next chunk's share of it in meanwhile, at most (more only where
+# one input channel's share needs them).
 _HELD_REGISTERS = 16
+# What the blocks an SM holds take of its shared memory in all (227 KB on sm_90, less each block's reserve).
 _SMEM_PER_SM = 200 * 1024
 # Registers of the fed stride phases' accumulators a thread keeps (the heuristic; other candidates up to twice
 # that): room for several blocks per SM, and no spills (float64 past 128 spilled, ptxas sm_90).
@@ -178,7 +180,7 @@ def fits(g: Geometry, dtype: str, tile: Tile) -> bool:
 
 def eligible(g: Geometry, dtype: str) -> bool:
     """Kernels of up to :data:`_MAX_TAPS` taps whose weights the direct kernels' limits admit, and at least one
-    tile whose weights fit shared memory."""
+    tile whose weights and input window fit shared memory."""
     return (g.kernel[0] * g.kernel[1] <= _MAX_TAPS and direct.fits(g, dtype, "nchw")
             and bool(tiles(g, dtype)))
 
