@@ -84,23 +84,9 @@ constexpr int WEIGHTS = CIN_G * TAPS * OCB;
 // What each thread holds of the next chunk's window.
 constexpr int HELD_X = (WINDOW + BLOCK - 1) / BLOCK;
 
-template <int N>
 __device__ __forceinline__ void read_window_row(acc_t (&dst)[COLS_R], const acc_t* src) {
 #pragma unroll
-    for (int b = 0; b < COLS_R; b += N) {
-        if constexpr (N == 4) {
-            const float4 v = *reinterpret_cast<const float4*>(src + b);
-            dst[b] = v.x; dst[b + 1] = v.y; dst[b + 2] = v.z; dst[b + 3] = v.w;
-        } else if constexpr (N == 2 && sizeof(acc_t) == 4) {
-            const float2 v = *reinterpret_cast<const float2*>(src + b);
-            dst[b] = v.x; dst[b + 1] = v.y;
-        } else if constexpr (N == 2) {
-            const double2 v = *reinterpret_cast<const double2*>(src + b);
-            dst[b] = v.x; dst[b + 1] = v.y;
-        } else {
-            dst[b] = src[b];
-        }
-    }
+    for (int b = 0; b < COLS_R; b += VR) load_smem_small(*reinterpret_cast<acc_t(*)[VR]>(dst + b), src + b);
 }
 
 // An item's place: items run over (image, output-channel block, patch row, patch column), the last fastest, so
@@ -250,7 +236,7 @@ conv_transpose2d_forward_tiled(const scalar_t* __restrict__ x, const scalar_t* _
 #pragma unroll
                 for (int a = 0; a < ROWS; ++a) {
                     acc_t xv[COLS_R];
-                    read_window_row<VR>(xv, &xs[icl][ty * TR + a][tx * TC]);
+                    read_window_row(xv, &xs[icl][ty * TR + a][tx * TC]);
 #pragma unroll
                     for (int kh = 0; kh < KH; ++kh) {
                         const int r = row_of(a, kh);

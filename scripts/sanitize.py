@@ -13,8 +13,9 @@ tiled NCHW forward, with vector and element stores; the tensor-core kernels (GEM
 and grad_input, grad_weight GEMM, weight repack, channels_last copy) in float16, bfloat16,
 strict float32 and TF32, on NCHW, channels_last and misaligned channels_last memory; every
 tuner candidate (block tile, pipeline depth) of one layer per layout; weights in
-channels_last memory (read, and grad_weight written, in place); and NaN/Inf data.  Data is made on the host and copied over, and memory caching is off in
-torch and CuPy, so the only kernels that run are cupyconv's and every buffer is its own
+channels_last memory (read, and grad_weight written, in place); and NaN/Inf data.  Data
+is made on the host and copied over, and memory caching is off in torch and CuPy, so the
+only kernels that run are cupyconv's and every buffer is its own
 allocation (memcheck sees an access one element past it).
 
 First one plain run compiles every kernel into a private CuPy cache and checks results

@@ -87,8 +87,13 @@ def accumulator_registers(g: Geometry, dtype: str, tile: Tile) -> int:
     return live_accumulators(g, tile) * _acc_bytes(dtype) // _REGISTER_BYTES
 
 
+def _weight_cells(g: Geometry, channels: int) -> int:
+    """The weights a block stages: every input channel of the group and tap, for ``channels`` output channels."""
+    return g.in_per_group * g.kernel[0] * g.kernel[1] * channels
+
+
 def _weight_bytes(g: Geometry, dtype: str, channels: int) -> int:
-    return g.in_per_group * g.kernel[0] * g.kernel[1] * channels * _acc_bytes(dtype)
+    return _weight_cells(g, channels) * _acc_bytes(dtype)
 
 
 def _edges(extent: int, kernel: int, stride: int, padding: int, dilation: int) -> Tuple[int, int]:
@@ -143,7 +148,7 @@ def _one_channel_registers(g: Geometry, dtype: str, tile: Tile) -> int:
 def _weight_registers(g: Geometry, dtype: str, channels: int) -> int:
     """Registers a thread holds its share of the next channel block's weights (and bias) in: the kernel holds them
     where that takes two registers or fewer, and loads them when it stages them otherwise."""
-    held = cdiv(g.in_per_group * g.kernel[0] * g.kernel[1] * channels + channels, _THREADS)
+    held = cdiv(_weight_cells(g, channels) + channels, _THREADS)
     return held * _held_width(dtype) if held <= 2 else 0
 
 
