@@ -26,6 +26,9 @@ constexpr int VEC = {{VEC}};        // elements per store; W_out is a multiple o
 constexpr int TX = {{TX}}, TY = {{TY}};  // the block's patch, in tiles
 constexpr int IC_CHUNK = {{IC_CHUNK}};    // input channels staged at once
 constexpr int MIN_BLOCKS = {{MIN_BLOCKS}};  // blocks an SM must hold: caps the registers (latency hiding)
+// Stage the window two 16-bit cells a load (the input's width even and its pointer aligned): half the loads, and
+// half the registers holding them, so a chunk takes twice the channels.
+constexpr bool PAIRS = {{PAIRS}};
 constexpr int BLOCK = TX * TY;
 constexpr int OC_BLOCKS = (COUT_G + OCB - 1) / OCB;
 constexpr int CHUNKS = (CIN_G + IC_CHUNK - 1) / IC_CHUNK;
@@ -79,10 +82,22 @@ constexpr int VR_MAX = 16 / sizeof(acc_t);
 constexpr int VR = TC % VR_MAX == 0 ? VR_MAX : TC % 2 == 0 ? 2 : 1;
 constexpr int COLS_R = (COLS + VR - 1) / VR * VR;
 constexpr int WC_PAD = ((TX - 1) * TC + COLS_R + VR - 1) / VR * VR;
-constexpr int WINDOW = IC_CHUNK * WR * WC_PAD;
 constexpr int WEIGHTS = CIN_G * TAPS * OCB;
-// What each thread holds of the next chunk's window.
-constexpr int HELD_X = (WINDOW + BLOCK - 1) / BLOCK;
+
+// The window loads a row a cell at a time, its padding included (zeros), so that load e is staged in cell e; or
+// PAIRS, a pair at a time from even input columns (the patch's first one is even: TX is), the first load of a
+// row starting SHIFT cells left of the window.  A row's pairs are whole, inside the input or outside it, since
+// its width is even.
+static_assert(!PAIRS || sizeof(scalar_t) == 2, "pairs of 16-bit cells");
+constexpr int PAIR = PAIRS ? 2 : 1;
+constexpr int SHIFT = (COL0 % PAIR + PAIR) % PAIR;
+constexpr int SPAN = PAIRS ? (WC + SHIFT + 1) / 2 : WC_PAD;   // loads across a window row
+constexpr int LOADS = IC_CHUNK * WR * SPAN;
+// What each thread holds of the next chunk's window: a load each, as stored.
+constexpr int HELD_X = (LOADS + BLOCK - 1) / BLOCK;
+template <bool Pairs> struct HeldCells { typedef scalar_t type; };
+template <> struct HeldCells<true> { typedef unsigned type; };
+typedef HeldCells<PAIRS>::type held_t;
 
 __device__ __forceinline__ void read_window_row(acc_t (&dst)[COLS_R], const acc_t* src) {
 #pragma unroll
@@ -125,20 +140,64 @@ __device__ __forceinline__ int opaque_tid() {
 #endif
 }
 
-// This thread's share of a chunk's window: cells threadIdx.x + k * BLOCK of [IC_CHUNK][WR][WC_PAD].
-__device__ __forceinline__ void fetch_window(scalar_t (&held)[HELD_X], const scalar_t* x, const Item& it, int chunk,
+template <typename T>
+__device__ __forceinline__ held_t load_cells(const T* p) {
+    if constexpr (PAIRS) return load_pair_raw(p);
+    else return load_raw(p);
+}
+
+// This thread's share of a chunk's window: loads threadIdx.x + k * BLOCK of [IC_CHUNK][WR][SPAN].
+__device__ __forceinline__ void fetch_window(held_t (&held)[HELD_X], const scalar_t* x, const Item& it, int chunk,
                                              index_t H, index_t W) {
     const scalar_t* planes = x + (it.n * CIN + it.g * CIN_G + chunk * IC_CHUNK) * H * W;
     const int tid = opaque_tid();
 #pragma unroll
     for (int k = 0; k < HELD_X; ++k) {
         const int e = tid + k * BLOCK;
-        const int icl = e / (WR * WC_PAD), r = e / WC_PAD % WR, c = e % WC_PAD;
+        const int icl = e / (WR * SPAN), r = e / SPAN % WR, c = e % SPAN * PAIR - SHIFT;
         const index_t ih = it.ih + r, iw = it.iw + c;
-        const bool inside = (WINDOW % BLOCK == 0 || e < WINDOW)
+        const bool inside = (LOADS % BLOCK == 0 || e < LOADS)
                             && (CIN_G % IC_CHUNK == 0 || chunk * IC_CHUNK + icl < CIN_G)
                             && c < WC && ih >= 0 && ih < H && iw >= 0 && iw < W;
-        held[k] = inside ? load_raw(planes + icl * H * W + ih * W + iw) : scalar_t{};
+        held[k] = inside ? load_cells(planes + icl * H * W + ih * W + iw) : held_t{};
+    }
+}
+
+template <typename Held, int N>
+__device__ __forceinline__ void widen_cells(Held held, acc_t (&v)[N]) {
+    if constexpr (N == 2) widen_pair<scalar_t>(held, v);
+    else v[0] = widen(held);
+}
+
+template <int HELD, int SIZE, typename Held>
+__device__ __forceinline__ void put(acc_t* dst, const Held (&held)[HELD]) {
+#pragma unroll
+    for (int k = 0; k < HELD; ++k) {
+        const int e = threadIdx.x + k * BLOCK;
+        if (SIZE % BLOCK == 0 || e < SIZE) dst[e] = widen(held[k]);
+    }
+}
+
+// The held window into [IC_CHUNK][WR][WC_PAD], widened; a pair's cells left of the window or past its padded
+// rows are dropped (the thread's cells recomputed, not held across the walk: see opaque_tid).
+template <typename Held>
+__device__ __forceinline__ void put_window(acc_t* xs, const Held (&held)[HELD_X]) {
+    if constexpr (PAIR == 1) {
+        put<HELD_X, LOADS>(xs, held);
+    } else {
+        const int tid = opaque_tid();
+#pragma unroll
+        for (int k = 0; k < HELD_X; ++k) {
+            const int e = tid + k * BLOCK;
+            if (LOADS % BLOCK != 0 && e >= LOADS) continue;
+            const int row = e / SPAN, c = e % SPAN * PAIR - SHIFT;
+            acc_t v[PAIR];
+            widen_cells(held[k], v);
+#pragma unroll
+            for (int q = 0; q < PAIR; ++q)
+                if ((SHIFT == 0 || c + q >= 0) && (SPAN * PAIR - SHIFT <= WC_PAD || c + q < WC_PAD))
+                    xs[row * WC_PAD + c + q] = v[q];
+        }
     }
 }
 
@@ -168,15 +227,6 @@ __device__ __forceinline__ void fetch_weights(scalar_t (&held)[HELD_W], const sc
     }
 }
 
-template <int HELD, int SIZE, typename Held>
-__device__ __forceinline__ void put(acc_t* dst, const Held (&held)[HELD]) {
-#pragma unroll
-    for (int k = 0; k < HELD; ++k) {
-        const int e = threadIdx.x + k * BLOCK;
-        if (SIZE % BLOCK == 0 || e < SIZE) dst[e] = widen(held[k]);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS)
 conv_transpose2d_forward_tiled(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
                                const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
@@ -191,7 +241,8 @@ conv_transpose2d_forward_tiled(const scalar_t* __restrict__ x, const scalar_t* _
     if (first >= last) return;
 
     // The next step's loads, as stored: widened when staged, so that they stay in flight until then.
-    scalar_t held_x[HELD_X], held_w[HELD_W];
+    held_t held_x[HELD_X];
+    scalar_t held_w[HELD_W];
     Item it = locate(first, blocks_w, blocks_h);
     fetch_window(held_x, x, it, 0, H, W);
     if (HOLD_WEIGHTS) fetch_weights(held_w, w, bias, it);
@@ -201,7 +252,7 @@ conv_transpose2d_forward_tiled(const scalar_t* __restrict__ x, const scalar_t* _
         acc_t acc[TILE_R][TILE_V][OCB];
         for (int chunk = 0; chunk < CHUNKS; ++chunk) {
             __syncthreads();  // every thread is done with the previous chunk's window and weights
-            put<HELD_X, WINDOW>(&xs[0][0][0], held_x);
+            put_window(&xs[0][0][0], held_x);
             if (new_weights) {
                 if (!HOLD_WEIGHTS) fetch_weights(held_w, w, bias, it);
                 put<HELD_W, STAGED_W>(ws, held_w);

@@ -61,7 +61,7 @@ def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_the_layout(
 def test_the_tiled_forward_takes_the_layer_and_its_tile():
     name, = TILED
     assert "#include" not in templates.expanded(name)
-    tile = {"HAS_BIAS", "OCB", "TILE_R", "TILE_V", "VEC", "TX", "TY", "IC_CHUNK", "MIN_BLOCKS"}
+    tile = {"HAS_BIAS", "OCB", "TILE_R", "TILE_V", "VEC", "TX", "TY", "IC_CHUNK", "MIN_BLOCKS", "PAIRS"}
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from cupyconv import reference
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import launch, table, tiled
+from cupyconv.plans import table, tiled
 from cupyconv.tuning.variants import Variant
 
 import cuda_emulator
@@ -213,6 +213,40 @@ def test_blocks_walk_runs_of_patches_channel_blocks_images_and_chunks(ic_chunk):
     *_, y = cuda_emulator.run(plan, [x, w, b, _empty(g.output_shape, "float32")], ["float"] * 4)
     want = reference.conv_transpose2d(*(_values(a, "float32") for a in (x, w, b)), **kwargs)
     assert np.abs(_values(y, "float32") - want).max() <= TOLERANCE["float32"] * np.abs(want).max()
+
+
+def test_16_bit_windows_load_in_pairs_where_rows_start_aligned():
+    """Two 16-bit cells a load where the input's width is even and its pointer aligned; a held pair takes one
+    register, so a chunk stages up to twice the channels.  Odd widths, unaligned inputs and wider types load a
+    cell at a time."""
+    even = _geometry((2, 32, 16, 20), (32, 16, 3, 5), stride=(2, 3), padding=(1, 2), groups=4, dilation=(2, 1))
+    odd = _geometry((2, 32, 16, 21), (32, 16, 3, 5), stride=(2, 3), padding=(1, 2), groups=4, dilation=(2, 1))
+    constants = lambda g, dtype, **kw: dict(tiled.plan_forward(g, dtype, False, **kw).spec.constants)
+    assert constants(even, "float16")["PAIRS"] and constants(even, "bfloat16")["PAIRS"]
+    assert not constants(odd, "float16")["PAIRS"] and not constants(even, "float16", aligned=False)["PAIRS"]
+    assert not constants(even, "float32")["PAIRS"]
+    assert constants(even, "float16")["IC_CHUNK"] >= constants(odd, "float16")["IC_CHUNK"]
+    assert any(constants(g, "float16", tile=t)["IC_CHUNK"] > constants(g, "float16", tile=t, aligned=False)["IC_CHUNK"]
+               for g in (even, GROUPED_DILATED) for t in tiled.tiles(g, "float16"))
+
+
+@emulated
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_pairs_stage_partial_chunks_and_windows_that_start_on_odd_columns(dtype):
+    """Pairs of 16-bit cells over eight channels a group staged three at a time (a partial last chunk), for
+    windows that start on an even and on an odd input column."""
+    shifts = set()
+    for pad_w in (1, 2):
+        kwargs = dict(stride=(2, 3), padding=(1, pad_w), output_padding=(0, 0), groups=2, dilation=(2, 1))
+        g = geometry((3, 16, 5, 8), (16, 3, 3, 5), (6,), ConvParams.from_args(**kwargs))
+        x, w, b, _ = _data(g, dtype, seed=6)
+        want = reference.conv_transpose2d(*(_values(a, dtype) for a in (x, w, b)), **kwargs)
+        plan = cuda_emulator.respecialized(tiled.plan_forward(g, dtype, True, (2, 6, 2, 2), sm_count=1), IC_CHUNK=3)
+        assert dict(plan.spec.constants)["PAIRS"]
+        shifts.add(tiled._window(g, dtype, (2, 6, 2, 2))[3] % 2)
+        *_, y = cuda_emulator.run(plan, [x, w, b, _empty(g.output_shape, dtype)], [C_TYPE[dtype]] * 4)
+        assert np.abs(_values(y, dtype) - want).max() <= TOLERANCE[dtype] * np.abs(want).max(), pad_w
+    assert shifts == {0, 1}
 
 
 @emulated

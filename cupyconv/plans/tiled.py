@@ -8,7 +8,8 @@ channels: every tap and input offset is then a compile-time constant, and each t
 row leaves in 16-byte (or narrower) vector stores.  A block of 128 threads covers a
 patch of tiles in one output plane and stages the input window the patch reads in shared
 memory, so each input value is loaded once for the whole patch; it walks a run of such patches, holding
-the next one's loads in registers while it computes this one.  A tile is named
+the next one's loads in registers while it computes this one (two 16-bit cells a load where the input's width
+is even).  A tile is named
 ``{rows}x{cols}x{channels}b{blocks}`` in the tuner's variants (``tiled:4x8x1b6``),
 ``blocks`` being the blocks of 128 threads an SM must hold at once: it caps the registers,
 and with them the input channels a block stages at once.
@@ -121,9 +122,9 @@ def patch(g: Geometry, tile: Tile) -> Tuple[int, int]:
     return width, _THREADS // width
 
 
-def window_cells(g: Geometry, dtype: str, tile: Tile) -> int:
-    """The window cells one input channel takes in shared memory for the tile's patch: its rows times its columns
-    padded to the kernel's vector reads (WR x WC_PAD)."""
+def _window(g: Geometry, dtype: str, tile: Tile) -> Tuple[int, int, int, int]:
+    """One input channel's window for the tile's patch: its rows, its columns, those padded to the kernel's vector
+    reads, and its first column's offset from the patch's (the kernel's WR, WC, WC_PAD and COL0)."""
     rows, cols = tile[:2]
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.params.stride, g.params.padding, g.params.dilation
     tr, tc = rows // sh, cols // sw
@@ -131,8 +132,29 @@ def window_cells(g: Geometry, dtype: str, tile: Tile) -> int:
     rows_read = (height - 1) * tr + _edges(rows, kh, sh, ph, dh)[1]
     vr_max = 16 // _acc_bytes(dtype)
     vr = vr_max if tc % vr_max == 0 else 2 if tc % 2 == 0 else 1
-    cols_read = cdiv(_edges(cols, kw, sw, pw, dw)[1], vr) * vr
-    return rows_read * cdiv((width - 1) * tc + cols_read, vr) * vr
+    col0, cols_read = _edges(cols, kw, sw, pw, dw)
+    padded = cdiv((width - 1) * tc + cdiv(cols_read, vr) * vr, vr) * vr
+    return rows_read, (width - 1) * tc + cols_read, padded, col0
+
+
+def window_cells(g: Geometry, dtype: str, tile: Tile) -> int:
+    """The window cells one input channel takes in shared memory for the tile's patch (WR x WC_PAD)."""
+    rows, _, padded, _ = _window(g, dtype, tile)
+    return rows * padded
+
+
+def pairs(g: Geometry, dtype: str, aligned: bool) -> bool:
+    """Whether the kernel loads the window two 16-bit cells at a time: every row's pairs start 4-byte aligned
+    where the input's width is even and its pointer aligned.  An odd width compiles a kernel of its own."""
+    return aligned and dtypes.get(dtype).itemsize == 2 and g.in_size[1] % 2 == 0
+
+
+def _window_loads(g: Geometry, dtype: str, tile: Tile, paired: bool) -> int:
+    """The loads one input channel's window takes: a pair each from an even column (WR x SPAN), or else counted
+    as a cell each of its padded rows, the count its chunks were measured with (the spill test's float32 grouped
+    layer spilled with one more channel a chunk)."""
+    rows, cols, padded, col0 = _window(g, dtype, tile)
+    return rows * cdiv(cols + col0 % 2, 2) if paired else rows * padded
 
 
 def _held_width(dtype: str) -> int:
@@ -292,12 +314,14 @@ def parse_tile(name: str) -> Tile:
     return tuple(int(n) for n in found.groups())
 
 
-def _chunk(g: Geometry, dtype: str, tile: Tile) -> int:
+def _chunk(g: Geometry, dtype: str, tile: Tile, paired: bool) -> int:
     """Input channels staged at once: as many as the window's shared memory and the registers held for the next
-    chunk take (at least one, which :func:`fits` leaves room for), split evenly over the group's."""
+    chunk take (at least one, which :func:`fits` leaves room for), split evenly over the group's.  A held pair of
+    16-bit cells takes one register."""
     cells = window_cells(g, dtype, tile)
     limit = min(_window_budget(g, dtype, tile) // (cells * _acc_bytes(dtype)),
-                _held_registers(g, dtype, tile) * _THREADS // (cells * _held_width(dtype)))
+                _held_registers(g, dtype, tile) * _THREADS // (_window_loads(g, dtype, tile, paired)
+                                                                * _held_width(dtype)))
     limit = max(1, min(g.in_per_group, limit))
     return cdiv(g.in_per_group, cdiv(g.in_per_group, limit))
 
@@ -315,12 +339,13 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, tile: Optional[Tile] =
     vec = math.gcd(store_vector(g, dtype, aligned), cols)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     tx, ty = patch(g, tile)
-    ic_chunk = _chunk(g, dtype, tile)
+    paired = pairs(g, dtype, aligned)
+    ic_chunk = _chunk(g, dtype, tile, paired)
     blocks_w, blocks_h = cdiv(w_out, cols * tx), cdiv(h_out, rows * ty)
     items = g.batch * g.groups * cdiv(g.out_per_group, channels) * blocks_h * blocks_w
     constants = layer_constants(g, dtype, index_t)
     constants.update(HAS_BIAS=bool(has_bias), OCB=channels, TILE_R=rows, TILE_V=cols, VEC=vec, TX=tx, TY=ty,
-                     IC_CHUNK=ic_chunk, MIN_BLOCKS=blocks)
+                     IC_CHUNK=ic_chunk, MIN_BLOCKS=blocks, PAIRS=paired)
     grid = (max(1, min(items, sm_count * blocks)), 1, 1)
     spec = KernelSpec.make("conv_transpose2d_forward_tiled.cu", "conv_transpose2d_forward_tiled", constants)
     h, w = g.in_size

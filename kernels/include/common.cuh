@@ -35,6 +35,17 @@ __device__ __forceinline__ float widen(bf16_t b) { return __uint_as_float(static
 
 template <typename T> __device__ __forceinline__ auto load(const T* p) { return widen(load_raw(p)); }
 
+// Two neighbouring 16-bit elements held as one word, the first in the low half: one load for both where p is
+// 4-byte aligned, and widened apart like load_raw's.
+template <typename T16> __device__ __forceinline__ unsigned load_pair_raw(const T16* p) {
+    static_assert(sizeof(T16) == 2, "16-bit storage types");
+    return __ldg(reinterpret_cast<const unsigned*>(p));
+}
+template <typename T16> __device__ __forceinline__ void widen_pair(unsigned word, float (&v)[2]) {
+    v[0] = widen(T16{static_cast<unsigned short>(word & 0xffffu)});
+    v[1] = widen(T16{static_cast<unsigned short>(word >> 16)});
+}
+
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(double* p, double v) { *p = v; }
 __device__ __forceinline__ void store(half_t* p, float v) {
