@@ -91,7 +91,8 @@ def test_candidates_leave_the_image_size_out():
 
 def test_kernels_leave_the_image_size_out():
     """A new image size compiles nothing: the patch, the chunk and every other constant of each candidate's
-    kernel are the same for every size (where the output rows allow the same store width)."""
+    kernel are the same for every size (where the output rows allow the same store width, and the input's rows
+    the same 16-bit pairs: every width here is even)."""
     layers = {"depthwise_up": ((128, 1, 4, 4), dict(stride=2, padding=1, groups=128), (64, 64), (17, 32), (33, 40)),
               "grouped_dilated": ((32, 16, 3, 5), dict(stride=(2, 3), padding=(1, 2), groups=4, dilation=(2, 1)),
                                   (128, 256), (31, 100), (9, 14))}
