@@ -251,6 +251,20 @@ def test_pairs_stage_partial_chunks_and_windows_that_start_on_odd_columns(dtype)
 
 
 @emulated
+def test_a_one_row_input_of_even_width_loads_pairs_across_its_patch():
+    """A 1-D layer's patch is one row of 128 tiles: its pairs start on even columns there too."""
+    kwargs = dict(stride=(1, 2), padding=(0, 1), output_padding=(0, 0), groups=4, dilation=(1, 1))
+    g = geometry((2, 4, 1, 38), (4, 1, 1, 4), (4,), ConvParams.from_args(**kwargs))
+    x, w, b, _ = _data(g, "float16", seed=5)
+    want = reference.conv_transpose2d(*(_values(a, "float16") for a in (x, w, b)), **kwargs)
+    for tile in tiled.tiles(g, "float16"):
+        plan = tiled.plan_forward(g, "float16", True, tile, sm_count=1)
+        assert dict(plan.spec.constants)["PAIRS"] and plan.block == (128, 1, 1)
+        *_, y = cuda_emulator.run(plan, [x, w, b, _empty(g.output_shape, "float16")], ["half_t"] * 4)
+        assert np.abs(_values(y, "float16") - want).max() <= TOLERANCE["float16"] * np.abs(want).max(), tile
+
+
+@emulated
 def test_a_wrong_phase_is_caught():
     """The emulation is a real check: a kernel that takes its column phases one column off no longer matches."""
     g, kwargs = _layer("depthwise")
