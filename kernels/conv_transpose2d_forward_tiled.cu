@@ -163,12 +163,6 @@ __device__ __forceinline__ void fetch_window(held_t (&held)[HELD_X], const scala
     }
 }
 
-template <typename Held, int N>
-__device__ __forceinline__ void widen_cells(Held held, acc_t (&v)[N]) {
-    if constexpr (N == 2) widen_pair<scalar_t>(held, v);
-    else v[0] = widen(held);
-}
-
 template <int HELD, int SIZE, typename Held>
 __device__ __forceinline__ void put(acc_t* dst, const Held (&held)[HELD]) {
 #pragma unroll
@@ -182,7 +176,7 @@ __device__ __forceinline__ void put(acc_t* dst, const Held (&held)[HELD]) {
 // rows are dropped (the thread's cells recomputed, not held across the walk: see opaque_tid).
 template <typename Held>
 __device__ __forceinline__ void put_window(acc_t* xs, const Held (&held)[HELD_X]) {
-    if constexpr (PAIR == 1) {
+    if constexpr (!PAIRS) {
         put<HELD_X, LOADS>(xs, held);
     } else {
         const int tid = opaque_tid();
@@ -190,12 +184,12 @@ __device__ __forceinline__ void put_window(acc_t* xs, const Held (&held)[HELD_X]
         for (int k = 0; k < HELD_X; ++k) {
             const int e = tid + k * BLOCK;
             if (LOADS % BLOCK != 0 && e >= LOADS) continue;
-            const int row = e / SPAN, c = e % SPAN * PAIR - SHIFT;
-            acc_t v[PAIR];
-            widen_cells(held[k], v);
+            const int row = e / SPAN, c = e % SPAN * 2 - SHIFT;
+            float v[2];
+            widen_pair<scalar_t>(held[k], v);
 #pragma unroll
-            for (int q = 0; q < PAIR; ++q)
-                if ((SHIFT == 0 || c + q >= 0) && (SPAN * PAIR - SHIFT <= WC_PAD || c + q < WC_PAD))
+            for (int q = 0; q < 2; ++q)
+                if ((SHIFT == 0 || c + q >= 0) && (SPAN * 2 - SHIFT <= WC_PAD || c + q < WC_PAD))
                     xs[row * WC_PAD + c + q] = v[q];
         }
     }

@@ -112,8 +112,9 @@ def patch(g: Geometry, tile: Tile) -> Tuple[int, int]:
     """A block's patch of tiles in one output plane, across and down, 128 in all: up to 32 tiles and 192 output
     columns across (rows of a patch load in long runs), or one row of 128 tiles for an input one row high (a 1-D
     layer's).  It leaves the image size out, so that a new size compiles nothing (the 1-D case is a bucket of its
-    own; a 16-bit input whose width changes parity changes :func:`pairs`).  On the bench's layers (H200): grouped_dilated's 6-column tiles ran 0.47 ms 32 across and 0.63 ms 16
-    across in float32; depthwise_up's 8-column ones, on 128-column rows, 16 across."""
+    own; a 16-bit input whose width changes parity changes :func:`pairs`).  On the bench's layers (H200):
+    grouped_dilated's 6-column tiles ran 0.47 ms 32 across and 0.63 ms 16 across in float32; depthwise_up's
+    8-column ones, on 128-column rows, 16 across."""
     if g.in_size[0] == 1:
         return _THREADS, 1
     width = 4
