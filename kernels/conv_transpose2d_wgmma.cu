@@ -14,7 +14,9 @@
 // neighbouring destination pixels then read eight consecutive halo pixels of one phase
 // plane, which is one core matrix of the A operand, a halo row apart from the next eight;
 // so each tap is the same buffer read from a moved origin: one descriptor change per tap
-// and no gather.  B is the weight, packed by pack_weight.cu as one contiguous CK x BN tile
+// and no gather.  A one-row patch (TILE_H 1: 1-D layers, grids of few rows) takes 64
+// pixels of its row as an MMA block instead, its core matrices eight pixels apart, so no
+// MMA row falls past a grid only a row or two high.  B is the weight, packed by pack_weight.cu as one contiguous CK x BN tile
 // per (n tile, chunk, tap), copied whole by the copy engine.
 //
 // The block is persistent over the tiles of its (channel tile, phase) and split by role:
@@ -57,9 +59,10 @@ constexpr int CHUNKS = (CG_K + CK - 1) / CK;
 constexpr int N_TILES = (CG_N + BN - 1) / BN;
 constexpr int N_PAD = N_TILES * BN, K_PAD = CHUNKS * CK;   // packed weight: [GROUPS][n tile][chunk][tap][CK x BN]
 constexpr int BM = TILE_IMAGES * TILE_H * TILE_W;
-constexpr int M_BLOCKS = BM / 64;                          // 64-row MMA blocks: 8 rows x 8 columns each
+constexpr int M_BLOCKS = BM / 64;                          // 64-row MMA blocks
 constexpr int MB = M_BLOCKS / CONSUMERS;                   // per consumer warpgroup
-constexpr int COL_BLOCKS = TILE_W / 8, IMAGE_BLOCKS = TILE_H / 8 * COL_BLOCKS;
+constexpr int BLOCK_ROWS = TILE_H == 1 ? 1 : 8, BLOCK_COLS = 64 / BLOCK_ROWS;   // a block's patch rows x columns
+constexpr int COL_BLOCKS = TILE_W / BLOCK_COLS, IMAGE_BLOCKS = TILE_H / BLOCK_ROWS * COL_BLOCKS;
 // Channel-group planes hold an odd number of 16-byte pixels, so the eight groups one
 // pixel's copies write fall on different banks.
 constexpr int PHASE_PLANE = HALO_H * HALO_W;
@@ -70,13 +73,17 @@ constexpr int HALO_BYTES = CHUNK_GROUPS * HALO_PLANE;
 constexpr int B_PLANE = BN * 16;
 constexpr int B_BYTES = CHUNK_GROUPS * B_PLANE;
 constexpr int HALO_VECS = CHUNK_GROUPS * HALO_PIXELS;
+// Bytes from one core matrix (eight pixels) of an MMA block to the next along M: the next
+// halo row of an 8 x 8 block, the next eight pixels of a one-row block.
+constexpr int A_CORE_STRIDE = (BLOCK_ROWS == 8 ? HALO_W : 8) * 16;
 // Registers move from the producer to the consumers (setmaxnreg) when there are two of
 // them: 56 + 2 x 224 per thread-triple fills the register file.
 constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 
 constexpr bool TF32 = KIND == MMA_TF32;
 static_assert(KIND == MMA_F16 || KIND == MMA_BF16 || (TF32 && sizeof(scalar_t) == 4), "fp16, bf16, or fp32 as TF32");
-static_assert(TILE_W % 8 == 0 && TILE_H % 8 == 0 && M_BLOCKS % CONSUMERS == 0, "whole 64-row MMA blocks per warpgroup");
+static_assert(TILE_W % BLOCK_COLS == 0 && TILE_H % BLOCK_ROWS == 0 && M_BLOCKS % CONSUMERS == 0,
+              "whole 64-row MMA blocks per warpgroup");
 static_assert(CK % K_STEP == 0 && CG_K % VEC == 0, "chunks of whole MMA steps, channels in whole 16-byte groups");
 static_assert(B_STAGES >= 2 && HALO_STAGES >= 1, "pipeline depths");
 static_assert(HALO_STAGES * HALO_BYTES + B_STAGES * B_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
@@ -232,7 +239,8 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
         const int b = warpgroup * MB + mb, at = b % IMAGE_BLOCKS;
-        block_offset[mb] = (b / IMAGE_BLOCKS * IMAGE_HALO + (at / COL_BLOCKS) * 8 * HALO_W + (at % COL_BLOCKS) * 8) * 16;
+        block_offset[mb] = (b / IMAGE_BLOCKS * IMAGE_HALO + (at / COL_BLOCKS) * BLOCK_ROWS * HALO_W
+                            + (at % COL_BLOCKS) * BLOCK_COLS) * 16;
     }
     const bool signals = tid % 128 == 0;   // one arrival per warpgroup on the "empty" barriers
     const int lane = tid % 32, warp = tid % 128 / 32;
@@ -264,7 +272,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
 #pragma unroll
                     for (int mb = 0; mb < MB; ++mb) {
                         const unsigned long long a_desc = smem_descriptor(
-                            a_origin + block_offset[mb] + 2 * kk * HALO_PLANE, HALO_PLANE, HALO_W * 16);
+                            a_origin + block_offset[mb] + 2 * kk * HALO_PLANE, HALO_PLANE, A_CORE_STRIDE);
                         wgmma_async<KIND, BN>(acc[mb], a_desc, b_desc, 1);
                     }
                 }
@@ -297,8 +305,9 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
             const index_t image = b / IMAGE_BLOCKS;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int r = warp * 16 + lane / 4 + h * 8;   // row of the 64-row block: 8 rows x 8 columns
-                const index_t i = o.i + (at / COL_BLOCKS) * 8 + r / 8, j = o.j + (at % COL_BLOCKS) * 8 + r % 8;
+                const int r = warp * 16 + lane / 4 + h * 8;   // row of the 64-row block
+                const index_t i = o.i + (at / COL_BLOCKS) * BLOCK_ROWS + r / BLOCK_COLS;
+                const index_t j = o.j + (at % COL_BLOCKS) * BLOCK_COLS + r % BLOCK_COLS;
                 if (o.image + image >= N || i >= MH || j >= MW) continue;
                 const index_t pixel = (O_SH * i + rh) * W_DST + O_SW * j + rw;
                 scalar_t* out = dst_group + image * dst_plane * C_DST + (DST_CL ? pixel * C_DST : pixel);

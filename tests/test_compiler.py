@@ -116,6 +116,8 @@ WGMMA_LAYERS = {
     "wgmma_empty_phases": ((1, 16, 6, 5), (16, 136, 2, 3), dict(stride=(3, 4))),
     "wgmma_small_grid": ((5, 32, 8, 8), (32, 64, 4, 4), dict(stride=2, padding=1)),   # 4 images a tile
     "wgmma_huge_64bit": ((1, 16, 24000, 24000), (16, 16, 2, 2), dict(stride=2)),
+    # one input row (a 1-D layer): one-row patches
+    "wgmma_one_row": ((2, 64, 1, 300), (64, 48, 1, 16), dict(stride=(1, 8), padding=(0, 4))),
 }
 WGMMA_CASES = (("float16", "nchw", True), ("bfloat16", "nhwc", False), ("float16", "nhwc", False),
                ("bfloat16", "nchw", True))
@@ -142,6 +144,7 @@ WGMMA_GRAD_INPUT_LAYERS = {
     "wgmma_empty_phases": _wgmma_layer("wgmma_empty_phases"),
     "wgmma_small_grid": _wgmma_layer("wgmma_small_grid"),
     "wgmma_huge_64bit": _wgmma_layer("wgmma_huge_64bit"),
+    "wgmma_one_row": _wgmma_layer("wgmma_one_row"),
 }
 # tiles the heuristic does not pick for these layers: one and two consumer warpgroups, N of 64 to 256
 WGMMA_GRAD_INPUT_TILES = (("wgmma_dense_3x5", "16x16x128"), ("wgmma_dense_3x5", "8x16x256"),
@@ -217,7 +220,11 @@ def _wgmma_plans():
     for tile in ("8x8x64", "16x16x128"):
         add(f"wgmma-tf32-tile-{tile}", wgmma.plan_forward(dense, "float32", True, "nhwc", wgmma.TILES[tile],
                                                             precision="tf32"))
-    for name, layout in itertools.product(("wgmma_grad_stride2", "wgmma_grad_grouped_odd"), launch.LAYOUTS):
+    for layout in launch.LAYOUTS:
+        add(f"wgmma_one_row-tf32-{layout}", wgmma.plan_forward(_wgmma_layer("wgmma_one_row"), "float32", True, layout,
+                                                               precision="tf32"))
+    for name, layout in itertools.product(("wgmma_grad_stride2", "wgmma_grad_grouped_odd", "wgmma_one_row"),
+                                          launch.LAYOUTS):
         add(f"{name}-grad_input-tf32-{layout}",
             wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS[name], "float32", layout, precision="tf32"))
     add("wgmma_huge_64bit-grad_input-tf32-nhwc",

@@ -28,10 +28,13 @@ def _g(x_shape, w_shape, **kwargs):
 
 
 def _suite_layer(name, batch=None, size=None):
-    """A 2-D layer of the benchmark suite, optionally at another batch and input size."""
+    """A layer of the benchmark suite as the kernels run it (a 1-D one as one input row), optionally at another
+    batch and input size."""
     layer = next(layer for layer in bench.SUITE if layer.name == name)
     return _g((batch or layer.batch, layer.in_channels) + (size or layer.size),
-              (layer.in_channels, layer.out_channels // layer.groups) + layer.kernel, **layer.kwargs())
+              (layer.in_channels, layer.out_channels // layer.groups) + layer.kernel, stride=layer.stride,
+              padding=layer.padding, output_padding=layer.output_padding, dilation=layer.dilation,
+              groups=layer.groups)
 
 
 SUITE = ("asym_kernel", "dcgan_up", "unet_up2x2", "big_square", "outpad_up3x")
@@ -325,7 +328,9 @@ def test_every_tile_fits_the_registers_and_the_warpgroups():
         assert t.name == name
         assert t.accumulators <= 128, name
         assert t.warpgroups in (1, 2) and t.pixels % (64 * t.warpgroups) == 0, name
-        assert t.tile_h % 8 == 0 and t.tile_w % 8 == 0 and t.bn in (8, 16, 32, 64, 128, 256), name
+        # 64-pixel MMA blocks: 8 x 8 pixels, or 64 pixels of a one-row patch
+        assert (t.tile_h % 8 == 0 and t.tile_w % 8 == 0) or (t.one_row and t.tile_w % 64 == 0), name
+        assert t.bn in (8, 16, 32, 64, 128, 256), name
         # 64-row MMA blocks of 8 x 8 pixels, all of one image
         assert t.accumulators == t.pixels // (64 * t.warpgroups) * t.bn // 2
     assert "8x8x256" not in wgmma.TILES, "one warpgroup's 64 x 256 spilled"
@@ -358,6 +363,56 @@ def test_options_list_the_heuristic_first_then_tiles_that_fit_the_layer():
                 assert grid_h <= t.tile_h and grid_w <= t.tile_w and g.batch >= t.images
             if t.bn > 64:
                 assert g.out_per_group > t.bn // 2, "no N side twice the output channels"
+
+
+# the audio rows of the benchmark suite (ConvTranspose1d as one input row) and a 2-D grid of three rows
+ONE_D = ("vocoder_up8_1d", "audio_up2_1d")
+THREE_ROWS = _g((2, 32, 3, 150), (32, 40, 3, 3), stride=2, padding=1, output_padding=1)
+
+
+@pytest.mark.parametrize("pass_", ["forward", "grad_input"])
+def test_grids_of_few_rows_take_one_row_patches(pass_):
+    """A destination grid under eight rows high fills an 8-row patch's MMA rows an eighth (a 1-D layer) to seven
+    eighths: the heuristic takes one-row patches there, as wide as the 2-D tile's pixels and no wider than the
+    row, and the options race one-row patches first."""
+    for g in [_suite_layer(name) for name in ONE_D] + [THREE_ROWS]:
+        grid_w = wgmma.dst_grid(g, pass_)[1]
+        assert wgmma.rows_few(g, pass_)
+        for dtype in ("float16", "bfloat16", "float32"):
+            tile = wgmma.forward_tile(g, pass_, dtype)
+            assert tile.one_row and tile.tile_w <= 8 * cdiv(grid_w, 8), (tile, g)
+            # the N side a 2-D grid of the same channels gets
+            assert tile.bn == wgmma.forward_tile(geometry((2, g.in_channels, 40, 40), g.weight_shape, None, g.params),
+                                                 pass_, dtype).bn
+        tiles = _check_options(g, pass_)
+        first_2d = next((i for i, t in enumerate(tiles) if not t.one_row), len(tiles))
+        assert first_2d > 0 and all(not t.one_row for t in tiles[first_2d:]), [t.name for t in tiles]
+    # the vocoder's 8193-column phase grid: 256-pixel rows, every MMA row inside the grid; two taps a phase, so
+    # TF32 leads the mma.sync GEMM there (an 8-row patch had filled a sixteenth of its rows)
+    vocoder = _suite_layer("vocoder_up8_1d")
+    tile = wgmma.forward_tile(vocoder, pass_, "float16")
+    assert tile.tile_w == 256 and wgmma.tile_load(vocoder, tile, pass_)[1] > 0.99
+    assert wgmma.tf32_leads(vocoder, pass_)
+
+
+def test_grids_of_eight_rows_or_more_keep_2d_patches():
+    for g in [_suite_layer(name) for name in SUITE] + [r for r in RANDOM if wgmma.eligible(r, "float16")]:
+        for pass_ in ("forward", "grad_input"):
+            if wgmma.dst_grid(g, pass_)[0] >= 8:
+                assert not wgmma.rows_few(g, pass_)
+                assert not wgmma.forward_tile(g, pass_, "float16").one_row
+                assert not any(wgmma.TILES[o["tile"]].one_row for o in wgmma.options(g, pass_) if "tile" in o)
+
+
+def test_one_row_plan_constants():
+    """A one-row patch plans TILE_H 1, its halo one phase plane row (plus the taps' span) by the patch's width
+    plus theirs, and as many tiles as 256-column runs of the rows."""
+    g = _suite_layer("vocoder_up8_1d", batch=2, size=(1, 1000))
+    main = wgmma.plan_forward(g, "float16", True, "nchw").gemm
+    c = _constants(main)
+    assert (c["TILE_H"], c["TILE_W"], c["HALO_H"], c["HALO_W"]) == (1, 256, 1, 257)
+    assert main.grid[2] == 8 and main.grid[1] == 2, "eight stride phases, two N tiles of 128"
+    assert main.grid[0] == min(2 * cdiv(1000, 256), 132 // 16)
 
 
 def test_suite_options():
@@ -855,11 +910,12 @@ def test_the_grad_input_heuristic_falls_back_to_a_tile_that_fits(dtype):
     """Four phase planes of 16 x 16 (stride 4) or a halo 45 rows wide (dilation 45) overflow shared memory
     for the preferred 16 x 16 patch: the heuristic takes, among the fitting tiles no wider in N than the
     preferred one (all fitting tiles if there are none), the one of the most pixels, then the N side nearest
-    the preferred one; the layer still runs wgmma; where nothing fits, it is not eligible."""
+    the preferred one, and one-row patches only where no 2-D one fits (these grids have 20 and more rows); the
+    layer still runs wgmma; where nothing fits, it is not eligible."""
     for g, preferred in ((_g((2, 64, 20, 20), (64, 32, 4, 4), stride=4), "16x16x64"),
                          (_g((2, 16, 40, 40), (16, 128, 2, 2), dilation=45), "16x16x32")):
         assert not wgmma._fits(g, dtype, wgmma.TILES[preferred], GRAD)
-        fitting = [t for t in wgmma.TILES.values() if wgmma._fits(g, dtype, t, GRAD)]
+        fitting = [t for t in wgmma.TILES.values() if wgmma._fits(g, dtype, t, GRAD) and not t.one_row]
         bn = wgmma.TILES[preferred].bn
         narrow = [t for t in fitting if t.bn <= bn] or fitting
         tile = wgmma.forward_tile(g, GRAD, dtype)

@@ -199,6 +199,17 @@ MULTI_IMAGE_CASES = [pytest.param(Case(MULTI_IMAGE, dtype, cl, Variant.make("wgm
 ASYM_LIKE = Layer(2, 64, 128, (3, 5), (1, 1), (0, 0), (0, 0), (1, 1), 1, True, (24, 40), "")
 
 
+# One-row patches (TILE_H 1) on grids under eight rows high: a 1-D-like layer (one input row; a vocoder's kernel of
+# 16 at stride 8, so two taps a phase and a phase grid of 300 columns: two 256-column tiles, the second mostly past
+# the row), a 2-D grid of three rows (its 3 x 3 taps read three halo rows for each one-row patch), and a grouped,
+# dilated 1-D layer with output padding.
+ONE_ROW_LAYERS = {
+    "one_d_k16_s8": Layer(3, 64, 48, (1, 16), (1, 8), (0, 4), (0, 0), (1, 1), 1, True, (1, 300), ""),
+    "three_rows_3x3_s2": Layer(2, 32, 40, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1, True, (3, 150), ""),
+    "one_d_grouped_dilated": Layer(2, 96, 96, (1, 5), (1, 2), (0, 3), (0, 1), (1, 2), 2, True, (1, 200), ""),
+}
+
+
 # ------------------------------------------------------------------------ grad_input cases
 #
 # grad_input is a strided conv2d of grad_output: the kernel's source is grad_output (whole 16-byte
@@ -642,6 +653,23 @@ def test_tf32_matches_float64(case, hopper):
     assert not wgmma.eligible(case.geometry, "float32", case.pass_, "strict")
     check = _check if case.pass_ == "forward" else _check_grad_input
     check(case, seed=200 + TF32_CASES.index(case), hopper=hopper)
+
+
+ONE_ROW_CASES = {f"{name}-{pass_}-{SHORT[dtype]}-{'nhwc' if channels_last else 'nchw'}":
+                 Case(replace(layer, bias=layer.bias and pass_ == "forward"), dtype, channels_last, pass_=pass_)
+                 for name, layer in ONE_ROW_LAYERS.items() for pass_ in ("forward", GRAD)
+                 for dtype, channels_last in ((torch.float16, False), (torch.bfloat16, True), (TF32, pass_ == GRAD))}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=name) for name, c in ONE_ROW_CASES.items()])
+def test_one_row_patches_on_grids_of_few_rows(case, hopper):
+    """Untuned, a destination grid under eight rows high takes one-row patches (64-pixel MMA blocks along the row);
+    the forward and grad_input match float64 in fp16, bf16 and TF32, both layouts."""
+    g, dtype = case.geometry, NAMES[case.dtype]
+    assert wgmma.rows_few(g, case.pass_) and wgmma.eligible(g, dtype, case.pass_, case.precision)
+    assert dict(case.plan(hopper).gemm.spec.constants)["TILE_H"] == 1
+    check = _check if case.pass_ == "forward" else _check_grad_input
+    check(case, seed=300 + list(ONE_ROW_CASES.values()).index(case), hopper=hopper)
 
 
 @pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "strict"])

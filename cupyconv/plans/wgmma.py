@@ -57,8 +57,9 @@ class HaloTile:
     """A block's destination patch: ``images`` images x ``tile_h`` x ``tile_w`` pixels of the destination
     grid (one stride phase's, for the forward), and ``bn`` destination channels.
 
-    The patch is split among the warpgroups in 64-pixel MMA blocks; each thread holds
-    :attr:`accumulators` fp32 values.
+    The patch is split among the warpgroups in 64-pixel MMA blocks, 8 x 8 pixels each, or 64 pixels of the
+    row where the patch is one row high (:attr:`one_row`: 1-D layers and grids under eight rows, which 8-row
+    patches would mostly leave empty); each thread holds :attr:`accumulators` fp32 values.
     """
 
     images: int
@@ -82,6 +83,10 @@ class HaloTile:
     def accumulators(self) -> int:
         return self.pixels // (64 * self.warpgroups) * self.bn // 2
 
+    @property
+    def one_row(self) -> bool:
+        return self.tile_h == 1
+
 
 # At most 128 accumulators a thread; a single warpgroup's 64 x 256 leave it too few
 # registers besides (it spilled), so there is no 8x8x256.  N of 8 and 16 serve thin
@@ -93,7 +98,30 @@ TILES = {t.name: t for t in (HaloTile(1, 16, 16, 128), HaloTile(1, 32, 8, 128), 
                              HaloTile(2, 8, 8, 128), HaloTile(1, 32, 16, 64), HaloTile(1, 16, 16, 32),
                              HaloTile(1, 32, 16, 32), HaloTile(4, 8, 8, 32), HaloTile(1, 32, 16, 16),
                              HaloTile(1, 16, 16, 16), HaloTile(4, 8, 8, 16), HaloTile(1, 32, 16, 8),
-                             HaloTile(1, 16, 16, 8), HaloTile(4, 8, 8, 8))}
+                             HaloTile(1, 16, 16, 8), HaloTile(4, 8, 8, 8),
+                             # one-row patches: the 2-D tiles' pixel counts along a row, and narrower ones
+                             # for shorter rows
+                             *(HaloTile(1, 1, w, bn) for bn, widths in ((256, (128,)), (128, (256, 128, 64)),
+                                                                        (64, (512, 256, 128, 64)),
+                                                                        (32, (512, 256, 128, 64)),
+                                                                        (16, (512, 128)), (8, (512, 128)))
+                               for w in widths))}
+
+
+def rows_few(g: Geometry, pass_: str = "forward") -> bool:
+    """Whether the destination grid is under eight rows high and 64 or more columns wide (a 1-D layer's is one
+    row): one-row patches fill their MMA rows there, where an 8-row patch leaves most of its rows past the grid."""
+    grid_h, grid_w = dst_grid(g, pass_)
+    return grid_h < 8 and grid_w >= 64
+
+
+def _row_tile(g: Geometry, pass_: str, dtype: str, bn: int, pixels: int) -> Optional[HaloTile]:
+    """The widest one-row tile of N side ``bn`` and at most ``pixels`` pixels, no wider than the grid's row,
+    whose halo fits; None where none does."""
+    grid_w = dst_grid(g, pass_)[1]
+    rows = [t for t in TILES.values() if t.one_row and t.bn == bn and t.tile_w <= min(pixels, 8 * cdiv(grid_w, 8))
+            and _fits(g, dtype, t, pass_)]
+    return max(rows, key=lambda t: t.tile_w, default=None)
 
 
 def narrowest_bn(channels: int) -> int:
@@ -184,8 +212,8 @@ def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, 
 
 def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> HaloTile:
     """Heuristic tile: 256 destination pixels a block where the grid has them (several images of a
-    small grid), the channel side covering the destination channels up to 128; where that halo
-    does not fit shared memory, the fitting tile of the most pixels."""
+    small grid, one row of a grid under eight rows high), the channel side covering the destination
+    channels up to 128; where that halo does not fit shared memory, the fitting tile of the most pixels."""
     grid_h, grid_w = dst_grid(g, pass_)
     n = _channels(g, pass_)[1]
     bn = narrowest_bn(n) if n <= 32 else 64 if n <= 64 else 128
@@ -193,6 +221,10 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
         small = _small_grid_tile(g, pass_, dtype, n)
         if small is not None:
             return small
+    if rows_few(g, pass_):
+        row = _row_tile(g, pass_, dtype, bn, 512 if bn < 32 else 256)
+        if row is not None:
+            return row
     if grid_h <= 8 and grid_w <= 8:
         preferred = TILES[f"4i8x8x{bn}"] if g.batch >= 4 or bn <= 32 else TILES[f"8x8x{bn}"]
     elif bn < 32:
@@ -203,6 +235,8 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
     if _fits(g, dtype, preferred, pass_):
         return preferred
     fitting = [t for t in TILES.values() if _fits(g, dtype, t, pass_)]
+    # one-row patches only where no 2-D one fits: on a grid of many rows their halos repeat the taps' rows
+    fitting = [t for t in fitting if not t.one_row] or fitting
     if not fitting:
         raise ValueError("no wgmma tile's halo fits shared memory for this layer")
     # no wider channel side than the preferred one where that is possible; then as many pixels as
@@ -364,8 +398,11 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List
     # default by more than noise on the dense suite layers (benchmarks/NOTES.md, v10), and each
     # candidate costs a compile on a layer's first call.
     found: List[Dict[str, object]] = [{}, {"stages": max(STAGE_CHOICES)}]
-    # Larger patches first: they read the weights fewer times.
-    for tile in sorted(TILES.values(), key=lambda t: -t.pixels * t.bn):
+    few = rows_few(g, pass_)
+    # Larger patches first: they read the weights fewer times; on a grid of few rows, one-row patches first.
+    for tile in sorted(TILES.values(), key=lambda t: (few and not t.one_row, -t.pixels * t.bn)):
+        if tile.one_row and not few:
+            continue
         if tile.bn > 32 and n <= tile.bn // 2:
             continue
         # the thin tiles for thin destinations, not wider tiles that would be mostly padding
