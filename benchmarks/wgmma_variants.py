@@ -30,8 +30,12 @@ SUITE = {
     "dcgan_up": ((64, 512, 8, 8), (512, 256, 4, 4), dict(stride=2, padding=1)),
     "unet_up2x2": ((16, 256, 64, 64), (256, 128, 2, 2), dict(stride=2)),
     "outpad_up3x": ((8, 64, 32, 32), (64, 32, 3, 3), dict(stride=3, padding=1, output_padding=2)),
+    # the 1-D rows as the kernels run them, one input row (one-row patches)
+    "vocoder_up8_1d": ((16, 512, 1, 8192), (512, 256, 1, 16), dict(stride=(1, 8), padding=(0, 4))),
+    "audio_up2_1d": ((16, 64, 1, 16384), (64, 32, 1, 4), dict(stride=(1, 2), padding=(0, 1))),
 }
-REDUCED = {"asym_kernel": (4, 64, 40, 70), "big_square": (2, 32, 64, 96), "unet_up2x2": (4, 256, 20, 24)}
+REDUCED = {"asym_kernel": (4, 64, 40, 70), "big_square": (2, 32, 64, 96), "unet_up2x2": (4, 256, 20, 24),
+           "vocoder_up8_1d": (2, 512, 1, 700), "audio_up2_1d": (2, 64, 1, 1500)}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -152,7 +156,7 @@ def timing(pass_: str, names) -> None:
         xs, ws, kw = SUITE[name]
         g = geometry(xs, ws, None, ConvParams.from_args(**kw))
         for dtype in DTYPES:
-            for layout in ("nchw", "nhwc"):
+            for layout in ("nchw",) if xs[2] == 1 else ("nchw", "nhwc"):   # one row: the layouts are one
                 x, w, b, go = _tensors(xs, ws, kw, dtype, layout, bias=pass_ == "forward")
                 times = {}
                 for benchmark in (False, True):

@@ -5,12 +5,13 @@
 //       x[n, i, j, ic] * grad_out[n, SH*i - PH + kh*DH, SW*j - PW + kw*DW, oc]
 // Tap (kh, kw) reads grad_out row SH*(i + ah) + rh, where rh = (kh*DH - PH) mod SH is its
 // row phase and ah its shift; columns likewise.  A block takes up to TAP_GROUP taps of one
-// phase (rh, rw), so for a K tile of TILE_H x 8 input pixels it needs the x tile and one
-// "halo" of the phase's grad_out pixels, (TILE_H + SPAN_H) x (8 + SPAN_W), and each tap is
-// that halo read from a moved origin.  Both land by cp.async as [16-byte channel group]
+// phase (rh, rw), so for a K tile of TILE_H x TILE_W input pixels it needs the x tile and one
+// "halo" of the phase's grad_out pixels, (TILE_H + SPAN_H) x (TILE_W + SPAN_W), and each tap
+// is that halo read from a moved origin.  Both land by cp.async as [16-byte channel group]
 // [pixel][16 bytes]: eight pixels of a row of one group form a core matrix whose rows run
 // along K, so x^T (A) and grad_out (B) are MN-major operands, read with wgmma's transpose
-// bits.  Both sources are channels_last with whole 16-byte channel runs (NCHW ones are
+// bits.  A K tile is 8 x 8 pixels (or 16 x 8), its core matrices a row apart, or, for an
+// input of few rows (a 1-D layer's one), 1 x 64, its core matrices eight pixels apart.  Both sources are channels_last with whole 16-byte channel runs (NCHW ones are
 // copied into that form first).
 // blockIdx.z picks a fixed range of K tiles; each block writes its partial products (no
 // atomics) tap-major, partial[range][tap][ic][oc], so that a warp's stores fill whole sectors
@@ -30,7 +31,7 @@ constexpr int KIND = {{MMA_KIND}};
 constexpr int WARPGROUPS = {{WARPGROUPS}};   // each owns 64 input channels of the tile
 constexpr int BM = 64 * WARPGROUPS, BN = {{BN}};
 constexpr int TAP_GROUP = {{TAP_GROUP}};     // taps a block accumulates side by side
-constexpr int TILE_H = {{TILE_H}}, TILE_W = 8;
+constexpr int TILE_H = {{TILE_H}}, TILE_W = {{TILE_W}};
 constexpr int SPAN_H = {{SPAN_H}}, SPAN_W = {{SPAN_W}};   // the widest spread of one phase's tap shifts
 constexpr int STAGES = {{STAGES}};
 constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};
@@ -51,10 +52,15 @@ constexpr int A_PLANE = (TILE_PIXELS + 1 + TILE_PIXELS % 2) * 16, B_PLANE = (HAL
 constexpr int A_BYTES = BM / VEC * A_PLANE, B_BYTES = BN / VEC * B_PLANE;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int A_RUNS = BM / VEC, B_RUNS = BN / VEC;
+// Bytes from one core matrix (eight pixels of K) to the next: the next row of a 2-D tile, the
+// next eight pixels of a one-row tile.
+constexpr bool ONE_ROW = TILE_H == 1;
+constexpr int A_CORE = (ONE_ROW ? 8 : TILE_W) * 16, B_CORE = (ONE_ROW ? 8 : HALO_W) * 16;
 
 static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "MN-major operands exist for 16-bit types only");
 static_assert(CIN_G % VEC == 0 && COUT_G % VEC == 0, "channels in whole 16-byte runs");
-static_assert(TILE_H % 2 == 0, "one MMA takes two rows of eight pixels");
+static_assert((TILE_H % 2 == 0 && TILE_W == 8) || (ONE_ROW && TILE_W % 16 == 0),
+              "one MMA takes two core matrices of eight pixels: two rows, or sixteen pixels of one row");
 static_assert(!SINGLE_CHUNK || TAPS == 1 || WEIGHT_CL, "tap-major partials are the weight's layout only for one tap");
 static_assert(TAP_GROUP >= 1 && TAP_GROUP <= 4, "a block accumulates one to four taps");
 static_assert(STAGES >= 3, "one tile copied ahead and one whose MMAs are in flight");
@@ -92,11 +98,10 @@ __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], cons
         for (int t = 0; t < TAP_GROUP; ++t) {
             if (RAGGED && t >= taps) continue;
 #pragma unroll
-            for (int kk = 0; kk < TILE_H / 2; ++kk) {
-                // Input rows 2kk and 2kk + 1: two core matrices along K, a pixel row apart.
-                const unsigned long long a = smem_descriptor(a_base + kk * 2 * TILE_W * 16, TILE_W * 16, A_PLANE);
-                const unsigned long long b = smem_descriptor(b_base + offsets[t] + kk * 2 * HALO_W * 16,
-                                                             HALO_W * 16, B_PLANE);
+            for (int kk = 0; kk < TILE_PIXELS / 16; ++kk) {
+                // Core matrices 2kk and 2kk + 1 along K: input rows 2kk and 2kk + 1, or pixels 16kk to 16kk + 15.
+                const unsigned long long a = smem_descriptor(a_base + kk * 2 * A_CORE, A_CORE, A_PLANE);
+                const unsigned long long b = smem_descriptor(b_base + offsets[t] + kk * 2 * B_CORE, B_CORE, B_PLANE);
                 wgmma_async<KIND, BN, 1>(acc[t], a, b, 1);
             }
         }

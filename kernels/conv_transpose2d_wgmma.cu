@@ -193,7 +193,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                 const unsigned full = smem_addr(&halo_full[h_iter % HALO_STAGES]);
                 mbarrier_wait(smem_addr(&halo_empty[h_iter % HALO_STAGES]), ((h_iter / HALO_STAGES) & 1) ^ 1);
                 const unsigned halo = halo_slot(h_iter);
-                for (int v = ptid; v < HALO_VECS; v += 128) {
+                auto copy_vector = [&](int v) {
                     const int group = v % CHUNK_GROUPS, pixel = v / CHUNK_GROUPS;
                     const int image = pixel / IMAGE_HALO, at = pixel % IMAGE_HALO;
                     const int plane = at / PHASE_PLANE, in_plane = at % PHASE_PLANE;
@@ -204,6 +204,13 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                                     && k < CG_K;
                     const scalar_t* p = ok ? src_group + image * src_batch + (ih * W_SRC + iw) * C_SRC + k : src;
                     cp_async_16(halo + group * HALO_PLANE + pixel * 16, p, ok);
+                };
+                if constexpr (BLOCK_ROWS == 1) {
+                    // A one-row halo's few vectors a thread: ptxas unrolled their loop whole and spilled.
+#pragma unroll 2
+                    for (int v = ptid; v < HALO_VECS; v += 128) copy_vector(v);
+                } else {
+                    for (int v = ptid; v < HALO_VECS; v += 128) copy_vector(v);
                 }
                 if constexpr (TF32) {
                     // The tensor cores would truncate fp32 words; each thread rounds the vectors it copied

@@ -166,6 +166,10 @@ WGMMA_GRAD_WEIGHT_LAYERS = {
     "one_tile_1x1": _layer((1, 64, 8, 8), (64, 64, 1, 1), stride=2),
     # 20 rows: the 16-row tiles too, their last K step half past the input
     "tall_4x4": _layer((2, 64, 20, 12), (64, 64, 4, 4), stride=2, padding=1),
+    # one input row (a 1-D layer, two taps a phase): K steps of 1 x 64 pixels, the last one partly past the row
+    "one_row_1d": _layer((2, 64, 1, 300), (64, 64, 1, 16), stride=(1, 8), padding=(0, 4)),
+    # three input rows, a 3 x 3 kernel at stride 2: one-row K steps whose halo spans two grad_out rows
+    "three_rows": _layer((2, 64, 3, 150), (64, 128, 3, 3), stride=2, padding=1),
 }
 # TF32 grad_weight's K steps follow the input's size: 2 x 8 pixels, 4 x 4, 2 x 2 with four image groups, and
 # one row of two with image groups (a 1 x 1 input); channels in no whole 16-byte runs, and a 64-bit layer
@@ -295,7 +299,8 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {c["TAP_GROUP"] for c in weights} == {t.taps for t in wgmma.WEIGHT_TILES.values()}
     assert {c["SINGLE_CHUNK"] for c in weights} == {True, False} and {c["MMA_KIND"] for c in weights} == {0, 1}
     assert {c["TAP_COUNTS"] == 1 << c["TAP_GROUP"] for c in weights} == {True, False}, "uniform and ragged tap groups"
-    assert {c["TILE_H"] for c in weights} == {t.rows for t in wgmma.WEIGHT_TILES.values()} == {8, 16}
+    assert {(c["TILE_H"], c["TILE_W"]) for c in weights} == {(t.rows, t.cols) for t in wgmma.WEIGHT_TILES.values()} \
+        == {(8, 8), (16, 8), (1, 64)}
     tf32_weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_TF32_WEIGHT_TEMPLATE]
     assert {(c["TILE_H"], c["TILE_W"], c["QUADS"]) for c in tf32_weights} >= {(2, 8, 1), (4, 4, 1), (2, 2, 4),
                                                                                (1, 2, 3)}

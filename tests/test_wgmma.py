@@ -381,17 +381,19 @@ def test_grids_of_few_rows_take_one_row_patches(pass_):
         for dtype in ("float16", "bfloat16", "float32"):
             tile = wgmma.forward_tile(g, pass_, dtype)
             assert tile.one_row and tile.tile_w <= 8 * cdiv(grid_w, 8), (tile, g)
-            # the N side a 2-D grid of the same channels gets
-            assert tile.bn == wgmma.forward_tile(geometry((2, g.in_channels, 40, 40), g.weight_shape, None, g.params),
-                                                 pass_, dtype).bn
+            # the N side a 2-D grid of the same channels gets, or 256 for 256 channels or more
+            n = wgmma._channels(g, pass_)[1]
+            assert tile.bn == 256 if n >= 256 else wgmma.forward_tile(
+                geometry((2, g.in_channels, 40, 40), g.weight_shape, None, g.params), pass_, dtype).bn
         tiles = _check_options(g, pass_)
         first_2d = next((i for i, t in enumerate(tiles) if not t.one_row), len(tiles))
         assert first_2d > 0 and all(not t.one_row for t in tiles[first_2d:]), [t.name for t in tiles]
-    # the vocoder's 8193-column phase grid: 256-pixel rows, every MMA row inside the grid; two taps a phase, so
-    # TF32 leads the mma.sync GEMM there (an 8-row patch had filled a sixteenth of its rows)
+    # the vocoder's 8193-column phase grid (256 and 512 destination channels): 128 x 256 tiles, every MMA row
+    # inside the grid; two taps a phase, so TF32 leads the mma.sync GEMM there (an 8-row patch had filled a
+    # sixteenth of its rows)
     vocoder = _suite_layer("vocoder_up8_1d")
     tile = wgmma.forward_tile(vocoder, pass_, "float16")
-    assert tile.tile_w == 256 and wgmma.tile_load(vocoder, tile, pass_)[1] > 0.99
+    assert tile == wgmma.TILES["1x128x256"] and wgmma.tile_load(vocoder, tile, pass_)[1] > 0.99
     assert wgmma.tf32_leads(vocoder, pass_)
 
 
@@ -408,7 +410,7 @@ def test_one_row_plan_constants():
     """A one-row patch plans TILE_H 1, its halo one phase plane row (plus the taps' span) by the patch's width
     plus theirs, and as many tiles as 256-column runs of the rows."""
     g = _suite_layer("vocoder_up8_1d", batch=2, size=(1, 1000))
-    main = wgmma.plan_forward(g, "float16", True, "nchw").gemm
+    main = wgmma.plan_forward(g, "float16", True, "nchw", wgmma.TILES["1x256x128"]).gemm
     c = _constants(main)
     assert (c["TILE_H"], c["TILE_W"], c["HALO_H"], c["HALO_W"]) == (1, 256, 1, 257)
     assert main.grid[2] == 8 and main.grid[1] == 2, "eight stride phases, two N tiles of 128"

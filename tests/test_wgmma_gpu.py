@@ -801,6 +801,33 @@ def test_every_grad_weight_option_of_the_suite_layers(case, hopper):
     _check_grad_weight(case, hopper=hopper)
 
 
+def _one_row_weight_cases():
+    """Every grad_weight option of the one-row layers (K steps of one input row first), the kinds and layouts in
+    turn."""
+    cases = {}
+    for name, layer in ONE_ROW_LAYERS.items():
+        layer = replace(layer, bias=False)
+        for i, opts in enumerate(wgmma.grad_weight_options(Case(layer, torch.float16, False).geometry)):
+            dtype, channels_last = ROTATION[i % 4]
+            variant = Variant.make("wgmma", **opts)
+            cases[f"{name}-{variant.name}-{SHORT[dtype]}-{'nhwc' if channels_last else 'nchw'}"] = \
+                Case(layer, dtype, channels_last, variant, pass_=WEIGHT)
+    return cases
+
+
+ONE_ROW_WEIGHT_CASES = _one_row_weight_cases()
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=name) for name, c in ONE_ROW_WEIGHT_CASES.items()])
+def test_grad_weight_of_inputs_of_few_rows(case, hopper):
+    """An input under eight rows high takes K steps of 1 x 64 pixels by default; every option matches float64."""
+    g = case.geometry
+    assert wgmma.weight_rows_few(g) and wgmma.weight_tile(g).one_row
+    if case.variant == WGMMA:
+        assert dict(case.plan(hopper).partial.spec.constants)["TILE_W"] == 64
+    _check_grad_weight(case, seed=400 + list(ONE_ROW_WEIGHT_CASES.values()).index(case), hopper=hopper)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_grad_weight_of_a_long_reduction_splits_it_in_fixed_order(dtype, hopper):
     """A layer with many pixels per channel pair splits K across blocks; the reduction's order is fixed, so two

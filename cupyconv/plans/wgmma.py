@@ -222,7 +222,10 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
         if small is not None:
             return small
     if rows_few(g, pass_):
-        row = _row_tile(g, pass_, dtype, bn, 512 if bn < 32 else 256)
+        # 256 destination channels or more: 128 x 256 tiles, which read each halo for twice the channels (on
+        # the H200 1.15x and 1.5x the 256 x 128 ones, forward and grad_input of the suite's vocoder layer)
+        row = _row_tile(g, pass_, dtype, 256, 128) if n >= 256 else None
+        row = row or _row_tile(g, pass_, dtype, bn, 512 if bn < 32 else 256)
         if row is not None:
             return row
     if grid_h <= 8 and grid_w <= 8:
@@ -421,16 +424,23 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List
 @dataclass(frozen=True)
 class WeightTile:
     """grad_weight's block tile: ``bm`` input channels (64 a warpgroup) x ``bn`` output channels, for up to
-    ``taps`` taps of one stride phase side by side; a K step is ``rows`` x 8 input pixels."""
+    ``taps`` taps of one stride phase side by side; a K step is ``rows`` x ``cols`` input pixels (8 x 8, 16 x 8,
+    or 1 x 64 for inputs of few rows)."""
 
     bm: int
     bn: int
     taps: int
     rows: int = 8
+    cols: int = 8
 
     @property
     def name(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.taps}" + (f"r{self.rows}" if self.rows != WEIGHT_TILE_H else "")
+        return (f"{self.bm}x{self.bn}x{self.taps}" + (f"r{self.rows}" if self.rows != WEIGHT_TILE_H else "")
+                + (f"w{self.cols}" if self.cols != 8 else ""))
+
+    @property
+    def one_row(self) -> bool:
+        return self.rows == 1
 
     @property
     def warpgroups(self) -> int:
@@ -440,9 +450,13 @@ class WeightTile:
 WEIGHT_TILE_H = 8     # a K step is 8 x 8 input pixels, unless a tile says otherwise
 # At most 128 accumulators a thread (taps x bn / 2).  The 16-row tiles halve the barriers and copies' address
 # arithmetic per multiply-add, at twice the shared memory a stage.
+# The one-row tiles (K steps of 1 x 64 pixels) serve inputs under eight rows high, whose 8-row steps would be
+# mostly past the input (a 1-D layer's one row fills an eighth of them).
 WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(64, 64, 4, 16), WeightTile(64, 128, 2),
                                     WeightTile(128, 64, 4), WeightTile(128, 64, 4, 16), WeightTile(128, 128, 1),
-                                    WeightTile(128, 256, 1))}
+                                    WeightTile(128, 256, 1), WeightTile(64, 64, 4, 1, 64), WeightTile(64, 128, 2, 1, 64),
+                                    WeightTile(128, 64, 4, 1, 64), WeightTile(128, 128, 1, 1, 64),
+                                    WeightTile(128, 256, 1, 1, 64))}
 WEIGHT_STAGES = 4
 # a step's MMAs stay in flight while the next tile lands, so grad_weight's ring needs three buffers or more
 WEIGHT_STAGE_CHOICES = (3, 4, 6)
@@ -486,13 +500,17 @@ def weight_tap_counts(g: Geometry, tap_group: int) -> int:
 def weight_tile(g: Geometry) -> WeightTile:
     """The grad_weight tile tried first: four taps of 64 x 64 channels where a stride phase has four taps or
     more (the best tile on the H100 wherever it applied, v11 notes), two taps of 64 x 128 where it has two or
-    three, else one tap of 128 x 128."""
+    three, else one tap of 128 x 128; K steps of one row where :func:`weight_rows_few`."""
     phase_taps = weight_phases(g)[0]
-    if phase_taps >= 4:
-        return WEIGHT_TILES["64x64x4"]
-    if phase_taps >= 2:
-        return WEIGHT_TILES["64x128x2"]
-    return WEIGHT_TILES["128x128x1"]
+    name = "64x64x4" if phase_taps >= 4 else "64x128x2" if phase_taps >= 2 else "128x128x1"
+    return WEIGHT_TILES[name + ("r1w64" if weight_rows_few(g) else "")]
+
+
+def weight_rows_few(g: Geometry) -> bool:
+    """Whether grad_weight's K steps run along one input row: an input under eight rows high and 64 or more
+    columns wide (a 1-D layer's), which 8 x 8-pixel steps would leave mostly empty."""
+    h, w = g.in_size
+    return h < 8 and w >= 64
 
 
 def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
@@ -502,8 +520,8 @@ def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
         return pixels + 1 if pixels % 2 == 0 else pixels + 2
 
     _, span_h, span_w = weight_phases(g)
-    halo = (tile.rows + span_h) * (8 + span_w)
-    return stages * (tile.bm // 8 * odd_slots(tile.rows * 8) + tile.bn // 8 * odd_slots(halo)) * 16
+    halo = (tile.rows + span_h) * (tile.cols + span_w)
+    return stages * (tile.bm // 8 * odd_slots(tile.rows * tile.cols) + tile.bn // 8 * odd_slots(halo)) * 16
 
 
 def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> bool:
@@ -576,15 +594,15 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     NCHW sources are copied into channels_last first (the ``mma.sync`` GEMM's copies).  ``stages`` defaults
     to :data:`WEIGHT_STAGES` for 8-row tiles and three for 16-row ones, fewer where shared memory runs out."""
     tile = tile or weight_tile(g)
-    # By default two 8-row tiles' worth of pixels in flight ahead: four buffers of 8 rows, three of 16 (so that
-    # two blocks of a 16-row tile still share an SM).
-    ring, smem = _weight_ring(tile, stages, WEIGHT_STAGES if tile.rows == WEIGHT_TILE_H else 3,
+    # By default two 64-pixel tiles' worth of pixels in flight ahead: four buffers of 64 pixels, three of 128 (so
+    # that two blocks of a 16-row tile still share an SM).
+    ring, smem = _weight_ring(tile, stages, WEIGHT_STAGES if tile.rows * tile.cols == 64 else 3,
                               lambda depth: weight_smem_bytes(g, tile, depth))
     h, w = g.in_size
-    k_tiles = g.batch * cdiv(h, tile.rows) * cdiv(w, 8)
+    k_tiles = g.batch * cdiv(h, tile.rows) * cdiv(w, tile.cols)
     partial, reduce = _weight_split_k(g, dtype, tile, k_tiles, sm_count, smem, "conv_transpose2d_grad_weight_wgmma",
                                       dict(MMA_KIND=_KINDS[dtype], TAP_COUNTS=weight_tap_counts(g, tile.taps),
-                                           TILE_H=tile.rows, STAGES=ring))
+                                           TILE_H=tile.rows, TILE_W=tile.cols, STAGES=ring))
     sources = gemm.plan_grad_weight_sources(g, dtype) if layout == "nchw" else None
     return SplitK(partial, reduce, sources)
 
@@ -683,16 +701,19 @@ def tf32_weight_options(g: Geometry) -> List[Dict[str, object]]:
 def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
     """The heuristic, then the other tiles whose channel sides the layer fills at least halfway, whose tap
     groups its stride phases fill, whose rows its input has, and whose shortest ring fits shared memory: the
-    heuristic's 16-row sibling first.  (A deeper ring never won on the H100.)"""
+    heuristic's 16-row sibling first; on an input of few rows (:func:`weight_rows_few`) the one-row tiles first,
+    which other inputs do not take.  (A deeper ring never won on the H100.)"""
     found: List[Dict[str, object]] = [{}]
     heuristic = weight_tile(g)
     phase_taps = weight_phases(g)[0]
+    few = weight_rows_few(g)
     sibling = WeightTile(heuristic.bm, heuristic.bn, heuristic.taps, 16)
-    order = sorted(WEIGHT_TILES.values(), key=lambda t: t != sibling)
+    # on an input of few rows the one-row tiles, then the others; else the 16-row sibling first, no one-row tile
+    order = sorted(WEIGHT_TILES.values(), key=lambda t: (few and not t.one_row, t != sibling))
     for tile in order:
         if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
                 or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps) \
-                or (tile.rows > WEIGHT_TILE_H and g.in_size[0] < tile.rows) \
+                or (tile.rows > WEIGHT_TILE_H and g.in_size[0] < tile.rows) or (tile.one_row and not few) \
                 or weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) > SMEM_LIMIT:
             continue
         found.append({"tile": tile.name})
