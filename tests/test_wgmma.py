@@ -381,10 +381,10 @@ def test_grids_of_few_rows_take_one_row_patches(pass_):
         for dtype in ("float16", "bfloat16", "float32"):
             tile = wgmma.forward_tile(g, pass_, dtype)
             assert tile.one_row and tile.tile_w <= 8 * cdiv(grid_w, 8), (tile, g)
-            # the N side a 2-D grid of the same channels gets, or 256 for 256 channels or more
+            # the N side a 2-D grid of the same channels gets, or 256 for 256 channels or more in 16 bits
             n = wgmma._channels(g, pass_)[1]
-            assert tile.bn == 256 if n >= 256 else wgmma.forward_tile(
-                geometry((2, g.in_channels, 40, 40), g.weight_shape, None, g.params), pass_, dtype).bn
+            square = geometry((2, g.in_channels, 40, 40), g.weight_shape, None, g.params)
+            assert tile.bn == (256 if n >= 256 and dtype != "float32" else wgmma.forward_tile(square, pass_, dtype).bn)
         tiles = _check_options(g, pass_)
         first_2d = next((i for i, t in enumerate(tiles) if not t.one_row), len(tiles))
         assert first_2d > 0 and all(not t.one_row for t in tiles[first_2d:]), [t.name for t in tiles]
@@ -394,6 +394,7 @@ def test_grids_of_few_rows_take_one_row_patches(pass_):
     vocoder = _suite_layer("vocoder_up8_1d")
     tile = wgmma.forward_tile(vocoder, pass_, "float16")
     assert tile == wgmma.TILES["1x128x256"] and wgmma.tile_load(vocoder, tile, pass_)[1] > 0.99
+    assert wgmma.forward_tile(vocoder, pass_, "float32") == wgmma.TILES["1x256x128"]
     assert wgmma.tf32_leads(vocoder, pass_)
 
 
