@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import engine
 from .core import device as _device
-from .core import dtypes
+from .core import dtypes, one_d
 from .core.device import DEFAULT_PEAK, PEAK_TABLE, Peak
 from .core.geometry import ConvParams, Geometry, geometry, output_mask as _output_mask, output_padding_for
 from .plans.launch import Plan, Recorder, RecordedPass
@@ -121,7 +121,7 @@ def _bytes(n: int) -> str:
 
 
 def _tuple(t) -> str:
-    return "(" + ", ".join(str(v) for v in t) + ")"
+    return repr(tuple(int(v) for v in t))
 
 
 def _kv(d: Dict[str, object]) -> str:
@@ -195,7 +195,8 @@ class Explanation:
     # -- headings shared by the renderings
     def _title(self) -> str:
         L = self.layer
-        return (f"ConvTranspose2d({L['in_channels']}, {L['out_channels']}, kernel_size={_tuple(L['kernel_size'])}, "
+        return (f"ConvTranspose{1 if L.get('one_d') else 2}d({L['in_channels']}, {L['out_channels']}, "
+                f"kernel_size={_tuple(L['kernel_size'])}, "
                 f"stride={_tuple(L['stride'])}, padding={_tuple(L['padding'])}, "
                 f"output_padding={_tuple(L['output_padding'])}, groups={L['groups']}, "
                 f"dilation={_tuple(L['dilation'])}, bias={L['bias']}), {self.dtype}")
@@ -406,8 +407,9 @@ def _torch_module_class(obj):
 def _from_module(module, inp, dtype):
     import torch  # only reached when a module was given
 
-    if not isinstance(module, torch.nn.ConvTranspose2d):
-        raise TypeError(f"explain() takes an nn.ConvTranspose2d module, got {type(module).__name__}")
+    if not isinstance(module, (torch.nn.ConvTranspose2d, torch.nn.ConvTranspose1d)):
+        raise TypeError(f"explain() takes an nn.ConvTranspose2d or nn.ConvTranspose1d module, got "
+                        f"{type(module).__name__}")
     if getattr(module, "padding_mode", "zeros") != "zeros":
         raise ValueError(f"only padding_mode='zeros' is supported, got {module.padding_mode!r}")
     if inp is None:
@@ -434,6 +436,10 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
     - ``explain(module, input)`` with an ``nn.ConvTranspose2d`` (``cupyconv.torch.ConvTranspose2d``
       too) and an input tensor or shape; the dtype is the module weight's.
 
+    A 1-D layer (a 3-D weight shape ``(C_in, C_out/groups, k)`` with an ``(N, C_in, L)`` or ``(C_in, L)``
+    input, int or one-element arguments, or an ``nn.ConvTranspose1d``) is explained as it runs: as the
+    one-row 2-D layer, contiguous; the shapes and arguments are reported in its own 1-D form.
+
     ``layout`` is "nchw" (contiguous) or "channels_last"; by default the input tensor's memory
     format, else contiguous. ``precision`` ("strict" or "tf32") matters for float32: by default
     what the call would run with, i.e. torch's ``torch.backends.cudnn.allow_tf32`` for a module and
@@ -451,6 +457,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
     TypeError, as the layer itself would.
     """
     from_module = _torch_module_class(input_shape) is not None
+    layout_asked = layout
     if from_module:
         given = dict(stride=stride, padding=padding, output_padding=output_padding, groups=groups,
                      dilation=dilation)
@@ -479,6 +486,14 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         weight = weight_shape
     precision = "strict" if precision is None else precision
     dtypes.check_precision(precision)
+    is_1d = len(w_shape) == 3
+    if is_1d:
+        in_shape, w_shape, layer, output_size = _as_one_row(in_shape, w_shape, layer, output_size,
+                                                            "input" if from_module else "input_shape")
+        if layout_asked is not None and _layout_name(layout_asked, None) == "nhwc":
+            raise ValueError("layout must be 'nchw' (contiguous) for a 1-D layer: torch has no channels_last for "
+                             "3-D tensors, and cupyconv runs a 1-D layer contiguous")
+        layout, weight = "nchw", None   # as cupyconv.torch runs a 1-D layer: contiguous
 
     if isinstance(has_bias, bool):
         bias_shape = None
@@ -508,6 +523,9 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         raise ValueError(f"sm_count must be a positive int, got {sm_count!r}")
 
     notes: List[str] = []
+    if is_1d:
+        notes.append("a 1-D layer: it runs on the 2-D kernels as the one-row layer "
+                     f"{_tuple(g.user_shape(g.input_shape))}, with no copy")
     gpu = _device.gpu_present()
     device_id = 0 if device is None else int(device)
     if gpu:
@@ -539,12 +557,16 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
                  "counted); min bytes = each input read once + each output written once; the floors leave out "
                  "launch overhead (a few microseconds per kernel), which dominates small layers")
 
+    # a 1-D layer's shapes and arguments in its own form: without the row, its pairs' second entries
+    own = (lambda t: tuple(t[:-2]) + tuple(t[-1:])) if is_1d else tuple
+    pair = (lambda t: tuple(t[1:])) if is_1d else tuple
     explanation = Explanation(
-        layer=dict(in_channels=g.in_channels, out_channels=g.out_channels, kernel_size=g.kernel,
-                   stride=params.stride, padding=params.padding, output_padding=params.output_padding,
-                   groups=params.groups, dilation=params.dilation, bias=bool(has_bias), source=source_kind),
-        input_shape=g.user_shape(g.input_shape), weight_shape=g.weight_shape,
-        output_shape=g.user_shape(g.output_shape), dtype=dtype, geometry=g, device=device_name, gpu=gpu,
+        layer=dict(in_channels=g.in_channels, out_channels=g.out_channels, kernel_size=pair(g.kernel),
+                   stride=pair(params.stride), padding=pair(params.padding),
+                   output_padding=pair(params.output_padding), groups=params.groups,
+                   dilation=pair(params.dilation), bias=bool(has_bias), source=source_kind, one_d=is_1d),
+        input_shape=own(g.user_shape(g.input_shape)), weight_shape=own(g.weight_shape),
+        output_shape=own(g.user_shape(g.output_shape)), dtype=dtype, geometry=g, device=device_name, gpu=gpu,
         peak=peak, sm_count=dev.sm_count, backend=backend_name,
         passes=_passes(g, dtype, bool(has_bias), mask, layout, precision, dev, peak),
         notes=notes, show_source=show_source, layout=layout, precision=precision)
@@ -555,6 +577,24 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         for k in explanation.kernels:
             k.resources = "not compiled (compile=False)"
     return explanation
+
+
+def _as_one_row(in_shape, w_shape, layer, output_size, input_name):
+    """A 1-D layer's (input shape, weight shape, 2-D arguments, output_size) as the one-row 2-D layer runs it."""
+    one_d.check_ranks(in_shape, w_shape, input_name)
+    stride, padding, output_padding, dilation = one_d.params_2d(layer["stride"], layer["padding"],
+                                                                layer["output_padding"], layer["dilation"])
+    if output_size is not None:
+        if isinstance(output_size, bool) or not hasattr(output_size, "__len__"):
+            raise TypeError(f"output_size must be a sequence of ints, got {type(output_size).__name__}")
+        # as torch's ConvTranspose1d: the length alone, or the whole output shape
+        if len(output_size) not in (1, len(in_shape)):
+            raise ValueError(f"output_size must have 1 or {len(in_shape)} elements for a {len(in_shape)}-D input "
+                             f"to a 1-D layer, got {len(output_size)}")
+        output_size = (1, output_size[-1])
+    return (tuple(in_shape[:-1]) + (1, in_shape[-1]), tuple(w_shape[:2]) + (1, w_shape[2]),
+            dict(stride=stride, padding=padding, output_padding=output_padding, groups=layer["groups"],
+                 dilation=dilation), output_size)
 
 
 # ---------------------------------------------------------------------- passes and plans

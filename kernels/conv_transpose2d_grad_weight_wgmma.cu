@@ -11,8 +11,9 @@
 // [pixel][16 bytes]: eight pixels of a row of one group form a core matrix whose rows run
 // along K, so x^T (A) and grad_out (B) are MN-major operands, read with wgmma's transpose
 // bits.  A K tile is 8 x 8 pixels (or 16 x 8), its core matrices a row apart, or, for an
-// input of few rows (a 1-D layer's one), 1 x 64, its core matrices eight pixels apart.  Both sources are channels_last with whole 16-byte channel runs (NCHW ones are
-// copied into that form first).
+// input of few rows (a 1-D layer's one), 1 x 64, its core matrices eight pixels apart.
+// Both sources are channels_last with whole 16-byte channel runs (NCHW ones are copied into
+// that form first).
 // blockIdx.z picks a fixed range of K tiles; each block writes its partial products (no
 // atomics) tap-major, partial[range][tap][ic][oc], so that a warp's stores fill whole sectors
 // (in the weight's own layout a block's four taps leave every 4-byte store its own sector).

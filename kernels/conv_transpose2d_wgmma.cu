@@ -16,8 +16,9 @@
 // so each tap is the same buffer read from a moved origin: one descriptor change per tap
 // and no gather.  A one-row patch (TILE_H 1: 1-D layers, grids of few rows) takes 64
 // pixels of its row as an MMA block instead, its core matrices eight pixels apart, so no
-// MMA row falls past a grid only a row or two high.  B is the weight, packed by pack_weight.cu as one contiguous CK x BN tile
-// per (n tile, chunk, tap), copied whole by the copy engine.
+// MMA row falls past a grid only a row or two high.  B is the weight, packed by
+// pack_weight.cu as one contiguous CK x BN tile per (n tile, chunk, tap), copied whole by
+// the copy engine.
 //
 // The block is persistent over the tiles of its (channel tile, phase) and split by role:
 // the last warpgroup produces (cp.async for the halos, a bulk copy per weight tile, each

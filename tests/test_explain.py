@@ -352,6 +352,63 @@ def test_module_errors():
         explain(m, (1, 3, 5, 5))                    # wrong channel count
 
 
+# ----------------------------------------------------------------------------- 1-D layers
+
+def test_a_1d_layer_is_explained_as_the_one_row_layer_it_runs():
+    """A 3-D weight shape is a 1-D layer: its launches are the one-row 2-D layer's, and the report keeps its own
+    shapes and arguments (ConvTranspose1d's title, one-element tuples, the row left out)."""
+    e = explain((3, 16, 300), (16, 8, 5), stride=2, padding=1, output_padding=1, dilation=3, groups=2,
+                dtype="float16")
+    row = explain((3, 16, 1, 300), (16, 8, 1, 5), stride=(1, 2), padding=(0, 1), output_padding=(0, 1),
+                  dilation=(1, 3), groups=2, dtype="float16")
+    assert [(k.variant, k.grid, k.constants, k.scalars) for k in e.kernels] == \
+        [(k.variant, k.grid, k.constants, k.scalars) for k in row.kernels]
+    assert [p.floor_s for p in e.passes] == [p.floor_s for p in row.passes]
+    assert e.geometry == row.geometry and e.layout == "nchw"
+    assert (e.input_shape, e.weight_shape, e.output_shape) == ((3, 16, 300), (16, 8, 5), (3, 16, 610))
+    assert e.layer["kernel_size"] == (5,) and e.layer["stride"] == (2,) and e.layer["dilation"] == (3,)
+    assert e.layer["one_d"] and not row.layer["one_d"]
+    text = e.text()
+    assert "ConvTranspose1d(16, 16, kernel_size=(5,), stride=(2,), padding=(1,), output_padding=(1,)" in text
+    assert "one-row layer (3, 16, 1, 300)" in text and "ConvTranspose2d" not in text
+    assert json.loads(json.dumps(e.to_dict(), default=list))["layer"]["one_d"] is True
+    # unbatched, int or one-element arguments alike
+    u = explain((16, 300), (16, 8, 5), stride=[2], padding=(1,), dtype="float16")
+    assert u.input_shape == (16, 300) and u.output_shape == (8, 601)
+
+
+def test_a_1d_module_and_its_output_size():
+    torch = pytest.importorskip("torch")
+    cct = pytest.importorskip("cupyconv.torch")
+    for cls in (torch.nn.ConvTranspose1d, cct.ConvTranspose1d):
+        m = cls(8, 6, 4, stride=3, padding=1, groups=2)
+        x = torch.randn(2, 8, 50)
+        e = explain(m, x)
+        assert e.output_shape == tuple(m(x).shape) and e.layer["source"] == f"module {type(m).__name__}"
+        assert e.text().startswith("cupyconv.explain: ConvTranspose1d(8, 6, kernel_size=(4,), stride=(3,)")
+        # output_size as forward(x, output_size) takes it: the length, or the whole output shape
+        for size in ([150], [2, 6, 151], (151,)):
+            want = tuple(torch.nn.ConvTranspose1d.forward(m, x, list(size)).shape)
+            assert explain(m, x, output_size=size).output_shape == want, size
+        unbatched = explain(m, (8, 50), output_size=[6, 151])
+        assert unbatched.output_shape == (6, 151) and unbatched.layer["output_padding"] == (2,)
+
+
+def test_1d_errors():
+    with pytest.raises(ValueError, match="layout"):
+        explain((2, 16, 40), (16, 8, 3), layout="channels_last")
+    with pytest.raises(ValueError, match="output_size"):
+        explain((2, 16, 40), (16, 8, 3), stride=2, output_size=(2, 8, 1, 81))
+    with pytest.raises(ValueError, match="requested output_size"):
+        explain((2, 16, 40), (16, 8, 3), stride=2, output_size=(90,))
+    with pytest.raises(TypeError, match="output_size"):
+        explain((2, 16, 40), (16, 8, 3), output_size=81)
+    with pytest.raises(ValueError, match="input_shape must be 3-D"):
+        explain((2, 16, 1, 40), (16, 8, 3))
+    with pytest.raises(ValueError, match="stride"):
+        explain((2, 16, 40), (16, 8, 3), stride=(2, 2))
+
+
 def test_cupyconv_torch_module():
     pytest.importorskip("torch")
     cct = pytest.importorskip("cupyconv.torch")
