@@ -37,7 +37,7 @@ from .tuning import settle as settle_tuning
 
 PROG = "python -m cupyconv.bench"
 # model_bench's models, named here so that the command line needs no torch import
-MODEL_NAMES = ("dcgan_generator", "unet", "pix2pix_unet")
+MODEL_NAMES = ("dcgan_generator", "unet", "pix2pix_unet", "hifigan_generator")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Training steps of published architectures that use ``ConvTranspose2d``, original against converted.
+"""Training steps of published architectures that use ``ConvTranspose2d`` or ``ConvTranspose1d``, original
+against converted.
 
 ``python -m cupyconv.bench --models`` builds each model from its published layer specs,
 makes a copy with :func:`cupyconv.torch.convert` (the same weights, the transposed
@@ -16,6 +17,12 @@ The models:
 - ``pix2pix_unet``: the pix2pix U-Net-256 generator (Isola et al., 2017): eight 4 x 4 stride-2
   convolutions down, seven transposed ones up with skip connections and a final one to RGB.
   Its decoder's dropout is left out, so both sides compute the same function.
+- ``hifigan_generator``: the HiFi-GAN V1 vocoder generator (Kong, Kim and Bae, 2020), 80-band mel
+  frames to a waveform through four ``ConvTranspose1d`` upsamplings (x8, x8, x2, x2; kernels 16, 16,
+  4, 4), each followed by a multi-receptive-field fusion of three residual blocks (kernels 3, 7
+  and 11, dilations 1, 3 and 5), at the paper's batch of 16 and 8192-sample segments (32 frames).
+  Its weight normalisation is left out (a reparametrisation of the same weights).  A 1-D model has
+  no channels_last: its ``bf16_autocast_channels_last`` rows run bfloat16 autocast, contiguous.
 """
 from __future__ import annotations
 
@@ -119,11 +126,57 @@ def pix2pix_unet(channels: int = 3, width: int = 64):
     return Pix2PixUNet()
 
 
+def hifigan_generator(mels: int = 80, width: int = 512):
+    """HiFi-GAN V1's generator: (N, mels, T) mel frames to an (N, 1, 256 T) waveform."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    slope = 0.1   # the paper's LeakyReLU slope between layers
+
+    class ResBlock(nn.Module):
+        """ResBlock1: per dilation, a dilated and an undilated convolution, each after a LeakyReLU, and a skip."""
+
+        def __init__(self, channels, kernel, dilations=(1, 3, 5)):
+            super().__init__()
+            self.dilated = nn.ModuleList([nn.Conv1d(channels, channels, kernel, dilation=d,
+                                                    padding=d * (kernel - 1) // 2) for d in dilations])
+            self.plain = nn.ModuleList([nn.Conv1d(channels, channels, kernel, padding=(kernel - 1) // 2)
+                                        for _ in dilations])
+
+        def forward(self, x):
+            for dilated, plain in zip(self.dilated, self.plain):
+                x = x + plain(F.leaky_relu(dilated(F.leaky_relu(x, slope)), slope))
+            return x
+
+    class Generator(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Conv1d(mels, width, 7, padding=3)
+            self.ups, self.fusions = nn.ModuleList(), nn.ModuleList()
+            channels = width
+            for rate, kernel in zip((8, 8, 2, 2), (16, 16, 4, 4)):
+                self.ups.append(nn.ConvTranspose1d(channels, channels // 2, kernel, rate, (kernel - rate) // 2))
+                channels //= 2
+                self.fusions.append(nn.ModuleList([ResBlock(channels, k) for k in (3, 7, 11)]))
+            self.post = nn.Conv1d(channels, 1, 7, padding=3)
+
+        def forward(self, x):
+            x = self.pre(x)
+            for up, fusion in zip(self.ups, self.fusions):
+                x = up(F.leaky_relu(x, slope))
+                x = sum(block(x) for block in fusion) / len(fusion)
+            return torch.tanh(self.post(F.leaky_relu(x)))
+
+    return Generator()
+
+
 # name -> (builder, keyword arguments, input shape (batch first))
 MODELS: Dict[str, Tuple[Callable, dict, Tuple[int, ...]]] = {
     "dcgan_generator": (dcgan_generator, {}, (128, 100, 1, 1)),
     "unet": (unet, {}, (8, 3, 256, 256)),
     "pix2pix_unet": (pix2pix_unet, {}, (16, 3, 256, 256)),
+    "hifigan_generator": (hifigan_generator, {}, (16, 80, 32)),
 }
 
 
@@ -175,7 +228,7 @@ def compare(name: str, mode: str, device="cuda", repeat: int = 10, warmup: int =
     """
     import torch
 
-    from .torch import ConvTranspose2d, convert
+    from .torch import ConvTranspose1d, ConvTranspose2d, convert
 
     if name not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
@@ -190,14 +243,14 @@ def compare(name: str, mode: str, device="cuda", repeat: int = 10, warmup: int =
     channels_last = mode == "bf16_autocast_channels_last"
     autocast = channels_last
     x = torch.randn(tuple(shape or default_shape), device=device)
-    if channels_last:
+    if channels_last and x.dim() == 4:   # a 1-D model has no channels_last; its bf16 rows run contiguous
         original, converted = (m.to(memory_format=torch.channels_last) for m in (original, converted))
         x = x.contiguous(memory_format=torch.channels_last)
 
     ref_out, ref_grads = _step(reference, x.double(), torch.optim.SGD(reference.parameters(), lr=0.0), False)
     ref_flat = torch.cat([g.reshape(-1) for g in ref_grads if g is not None])
     row = dict(model=name, mode=mode, batch=x.shape[0],
-               transposed_convs=sum(isinstance(m, ConvTranspose2d) for m in converted.modules()))
+               transposed_convs=sum(isinstance(m, (ConvTranspose2d, ConvTranspose1d)) for m in converted.modules()))
     for side, model in (("torch", original), ("cupyconv", converted)):
         # lr 0: every timed step computes on the same weights (and BatchNorm's running statistics
         # are the only state that moves, identically on both sides).
@@ -248,7 +301,7 @@ def layer_rows(name: str, mode: str, repeat: int = 10, shape: Optional[Sequence[
     from torch import nn
 
     from .cuda_timing import cuda_time_ms
-    from .torch import conv_transpose2d
+    from .torch import conv_transpose1d, conv_transpose2d
 
     if name not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
@@ -269,10 +322,11 @@ def layer_rows(name: str, mode: str, repeat: int = 10, shape: Optional[Sequence[
                module.output_padding, module.groups, module.dilation, module.bias is not None)
         seen.setdefault(key, dict(count=0, module=module))["count"] += 1
 
-    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, nn.ConvTranspose2d)]
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules()
+             if isinstance(m, (nn.ConvTranspose2d, nn.ConvTranspose1d))]
     try:
         with torch.no_grad():
-            model(torch.randn(shape, device="cuda").contiguous(memory_format=fmt))
+            model(_arranged(torch.randn(shape, device="cuda"), fmt))
     finally:
         for h in hooks:
             h.remove()
@@ -283,15 +337,17 @@ def layer_rows(name: str, mode: str, repeat: int = 10, shape: Optional[Sequence[
         for (x_shape, w_shape, stride, padding, output_padding, groups, dilation, bias), seen_as in seen.items():
             args = dict(stride=stride, padding=padding, output_padding=output_padding, groups=groups,
                         dilation=dilation)
-            x = torch.randn(x_shape, device="cuda", dtype=dtype).contiguous(memory_format=fmt).requires_grad_()
+            x = _arranged(torch.randn(x_shape, device="cuda", dtype=dtype), fmt).requires_grad_()
             w = seen_as["module"].weight.detach().to(dtype).requires_grad_()
             b = torch.randn(w_shape[1] * groups, device="cuda", dtype=dtype, requires_grad=True) if bias else None
-            out = F.conv_transpose2d(x.detach(), w.detach(), None, **args)
-            go = torch.randn_like(out).contiguous(memory_format=fmt)
+            theirs, ours = (F.conv_transpose1d, conv_transpose1d) if len(w_shape) == 3 else \
+                (F.conv_transpose2d, conv_transpose2d)
+            out = theirs(x.detach(), w.detach(), None, **args)
+            go = _arranged(torch.randn_like(out), fmt)
             row = dict(model=name, mode=mode, input=list(x_shape), weight=list(w_shape), stride=list(stride),
                        padding=list(padding), output_padding=list(output_padding), groups=groups,
                        dilation=list(dilation), bias=bias, count=seen_as["count"])
-            for side, conv in (("torch", F.conv_transpose2d), ("cupyconv", conv_transpose2d)):
+            for side, conv in (("torch", theirs), ("cupyconv", ours)):
                 def step(conv=conv, x=x, w=w, b=b, go=go):
                     x.grad = w.grad = None
                     if b is not None:
@@ -307,6 +363,11 @@ def layer_rows(name: str, mode: str, repeat: int = 10, shape: Optional[Sequence[
     finally:
         torch.backends.cudnn.benchmark = saved
     return rows
+
+
+def _arranged(t, fmt):
+    """``t`` in memory format ``fmt`` where it has one (4-D); 1-D layers' 3-D tensors stay contiguous."""
+    return t.contiguous(memory_format=fmt) if t.dim() == 4 else t.contiguous()
 
 
 def format_layer_table(rows: List[dict]) -> str:

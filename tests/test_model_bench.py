@@ -18,11 +18,12 @@ SMALL = {  # name -> (builder arguments, input shape): the published layouts at 
     "dcgan_generator": (dict(ngf=8), (2, 100, 1, 1)),
     "unet": (dict(width=4), (2, 3, 32, 32)),
     "pix2pix_unet": (dict(width=2), (1, 3, 256, 256)),
+    "hifigan_generator": (dict(width=16), (2, 80, 6)),
 }
 
 
 def _transposed(model):
-    return [m for m in model.modules() if isinstance(m, nn.ConvTranspose2d)]
+    return [m for m in model.modules() if isinstance(m, (nn.ConvTranspose2d, nn.ConvTranspose1d))]
 
 
 def test_dcgan_generator_follows_the_paper():
@@ -52,6 +53,26 @@ def test_pix2pix_generator_mirrors_its_eight_downsamplings():
                                                                  (1024, 256), (512, 128), (256, 64), (128, 3)]
     assert all(c.kernel_size == (4, 4) and c.stride == (2, 2) and c.padding == (1, 1) for c in convs)
     assert model_bench.pix2pix_unet(width=2)(torch.randn(1, 3, 256, 256)).shape == (1, 3, 256, 256)
+
+
+def test_hifigan_generator_follows_the_paper():
+    """V1: 512 channels after the 7-tap input convolution, halved by each of four upsamplings (x8, x8, x2, x2 with
+    kernels 16, 16, 4, 4), each followed by three residual blocks of kernels 3, 7 and 11 and dilations 1, 3, 5."""
+    g = model_bench.hifigan_generator()
+    ups = _transposed(g)
+    assert [(c.in_channels, c.out_channels) for c in ups] == [(512, 256), (256, 128), (128, 64), (64, 32)]
+    assert [(c.kernel_size, c.stride, c.padding) for c in ups] == [((16,), (8,), (4,)), ((16,), (8,), (4,)),
+                                                                   ((4,), (2,), (1,)), ((4,), (2,), (1,))]
+    convs = [m for m in g.modules() if isinstance(m, nn.Conv1d)]
+    assert (convs[0].in_channels, convs[0].out_channels, convs[0].kernel_size) == (80, 512, (7,))
+    assert (convs[-1].in_channels, convs[-1].out_channels, convs[-1].kernel_size) == (32, 1, (7,))
+    blocks = convs[1:-1]
+    assert len(blocks) == 4 * 3 * 6 and {c.kernel_size for c in blocks} == {(3,), (7,), (11,)}
+    assert {c.dilation for c in blocks} == {(1,), (3,), (5,)}
+    assert all(c.padding[0] == c.dilation[0] * (c.kernel_size[0] - 1) // 2 for c in blocks), "length kept"
+    # 256 samples a mel frame; a smaller width keeps the shapes
+    with torch.no_grad():
+        assert model_bench.hifigan_generator(width=16)(torch.randn(2, 80, 6)).shape == (2, 1, 6 * 256)
 
 
 def test_the_command_line_names_every_model():
