@@ -418,6 +418,33 @@ def test_one_row_plan_constants():
     assert main.grid[0] == min(2 * cdiv(1000, 256), 132 // 16)
 
 
+def test_grad_weight_takes_one_row_steps_on_inputs_of_few_rows():
+    """K steps of 1 x 64 pixels where the input is under eight rows high (a 1-D layer's one row filled an eighth
+    of an 8 x 8 step), with the taps' tile as elsewhere; 8 x 8 steps where the one-row halo would not fit, and
+    on inputs of eight rows or more, whose options hold no one-row tile."""
+    vocoder = _suite_layer("vocoder_up8_1d")
+    assert wgmma.weight_rows_few(vocoder) and wgmma.weight_tile(vocoder) == wgmma.WEIGHT_TILES["64x128x2r1w64"]
+    rows = [wgmma.WEIGHT_TILES[o["tile"]].one_row for o in wgmma.grad_weight_options(vocoder)[1:]]
+    assert rows[0] and rows == sorted(rows, reverse=True), "one-row options first"
+    split = wgmma.plan_grad_weight(vocoder, "float16")
+    c = _constants(split.partial)
+    assert (c["TILE_H"], c["TILE_W"]) == (1, 64)
+    # K tiles: a 64-pixel run of the row for every image, split across blocks
+    assert split.partial.scalars[-1] * split.partial.grid[2] >= 16 * cdiv(8192, 64)
+    # three rows of a 3 x 3 kernel at stride 1: spans of two rows and columns, which still fit
+    three = _g((4, 64, 3, 200), (64, 128, 3, 3), padding=1)
+    assert wgmma.weight_rows_few(three) and wgmma.weight_tile(three).one_row
+    # a dilation of 40 rows: the one-row halo's 81 rows do not fit, so 8 x 8 steps where those fit
+    tall = _g((2, 64, 4, 100), (64, 64, 3, 1), dilation=(40, 1))
+    assert wgmma.weight_rows_few(tall)
+    row = wgmma.WEIGHT_TILES[wgmma.weight_tile(tall).name + "r1w64"]
+    assert wgmma.weight_smem_bytes(tall, row, 3) > wgmma.SMEM_LIMIT and not wgmma.weight_tile(tall).one_row
+    for g in [_suite_layer(name) for name in SUITE] + [r for r in RANDOM if wgmma.grad_weight_eligible(r, "float16")]:
+        if g.in_size[0] >= 8:
+            assert not wgmma.weight_rows_few(g) and not wgmma.weight_tile(g).one_row
+            assert not any(wgmma.WEIGHT_TILES[o["tile"]].one_row for o in wgmma.grad_weight_options(g) if o)
+
+
 def test_suite_options():
     tiles = {name: {t.name for t in _check_options(_suite_layer(name))} for name in SUITE}
     # a small phase grid with a large batch tries several images a block; large grids do not

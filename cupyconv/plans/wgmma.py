@@ -504,7 +504,11 @@ def weight_tile(g: Geometry) -> WeightTile:
     three, else one tap of 128 x 128; K steps of one row where :func:`weight_rows_few`."""
     phase_taps = weight_phases(g)[0]
     name = "64x64x4" if phase_taps >= 4 else "64x128x2" if phase_taps >= 2 else "128x128x1"
-    return WEIGHT_TILES[name + ("r1w64" if weight_rows_few(g) else "")]
+    row = WEIGHT_TILES[name + "r1w64"]
+    # a one-row step's halo spans the taps' rows for 64 pixels: where that overflows shared memory, 8 x 8 steps
+    if weight_rows_few(g) and weight_smem_bytes(g, row, min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT:
+        return row
+    return WEIGHT_TILES[name]
 
 
 def weight_rows_few(g: Geometry) -> bool:
