@@ -224,7 +224,8 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
     if rows_few(g, pass_):
         # 256 destination channels or more in fp16/bf16: 128 x 256 tiles, which read each halo for twice the
         # channels (on the H200 1.15x and 1.5x the 256 x 128 ones, forward and grad_input of the suite's vocoder
-        # layer; its TF32 forward ran 4.6 ms on 256 x 128 tiles, 5.7 on 128 x 256)
+        # layer).  Not in TF32: the vocoder's tuned TF32 forward ran 4.6 ms with 256 x 128 as the heuristic and
+        # 5.7 with 128 x 256, which left 256 x 128 out of the race (NOTES v20).
         row = _row_tile(g, pass_, dtype, 256, 128) if n >= 256 and dtype in _KINDS else None
         row = row or _row_tile(g, pass_, dtype, bn, 512 if bn < 32 else 256)
         if row is not None:
