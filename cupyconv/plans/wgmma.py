@@ -707,19 +707,19 @@ def tf32_weight_options(g: Geometry) -> List[Dict[str, object]]:
 def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
     """The heuristic, then the other tiles whose channel sides the layer fills at least halfway, whose tap
     groups its stride phases fill, whose rows its input has, and whose shortest ring fits shared memory: the
-    heuristic's 16-row sibling first; on an input of few rows (:func:`weight_rows_few`) the one-row tiles first,
-    which other inputs do not take.  (A deeper ring never won on the H100.)"""
+    heuristic's 16-row sibling first; one-row tiles exactly where the heuristic is one (an input of few rows,
+    :func:`weight_rows_few`).  (A deeper ring never won on the H100.)"""
     found: List[Dict[str, object]] = [{}]
     heuristic = weight_tile(g)
     phase_taps = weight_phases(g)[0]
-    few = weight_rows_few(g)
     sibling = WeightTile(heuristic.bm, heuristic.bn, heuristic.taps, 16)
-    # on an input of few rows the one-row tiles, then the others; else the 16-row sibling first, no one-row tile
-    order = sorted(WEIGHT_TILES.values(), key=lambda t: (few and not t.one_row, t != sibling))
+    order = sorted(WEIGHT_TILES.values(), key=lambda t: t != sibling)
     for tile in order:
+        # one-row steps where the heuristic takes them (an input of few rows), and only there: 8 x 8 steps ran
+        # 4-5x slower on a 1-D layer (NOTES v20)
         if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
                 or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps) \
-                or (tile.rows > WEIGHT_TILE_H and g.in_size[0] < tile.rows) or (tile.one_row and not few) \
+                or (tile.rows > WEIGHT_TILE_H and g.in_size[0] < tile.rows) or tile.one_row != heuristic.one_row \
                 or weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) > SMEM_LIMIT:
             continue
         found.append({"tile": tile.name})
