@@ -392,6 +392,11 @@ def test_a_1d_module_and_its_output_size():
             assert explain(m, x, output_size=size).output_shape == want, size
         unbatched = explain(m, (8, 50), output_size=[6, 151])
         assert unbatched.output_shape == (6, 151) and unbatched.layer["output_padding"] == (2,)
+    # an input whose channels are its fastest axis (a transposed (N, L, C) tensor) runs contiguous, as
+    # cupyconv.torch.conv_transpose1d copies it: NCHW, where its one-row view would look channels_last
+    x = torch.randn(2, 50, 8).transpose(1, 2)
+    assert explain(torch.nn.ConvTranspose1d(8, 6, 4), x).layout == "nchw"
+    assert explain(x, torch.randn(8, 6, 4)).layout == "nchw"
 
 
 def test_1d_errors():
