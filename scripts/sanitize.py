@@ -182,6 +182,19 @@ def base_cases() -> List[Case]:
                       "float32", "tf32", layout="nchw", variants=(("grad_weight", "wgmma"),)))
     cases.append(Case("wgmma-grad-weight-tf32-nhwc", (5, 20, 6, 6), (20, 17, 3, 3), _kw(padding=1), False,
                       "float32", "tf32", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
+    # one-row patches (1-D layers and grids under eight rows): a 70-column row (a last patch part outside), in
+    # each 16-bit type and TF32; three rows on a 1 x 128 x 256 tile; grad_weight's 1 x 64 K steps, split over K
+    xs, ws, kw = (2, 16, 1, 70), (16, 32, 1, 4), _kw(stride=(1, 2), padding=(0, 1))
+    one_row = (("forward", "wgmma"), ("grad_input", "wgmma"), ("grad_weight", "wgmma"))
+    for dtype, precision, layout in (("float16", "strict", "nhwc"), ("bfloat16", "strict", "nchw"),
+                                     ("float32", "tf32", "nhwc")):
+        tag = "tf32" if precision == "tf32" else dtype
+        cases.append(Case(f"wgmma-one-row-{tag}-{layout}", xs, ws, kw, True, dtype, precision, layout=layout,
+                          variants=one_row))
+    cases.append(Case("wgmma-one-row-float16-nhwc-3rows", (1, 16, 3, 66), (16, 256, 3, 4), _kw(stride=2, padding=1),
+                      True, "float16", layout="nhwc",
+                      variants=(("forward", "wgmma:1x128x256"), ("grad_input", "wgmma:1x128x16"),
+                                ("grad_weight", "wgmma:64x128x2r1w64"))))
     # channels_last weights (model.to(memory_format=torch.channels_last)): every weight offset, both packs and
     # grad_weight's stores in that layout; wgmma's grad_weight split over K (the plain reduce) and in one K range
     # of 16 taps (writing grad_weight itself)

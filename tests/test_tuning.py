@@ -37,6 +37,7 @@ THIN = _g((2, 32, 9, 11), (32, 48, 3, 3), stride=2, padding=1)          # GEMM-e
 WIDE = _g((4, 128, 8, 8), (128, 96, 4, 4), stride=2, padding=1)        # GEMM-eligible, wide
 N16 = _g((3, 64, 16, 16), (64, 16, 3, 3))                               # GEMM N = 16 in the forward
 DEPTHWISE = _g((2, 16, 8, 8), (16, 1, 4, 4), stride=2, padding=1, groups=16)
+ONE_ROW = _g((1, 16, 3, 66), (16, 256, 3, 4), stride=2, padding=1)     # one-row wgmma tiles and K steps
 GPU_NAME, ARCH = "Fake GPU 80GB", "90"
 # The device every decision here is made for, and a second one of the same kind.
 DEV = device.fake(0, name=GPU_NAME, arch=ARCH)
@@ -126,13 +127,17 @@ def _key(pass_="forward", g=THIN, dtype="float16", layout="nchw", precision="str
 # ------------------------------------------------------------------------------ variants
 
 def test_variant_names_round_trip():
-    for g in (THIN, WIDE, N16, DEPTHWISE):
+    names = set()
+    for g in (THIN, WIDE, N16, DEPTHWISE, ONE_ROW):
         for dtype, precision in (("float16", "strict"), ("float32", "tf32"), ("float32", "strict")):
             for pass_ in table.PASSES:
                 for layout in launch.LAYOUTS:
                     for v in table.candidates(pass_, g, dtype, layout, precision):
                         assert Variant.parse(v.name) == v
                         assert hash(Variant.parse(v.name)) == hash(v)
+                        names.add(v.name)
+    # a stored choice of a one-row grad_weight step must load in the next process, not be re-tuned
+    assert "wgmma:64x128x2r1w64" in names and "wgmma:1x64x64" in names
     assert Variant.parse("direct") == DIRECT == Variant.make("direct") and DIRECT.name == "direct"
     assert Variant.parse("gemm") == GEMM and GEMM.family == "gemm" and GEMM.kwargs == {}
     v = Variant.parse("gemm:128x64:s3")

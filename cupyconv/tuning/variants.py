@@ -13,7 +13,7 @@ from typing import Dict, Tuple
 
 # rows x columns, or [images i] height x width x channels, or grad_weight's channels x channels x taps [r rows],
 # or the tiled forward's rows x columns x channels [b blocks per SM]
-_TILE = re.compile(r"(\d+i)?\d+x\d+(x\d+)?(r\d+|b\d+)?")
+_TILE = re.compile(r"(\d+i)?\d+x\d+(x\d+)?(r\d+(w\d+)?|b\d+)?")
 _STAGES = re.compile(r"s(\d+)")
 _FAMILY = re.compile(r"[a-z][a-z0-9_]*")
 # the order of options in a name
