@@ -42,7 +42,7 @@ def test_the_wgmma_grad_weight_template_inlines_the_mma_headers():
     text = templates.expanded(name)
     assert "#include" not in text
     assert "wgmma_async" in text and "smem_descriptor" in text and "cp_async_16" in text
-    tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TAP_COUNTS", "TILE_H", "TILE_W", "SPAN_H",
+    tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "SKIP_ABSENT_TAPS", "TILE_H", "TILE_W", "SPAN_H",
             "SPAN_W", "STAGES", "SINGLE_CHUNK"}
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 

@@ -1072,8 +1072,10 @@ def test_grad_weight_plans_a_split_k_over_pixel_tiles(layout):
     per_split = split.partial.scalars[-1]
     assert splits == cdiv(k_tiles, per_split) and splits > 1 and split.reduce is not None
     assert split.partial.scratch_bytes == splits * 128 * 64 * 16 * 4   # fp32 partials of the whole weight
-    # per stage 8 groups of the x tile's 64 pixels and 8 of the 9 x 9 halo, each plane an odd count of 16-byte slots
-    assert split.partial.smem_bytes == wgmma.WEIGHT_STAGES * (8 * 65 + 8 * 83) * 16 <= wgmma.SMEM_LIMIT
+    # per stage the x tile's 64 pixels and the 9 x 9 halo, a 128-byte row a pixel (one 64-channel block each),
+    # in whole 1024-byte swizzle periods, and one period to align the ring
+    assert split.partial.smem_bytes == (wgmma.WEIGHT_STAGES * cdiv((64 + 81) * 128, 1024) + 1) * 1024 \
+        <= wgmma.SMEM_LIMIT
     assert (split.sources is not None) == (layout == "nchw"), "NCHW sources are copied to channels_last first"
     constants = dict(split.partial.spec.constants)
     assert constants["SINGLE_CHUNK"] is False and constants["TAP_CHUNKS"] == 1
@@ -1135,8 +1137,9 @@ def test_grad_weight_16_row_tiles_are_offered_where_the_input_has_16_rows():
     constants = dict(split.partial.spec.constants)
     assert constants["TILE_H"] == 16 and constants["STAGES"] == 3, "three 16-row buffers: two blocks an SM"
     assert split.partial.scalars[-1] * split.partial.grid[2] >= 2 * cdiv(20, 16) * cdiv(12, 8)
-    # 8 groups of 128 x-tile pixels (129 slots) and of the 17 x 9 halo (155 slots) a stage
-    assert split.partial.smem_bytes == 3 * (8 * 129 + 8 * 155) * 16
+    # 128 x-tile pixels and the 17 x 9 halo a stage, a 128-byte row each, in whole 1024-byte swizzle periods,
+    # and one period to align the ring
+    assert split.partial.smem_bytes == (3 * cdiv((128 + 153) * 128, 1024) + 1) * 1024
 
 
 @pytest.mark.parametrize("kernel, stride, padding, tap_group, counts", [
@@ -1151,6 +1154,23 @@ def test_grad_weight_tap_counts_name_every_block_size(kernel, stride, padding, t
     g = _g((1, 16, 8, 8), (16, 16) + kernel, stride=stride, padding=padding)
     mask = wgmma.weight_tap_counts(g, tap_group)
     assert {t for t in range(1, 5) if mask >> t & 1} == counts and mask & 1 == 0
+
+
+@pytest.mark.parametrize("kernel, stride, padding, tap_group, skips", [
+    ((4, 4), 2, 1, 4, False),          # every block has four taps
+    ((3, 5), 1, 0, 4, False),          # 4, 4, 4, 3: one MMA in sixteen for an absent tap
+    ((5, 5), 1, 0, 4, False),          # six groups of four and one of one: 3 absent in 28
+    ((3, 3), 1, 0, 4, True),           # 4, 4, 1: 3 absent in 12
+    ((3, 3), 2, 1, 4, True),           # phases of 4, 2, 2 and 1 taps: 7 absent in 16
+    ((3, 3), 2, 1, 1, False),          # one tap a block
+])
+def test_grad_weight_blocks_test_their_taps_only_where_full_groups_cost_more(kernel, stride, padding, tap_group,
+                                                                             skips):
+    g = _g((1, 16, 8, 8), (16, 16) + kernel, stride=stride, padding=padding)
+    assert wgmma.weight_skips_absent_taps(g, tap_group) is skips
+    tile = next(t for t in wgmma.WEIGHT_TILES.values() if t.taps == tap_group and not t.one_row)
+    split = wgmma.plan_grad_weight(g, "float16", 132, "nhwc", tile)
+    assert dict(split.partial.spec.constants)["SKIP_ABSENT_TAPS"] is skips
 
 
 def test_unaligned_channels_last_grad_weight_runs_the_gemm():

@@ -487,16 +487,31 @@ def weight_phases(g: Geometry) -> Tuple[int, int, int]:
     return max(map(len, rows)) * max(map(len, cols)), spread[0], spread[1]
 
 
+def _weight_block_taps(g: Geometry, tap_group: int) -> List[int]:
+    """The taps of each grad_weight block (per stride phase, per chunk of ``tap_group``)."""
+    rows, cols = _phase_shifts(g)
+    return [min(tap_group, taps - start) for taps in (len(r) * len(c) for r in rows for c in cols)
+            for start in range(0, taps, tap_group)]
+
+
 def weight_tap_counts(g: Geometry, tap_group: int) -> int:
     """The taps a grad_weight block can hold with ``tap_group`` taps a block, as a bit mask (bit t: some block
-    has t taps): each stride phase's taps in chunks of ``tap_group``.  Where every block has a full group the
-    kernel's MMA loop tests no tap."""
-    rows, cols = _phase_shifts(g)
+    has t taps): each stride phase's taps in chunks of ``tap_group``."""
     mask = 0
-    for taps in (len(r) * len(c) for r in rows for c in cols):
-        for start in range(0, taps, tap_group):
-            mask |= 1 << min(tap_group, taps - start)
+    for taps in _weight_block_taps(g, tap_group):
+        mask |= 1 << taps
     return mask
+
+
+def weight_skips_absent_taps(g: Geometry, tap_group: int) -> bool:
+    """Whether grad_weight's blocks test each tap of their group before its MMAs, rather than run every block's
+    full group (an absent tap reads the first tap's origin and is never stored).  The test is a branch between
+    MMAs, at which ptxas makes the warpgroup wait: 10% of the 15-tap asym_kernel's time (H200), against the 7%
+    more MMAs its last group of three costs run full.  So blocks test their taps only where full groups would
+    add more than an eighth to the MMAs (a 3 x 3 stride-2 layer's phases of 4, 2, 2 and 1 taps)."""
+    taps = _weight_block_taps(g, tap_group)
+    issued, needed = len(taps) * tap_group, sum(taps)
+    return issued - needed > needed / 8
 
 
 def weight_tile(g: Geometry) -> WeightTile:
@@ -520,14 +535,12 @@ def weight_rows_few(g: Geometry) -> bool:
 
 
 def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
-    """Shared memory of the grad_weight ring: per stage an x tile and a grad_output halo, a plane per channel
-    group padded to an odd count of 16-byte slots."""
-    def odd_slots(pixels):   # as the kernel pads a plane: a quarter warp's 16-byte copies then miss each other
-        return pixels + 1 if pixels % 2 == 0 else pixels + 2
-
+    """Shared memory of the grad_weight ring: per stage an x tile and a grad_output halo, each a 128-byte row
+    per pixel and 64-channel block (the 128-byte swizzle), the stage rounded up to whole swizzle periods of
+    1024 bytes, and one period more to align the ring."""
     _, span_h, span_w = weight_phases(g)
     halo = (tile.rows + span_h) * (tile.cols + span_w)
-    return stages * (tile.bm // 8 * odd_slots(tile.rows * tile.cols) + tile.bn // 8 * odd_slots(halo)) * 16
+    return (stages * cdiv((tile.bm // 64 * tile.rows * tile.cols + tile.bn // 64 * halo) * 128, 1024) + 1) * 1024
 
 
 def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> bool:
@@ -606,9 +619,10 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
                               lambda depth: weight_smem_bytes(g, tile, depth))
     h, w = g.in_size
     k_tiles = g.batch * cdiv(h, tile.rows) * cdiv(w, tile.cols)
+    constants = dict(MMA_KIND=_KINDS[dtype], SKIP_ABSENT_TAPS=weight_skips_absent_taps(g, tile.taps),
+                     TILE_H=tile.rows, TILE_W=tile.cols, STAGES=ring)
     partial, reduce = _weight_split_k(g, dtype, tile, k_tiles, sm_count, smem, "conv_transpose2d_grad_weight_wgmma",
-                                      dict(MMA_KIND=_KINDS[dtype], TAP_COUNTS=weight_tap_counts(g, tile.taps),
-                                           TILE_H=tile.rows, TILE_W=tile.cols, STAGES=ring))
+                                      constants)
     sources = gemm.plan_grad_weight_sources(g, dtype) if layout == "nchw" else None
     return SplitK(partial, reduce, sources)
 

@@ -19,6 +19,21 @@ __device__ __forceinline__ unsigned long long smem_descriptor(unsigned address, 
            | static_cast<unsigned long long>((stride_bytes >> 4) & 0x3fffu) << 32;
 }
 
+// The 128-byte swizzle (mode 1, bits [62, 64)) for MN-major operands stored as rows of 128 bytes: a row holds
+// 64 16-bit values of M or N for one K index, so a pixel's channel run in memory lands as one row and the
+// copies that fill it coalesce (in the no-swizzle layout a pixel's 16-byte runs land in eight different core
+// matrices, and each cp.async became an L2 request of its own).  Each row's 16-byte chunks are permuted by
+// bits [7, 10) of the row's shared-memory address (swizzle_128b), so the swizzle follows the address alone:
+// a descriptor may start at any row (a tap's moved origin in a halo) with a zero base offset, as measured on
+// the H100/H200.  The stride byte offset steps between groups of 8 rows along K, the leading byte offset
+// between 64-wide blocks of M or N (the roles the no-swizzle MN-major layout gives them swapped).
+__device__ __forceinline__ unsigned long long smem_descriptor_swizzle_128b(unsigned address, unsigned mn_block_bytes,
+                                                                           unsigned k_group_bytes) {
+    return smem_descriptor(address, mn_block_bytes, k_group_bytes) | 1ull << 62;
+}
+// Where a 16-byte chunk at shared address `address` (a row's logical chunk) is stored in the 128-byte swizzle.
+__device__ __forceinline__ unsigned swizzle_128b(unsigned address) { return address ^ ((address >> 3) & 0x70u); }
+
 // Registers written by ordinary instructions (the zeroed accumulators) must be fenced
 // before a wgmma reads them, and every MMA of a warpgroup issues after this fence.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
