@@ -64,19 +64,28 @@ constexpr int M_BLOCKS = BM / 64;                          // 64-row MMA blocks
 constexpr int MB = M_BLOCKS / CONSUMERS;                   // per consumer warpgroup
 constexpr int BLOCK_ROWS = TILE_H == 1 ? 1 : 8, BLOCK_COLS = 64 / BLOCK_ROWS;   // a block's patch rows x columns
 constexpr int COL_BLOCKS = TILE_W / BLOCK_COLS, IMAGE_BLOCKS = TILE_H / BLOCK_ROWS * COL_BLOCKS;
-// Channel-group planes hold an odd number of 16-byte pixels, so the eight groups one
-// pixel's copies write fall on different banks.
 constexpr int PHASE_PLANE = HALO_H * HALO_W;
 constexpr int IMAGE_HALO = SPLIT_H * SPLIT_W * PHASE_PLANE;
 constexpr int HALO_PIXELS = TILE_IMAGES * IMAGE_HALO;
-constexpr int HALO_PLANE = (HALO_PIXELS | 1) * 16;
-constexpr int HALO_BYTES = CHUNK_GROUPS * HALO_PLANE;
+// A chunk of 128 bytes a pixel lands as one 128-byte row per halo pixel in the 128-byte swizzle
+// (wgmma.cuh): a pixel's channel run is then one row and its copies coalesce.  Narrower chunks
+// (few channels) land as channel-group planes, each an odd number of 16-byte pixels so that the
+// eight groups one pixel's copies write fall on different banks.
+constexpr bool SWIZZLED = CK * sizeof(scalar_t) == 128;
+constexpr int PIXEL_BYTES = SWIZZLED ? 128 : 16;   // from one halo pixel to the next
+constexpr int HALO_PLANE = SWIZZLED ? 0 : (HALO_PIXELS | 1) * 16;
+constexpr int HALO_BYTES = SWIZZLED ? HALO_PIXELS * 128 : CHUNK_GROUPS * HALO_PLANE;
 constexpr int B_PLANE = BN * 16;
 constexpr int B_BYTES = CHUNK_GROUPS * B_PLANE;
 constexpr int HALO_VECS = CHUNK_GROUPS * HALO_PIXELS;
 // Bytes from one core matrix (eight pixels) of an MMA block to the next along M: the next
 // halo row of an 8 x 8 block, the next eight pixels of a one-row block.
-constexpr int A_CORE_STRIDE = (BLOCK_ROWS == 8 ? HALO_W : 8) * 16;
+constexpr int A_CORE_STRIDE = (BLOCK_ROWS == 8 ? HALO_W : 8) * PIXEL_BYTES;
+// Where the 16-byte channel group `group` of halo pixel `pixel` lands in a halo at `halo`.
+__device__ __forceinline__ unsigned halo_vector(unsigned halo, int pixel, int group) {
+    if constexpr (SWIZZLED) return swizzle_128b(halo + pixel * 128 + group * 16);
+    return halo + group * HALO_PLANE + pixel * 16;
+}
 // Registers move from the producer to the consumers (setmaxnreg) when there are two of
 // them: 56 + 2 x 224 per thread-triple fills the register file.
 constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
@@ -130,7 +139,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
             for (int kw = 0; kw < KW; ++kw) {
                 const int plane = (kh * DH % SH) * SW + kw * DW % SW;
                 taps[kh * KW + kw] =
-                    Tap{(plane * PHASE_PLANE + kh * DH / SH * HALO_W + kw * DW / SW) * 16, kh * KW + kw};
+                    Tap{(plane * PHASE_PLANE + kh * DH / SH * HALO_W + kw * DW / SW) * PIXEL_BYTES, kh * KW + kw};
             }
         tap_count = TAPS;
         min_dh = -PH;   // the halo starts at source row SH*i0 - PH
@@ -150,7 +159,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                         lo_h = min(lo_h, th / SH);
                         lo_w = min(lo_w, tw / SW);
                     } else {
-                        taps[count] = Tap{((th / SH - lo_h) * HALO_W + tw / SW - lo_w) * 16, kh * KW + kw};
+                        taps[count] = Tap{((th / SH - lo_h) * HALO_W + tw / SW - lo_w) * PIXEL_BYTES, kh * KW + kw};
                     }
                     ++count;
                 }
@@ -204,7 +213,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                     const bool ok = o.image + image < N && ih >= 0 && ih < H_SRC && iw >= 0 && iw < W_SRC
                                     && k < CG_K;
                     const scalar_t* p = ok ? src_group + image * src_batch + (ih * W_SRC + iw) * C_SRC + k : src;
-                    cp_async_16(halo + group * HALO_PLANE + pixel * 16, p, ok);
+                    cp_async_16(halo_vector(halo, pixel, group), p, ok);
                 };
                 if constexpr (BLOCK_ROWS == 1) {
                     // A one-row halo's few vectors a thread: ptxas unrolled their loop whole and spilled.
@@ -219,7 +228,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                     cp_async_commit();
                     cp_async_wait<0>();
                     for (int v = ptid; v < HALO_VECS; v += 128)
-                        round_shared_tf32(halo + v % CHUNK_GROUPS * HALO_PLANE + v / CHUNK_GROUPS * 16);
+                        round_shared_tf32(halo_vector(halo, v / CHUNK_GROUPS, v % CHUNK_GROUPS));
                     fence_async_shared();
                     mbarrier_arrive(full);
                 } else {
@@ -248,7 +257,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
     for (int mb = 0; mb < MB; ++mb) {
         const int b = warpgroup * MB + mb, at = b % IMAGE_BLOCKS;
         block_offset[mb] = (b / IMAGE_BLOCKS * IMAGE_HALO + (at / COL_BLOCKS) * BLOCK_ROWS * HALO_W
-                            + (at % COL_BLOCKS) * BLOCK_COLS) * 16;
+                            + (at % COL_BLOCKS) * BLOCK_COLS) * PIXEL_BYTES;
     }
     const bool signals = tid % 128 == 0;   // one arrival per warpgroup on the "empty" barriers
     const int lane = tid % 32, warp = tid % 128 / 32;
@@ -279,8 +288,12 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                     const unsigned long long b_desc = smem_descriptor(b_origin + 2 * kk * B_PLANE, B_PLANE, 128);
 #pragma unroll
                     for (int mb = 0; mb < MB; ++mb) {
-                        const unsigned long long a_desc = smem_descriptor(
-                            a_origin + block_offset[mb] + 2 * kk * HALO_PLANE, HALO_PLANE, A_CORE_STRIDE);
+                        // An MMA's 32 bytes of K: two channel-group planes, or 32 bytes into the rows.
+                        const unsigned long long a_desc =
+                            SWIZZLED ? smem_descriptor_swizzle_128b(a_origin + block_offset[mb] + kk * 32, 16,
+                                                                    A_CORE_STRIDE)
+                                     : smem_descriptor(a_origin + block_offset[mb] + 2 * kk * HALO_PLANE, HALO_PLANE,
+                                                       A_CORE_STRIDE);
                         wgmma_async<KIND, BN>(acc[mb], a_desc, b_desc, 1);
                     }
                 }

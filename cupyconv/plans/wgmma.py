@@ -203,10 +203,13 @@ def halo_stages(g: Geometry, b_stages: int, pass_: str = "forward") -> int:
 
 
 def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, pass_: str = "forward") -> int:
-    """Dynamic shared memory of a plan: its halo and weight buffers."""
+    """Dynamic shared memory of a plan: its halo and weight buffers.  A chunk of 128 bytes a pixel is a 128-byte
+    row per halo pixel (the 128-byte swizzle); a narrower one, a plane per 16-byte channel group, each an odd
+    number of pixels."""
     halo_h, halo_w = halo_extent(g, tile, pass_)
     groups = ck * _itemsize(dtype) // 16
-    halo = groups * ((tile.images * phase_planes(g, pass_) * halo_h * halo_w) | 1) * 16
+    pixels = tile.images * phase_planes(g, pass_) * halo_h * halo_w
+    halo = pixels * 128 if groups == 8 else groups * (pixels | 1) * 16
     return halo_stages(g, b_stages, pass_) * halo + b_stages * groups * tile.bn * 16
 
 
