@@ -8,11 +8,12 @@
 //     reads grad_out rows SH*i - PH + kh*DH for every tap.
 // A tile is TILE_IMAGES x TILE_H x TILE_W pixels of the destination (phase) grid and BN
 // destination channels.  For each chunk of CK source channels the tile's source "halo"
-// goes into shared memory as [16-byte channel group][image][row phase][column phase]
-// [halo row][halo column]: source row r0 + SPLIT_H*a + ph lands in row phase ph, row a
-// (SPLIT_H is 1 for the forward, SH for grad_input), and likewise for columns.  Eight
-// neighbouring destination pixels then read eight consecutive halo pixels of one phase
-// plane, which is one core matrix of the A operand, a halo row apart from the next eight;
+// goes into shared memory as [image][row phase][column phase][halo row][halo column], each
+// pixel a swizzled 128-byte row (a chunk of 128 bytes) or else a 16-byte slot of one plane
+// per channel group: source row r0 + SPLIT_H*a + ph lands in row phase ph, row a (SPLIT_H
+// is 1 for the forward, SH for grad_input), and likewise for columns.  Eight neighbouring
+// destination pixels then read eight consecutive halo pixels of one phase plane, which is
+// one core matrix (row group) of the A operand, a halo row apart from the next eight;
 // so each tap is the same buffer read from a moved origin: one descriptor change per tap
 // and no gather.  A one-row patch (TILE_H 1: 1-D layers, grids of few rows) takes 64
 // pixels of its row as an MMA block instead, its core matrices eight pixels apart, so no

@@ -2,11 +2,12 @@
 // fences and commit/wait groups around the asynchronous MMAs, and the MMAs
 // themselves for N = 8, 16, 32, 64, 128 and 256 with fp32 accumulators.
 //
-// Both operands come from shared memory in the no-swizzle ("interleaved") layout, K-major
-// by default: a core matrix is 8 rows (of M or N) of 16 bytes of K, stored as 128
-// contiguous bytes (MN-major: 8 rows of K of 16 bytes of M or N).  A descriptor names the first core matrix and two strides:
-// between core matrices adjacent along K (leading byte offset) and along M or N
-// (stride byte offset), so one tile can be read at any 16-byte aligned origin.
+// Operands come from shared memory in one of two layouts, K-major by default.  The no-swizzle
+// ("interleaved") layout: a core matrix is 8 rows (of M or N) of 16 bytes of K, stored as 128
+// contiguous bytes (MN-major: 8 rows of K of 16 bytes of M or N); a descriptor names the first
+// core matrix and two strides, between core matrices adjacent along K (leading byte offset) and
+// along M or N (stride byte offset), so one tile can be read at any 16-byte aligned origin.  The
+// 128-byte swizzle: rows of 128 bytes, see smem_descriptor_swizzle_128b.
 // Needs MMA_* from mma.cuh.
 #pragma once
 
@@ -19,17 +20,19 @@ __device__ __forceinline__ unsigned long long smem_descriptor(unsigned address, 
            | static_cast<unsigned long long>((stride_bytes >> 4) & 0x3fffu) << 32;
 }
 
-// The 128-byte swizzle (mode 1, bits [62, 64)) for MN-major operands stored as rows of 128 bytes: a row holds
-// 64 16-bit values of M or N for one K index, so a pixel's channel run in memory lands as one row and the
-// copies that fill it coalesce (in the no-swizzle layout a pixel's 16-byte runs land in eight different core
-// matrices, and each cp.async became an L2 request of its own).  Each row's 16-byte chunks are permuted by
-// bits [7, 10) of the row's shared-memory address (swizzle_128b), so the swizzle follows the address alone:
-// a descriptor may start at any row (a tap's moved origin in a halo) with a zero base offset, as measured on
-// the H100/H200.  The stride byte offset steps between groups of 8 rows along K, the leading byte offset
-// between 64-wide blocks of M or N (the roles the no-swizzle MN-major layout gives them swapped).
-__device__ __forceinline__ unsigned long long smem_descriptor_swizzle_128b(unsigned address, unsigned mn_block_bytes,
-                                                                           unsigned k_group_bytes) {
-    return smem_descriptor(address, mn_block_bytes, k_group_bytes) | 1ull << 62;
+// The 128-byte swizzle (mode 1, bits [62, 64)): the operand is stored as rows of 128 bytes, each
+// row's 16-byte chunks permuted by bits [7, 10) of its shared-memory address (swizzle_128b).  A
+// K-major row holds 128 bytes of K for one M or N index (an MMA reads 32 bytes of it: start the
+// descriptor 32 bytes in for the next); an MN-major row holds 64 16-bit values of M or N for one
+// K index.  Either way a pixel's channel run in global memory lands as one row, so the copies that
+// fill it coalesce: in the no-swizzle layout a pixel's 16-byte runs land in eight different core
+// matrices, and each cp.async became an L2 request of its own.  The swizzle follows the address
+// alone, so a descriptor may start at any row (a tap's moved origin in a halo) with a zero base
+// offset, as measured on an H200.  The stride byte offset steps between groups of 8 rows; the
+// leading byte offset between 128-byte-wide column blocks (MN-major operands wider than 64).
+__device__ __forceinline__ unsigned long long smem_descriptor_swizzle_128b(unsigned address, unsigned column_bytes,
+                                                                           unsigned row_group_bytes) {
+    return smem_descriptor(address, column_bytes, row_group_bytes) | 1ull << 62;
 }
 // Where a 16-byte chunk at shared address `address` (a row's logical chunk) is stored in the 128-byte swizzle.
 __device__ __forceinline__ unsigned swizzle_128b(unsigned address) { return address ^ ((address >> 3) & 0x70u); }
