@@ -181,7 +181,8 @@ conv_transpose2d_grad_weight_wgmma(const scalar_t* __restrict__ x, const scalar_
         }
         const index_t oh0 = static_cast<index_t>(SH) * (i0 + lo_h) + rh;
         const index_t ow0 = static_cast<index_t>(SW) * (j0 + lo_w) + rw;
-        // formed only where some pixel of the halo is inside (the offsets below bring it back in range)
+        // The halo origin may lie outside grad_out (read only at pixels inside it); the plan's offset type holds
+        // an origin past the last image.
         const scalar_t* b_src = go_group + ((n * H_out + oh0) * W_out + ow0) * COUT + b_run * VEC;
         const bool b_inside =
             oh0 >= 0 && ow0 >= 0 && oh0 + SH * (HALO_H - 1) < H_out && ow0 + SW * (HALO_W - 1) < W_out;

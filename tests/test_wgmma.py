@@ -12,7 +12,7 @@ from cupyconv import bench, engine, tuning
 from cupyconv.core import device
 from cupyconv.core.geometry import ConvParams, geometry
 from cupyconv.plans import gemm, launch, table, wgmma
-from cupyconv.plans.launch import Recorder, cdiv
+from cupyconv.plans.launch import Recorder, cdiv, numel
 from cupyconv.tuning.variants import GEMM, Variant
 
 WGMMA = Variant("wgmma")
@@ -1171,6 +1171,19 @@ def test_grad_weight_blocks_test_their_taps_only_where_full_groups_cost_more(ker
     tile = next(t for t in wgmma.WEIGHT_TILES.values() if t.taps == tap_group and not t.one_row)
     split = wgmma.plan_grad_weight(g, "float16", 132, "nhwc", tile)
     assert dict(split.partial.spec.constants)["SKIP_ABSENT_TAPS"] is skips
+
+
+def test_grad_weight_offsets_hold_a_halo_origin_past_the_last_image():
+    """The 16-bit kernel forms each tile's halo origin, up to a few rows past the last image, before testing its
+    pixels: a grad_output that fills 32-bit offsets all but those rows takes 64-bit offsets."""
+    def plan(h):   # grad_output (1, 64, 2h, 16): 2048h elements
+        g = _g((1, 64, h, 8), (64, 64, 4, 4), stride=2, padding=1)
+        return numel(g.output_shape), dict(wgmma.plan_grad_weight(g, "float16", 132, "nhwc").partial.spec.constants)
+
+    elements, constants = plan(2 ** 20 - 1)
+    assert 2 ** 31 - elements == 2048 and constants["INDEX_T"] == "long long"
+    elements, constants = plan(2 ** 20 - 8)
+    assert 2 ** 31 - elements == 16384 and constants["INDEX_T"] == "int"
 
 
 def test_unaligned_channels_last_grad_weight_runs_the_gemm():

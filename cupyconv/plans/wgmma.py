@@ -592,7 +592,11 @@ def _weight_split_k(g: Geometry, dtype: str, tile: WeightTile, k_tiles: int, sm_
     # The partials are tap-major ([split][tap][ic][oc]), or a channels_last weight's own layout: one split of
     # a one-tap layer, or of a channels_last weight, is the weight itself.
     direct = splits == 1 and (taps == 1 or g.weight_channels_last)
-    index_t = index_type(numel(g.input_shape), numel(g.output_shape), splits * weight_elems)
+    # The 16-bit kernel forms a tile's halo origin before it tests the halo's pixels; past the last image's edge
+    # by up to 2 (padding + stride) rows and columns, which the offsets must still hold.
+    (ph, pw), (sh, sw) = g.params.padding, g.params.stride
+    overshoot = (2 * (ph + sh) + 1) * (g.out_size[1] + 2 * (pw + sw) + 1) * g.out_channels
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape) + overshoot, splits * weight_elems)
     constants = {**layer_constants(g, dtype, index_t), **constants}
     constants.update(WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps, TAP_CHUNKS=tap_chunks,
                      SPAN_H=span_h, SPAN_W=span_w, SINGLE_CHUNK=direct)
