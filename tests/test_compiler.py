@@ -3,7 +3,9 @@
 The architecture is given explicitly, so this runs on CI machines without a device.
 """
 import itertools
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -361,15 +363,38 @@ def test_architecture_specific_specs_compile_for_their_target_only():
     assert {arch for _, arch in generic} == set(ARCHS)
 
 
+def _ptx_facts(spec, arch):
+    """What test_template_compiles checks of a build's PTX (kept instead of the PTX: there are over a thousand
+    builds), or the error the build raised."""
+    try:
+        ptx = compile_ptx(spec.source(), spec.function, arch)
+    except Exception as error:   # raised again by the case's own test
+        return error
+    return {"entry": f".entry {spec.function}" in ptx, "targets": set(re.findall(r"^\.target (\S+)", ptx, re.M)),
+            "wgmma": {op: op in ptx for op in ("wgmma.mma_async", "wgmma.fence", "wgmma.wait_group")}}
+
+
+@pytest.fixture(scope="module")
+def built(request):
+    """The facts of every compile case this session runs, built on a thread per CPU up front: NVRTC releases the
+    GIL, and these builds are most of the CPU suite's time."""
+    cases = {tuple(item.callspec.params.values()) for item in request.session.items
+             if getattr(item, "originalname", None) == "test_template_compiles" and item.module.__name__ == __name__}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(cases, pool.map(lambda case: _ptx_facts(*case), cases)))
+
+
 @pytest.mark.parametrize("spec,arch", COMPILE_CASES)
-def test_template_compiles(spec, arch):
-    ptx = compile_ptx(spec.source(), spec.function, arch)
-    assert f".entry {spec.function}" in ptx
-    assert f".target sm_{arch.split('_')[1]}" in ptx
+def test_template_compiles(spec, arch, built):
+    facts = built[(spec, arch)] if (spec, arch) in built else _ptx_facts(spec, arch)
+    if isinstance(facts, Exception):
+        raise facts
+    assert facts["entry"]
+    assert f"sm_{arch.split('_')[1]}" in facts["targets"]
     # warpgroup MMAs only where the target allows them, and there for real
-    assert ("wgmma.mma_async" in ptx) == (spec.template in HOPPER_TEMPLATES)
+    assert facts["wgmma"]["wgmma.mma_async"] == (spec.template in HOPPER_TEMPLATES)
     if spec.template == WGMMA_TEMPLATE:
-        assert ".target sm_90a" in ptx and "wgmma.fence" in ptx and "wgmma.wait_group" in ptx
+        assert "sm_90a" in facts["targets"] and facts["wgmma"]["wgmma.fence"] and facts["wgmma"]["wgmma.wait_group"]
 
 
 def _ptxas_log(spec, extra=()):
@@ -410,13 +435,13 @@ def _spill_plan(name):
 
 
 @pytest.mark.parametrize("name", sorted(SPILL_CASES))
-def test_wgmma_kernels_build_for_sm_90a_without_spilling(name):
+def test_wgmma_kernels_build_for_sm_90a_without_spilling(name, ptxas_logs):
     """NVRTC builds the wgmma kernels (forward and grad_input) to sm_90a cubins; ptxas keeps every tile in
     registers, with no stack frame and no serialised warpgroup MMAs."""
     main = _spill_plan(name)
     spec = main.spec
     assert spec.target == "sm_90a" and f"-arch={spec.target}" in spec.options
-    log = _ptxas_log(spec)
+    log = ptxas_logs(spec)
     assert "for 'sm_90a'" in log, log
     found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert found, log
@@ -552,14 +577,17 @@ WEIGHT_SPILL_CASES = [(layer, opts.get("tile"), dtype) for layer, g in WGMMA_GRA
                       for opts in wgmma.grad_weight_options(g) for dtype in ("float16", "bfloat16")]
 
 
+def _weight_split(layer, tile, dtype):
+    return wgmma.plan_grad_weight(WGMMA_GRAD_WEIGHT_LAYERS[layer], dtype, 132, "nhwc", wgmma.WEIGHT_TILES.get(tile))
+
+
 @pytest.mark.parametrize("layer,tile,dtype", WEIGHT_SPILL_CASES,
                          ids=[f"{layer}-{tile or 'heuristic'}-{dtype}" for layer, tile, dtype in WEIGHT_SPILL_CASES])
-def test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile, dtype):
-    g = WGMMA_GRAD_WEIGHT_LAYERS[layer]
-    split = wgmma.plan_grad_weight(g, dtype, 132, "nhwc", wgmma.WEIGHT_TILES.get(tile))
+def test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile, dtype, ptxas_logs):
+    split = _weight_split(layer, tile, dtype)
     spec = split.partial.spec
     assert spec.target == "sm_90a"
-    log = _ptxas_log(spec)
+    log = ptxas_logs(spec)
     found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert found and found.groups() == ("0", "0", "0"), log
     assert "serialized" not in log and "Performance Loss" not in log, log
@@ -572,12 +600,15 @@ TF32_WEIGHT_SPILL_CASES = [(layer, opts.get("tile"), layout) for layer, g in WGM
                            if layer != "huge_64bit"]
 
 
+def _tf32_weight_split(layer, tile, layout):
+    return wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS[layer], 132, layout, wgmma.TF32_WEIGHT_TILES.get(tile))
+
+
 @pytest.mark.parametrize("layer,tile,layout", TF32_WEIGHT_SPILL_CASES,
                          ids=[f"{layer}-{tile or 'heuristic'}-{layout}" for layer, tile, layout in TF32_WEIGHT_SPILL_CASES])
-def test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile, layout):
-    split = wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS[layer], 132, layout,
-                                        wgmma.TF32_WEIGHT_TILES.get(tile))
-    log = _ptxas_log(split.partial.spec)
+def test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile, layout, ptxas_logs):
+    split = _tf32_weight_split(layer, tile, layout)
+    log = ptxas_logs(split.partial.spec)
     found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert found and found.groups() == ("0", "0", "0"), log
     assert "serialized" not in log and "Performance Loss" not in log, log
@@ -585,16 +616,19 @@ def test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile,
     assert split.partial.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
 
 
-@pytest.mark.parametrize("layer", ("4x4_stride2", "one_tile", "2x2_input"))
-def test_grad_weight_kernels_writing_a_channels_last_weight_build_without_spilling(layer):
-    layers = {**WGMMA_GRAD_WEIGHT_LAYERS, **WGMMA_TF32_WEIGHT_LAYERS}
-    g = layers[layer].with_weight_channels_last()
+def _channels_last_weight_splits(layer):
+    g = {**WGMMA_GRAD_WEIGHT_LAYERS, **WGMMA_TF32_WEIGHT_LAYERS}[layer].with_weight_channels_last()
     splits = [wgmma.plan_grad_weight_tf32(g, 132, "nhwc")]
     if layer in WGMMA_GRAD_WEIGHT_LAYERS:
         splits.append(wgmma.plan_grad_weight(g, "bfloat16", 132, "nhwc"))
-    for split in splits:
+    return splits
+
+
+@pytest.mark.parametrize("layer", ("4x4_stride2", "one_tile", "2x2_input"))
+def test_grad_weight_kernels_writing_a_channels_last_weight_build_without_spilling(layer, ptxas_logs):
+    for split in _channels_last_weight_splits(layer):
         assert dict(split.partial.spec.constants)["WEIGHT_CL"]
-        log = _ptxas_log(split.partial.spec)
+        log = ptxas_logs(split.partial.spec)
         found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
         assert found and found.groups() == ("0", "0", "0"), log
 
@@ -614,3 +648,40 @@ def test_the_wgmma_transpose_immediates_follow_the_operand_majors():
     spec = wgmma.plan_grad_weight_tf32(g, 132, "nchw").partial.spec
     tf32 = compile_ptx(spec.source(), spec.function, "compute_90a", spec.options[:1])
     assert re.search(r"wgmma\.mma_async[^;]*?k8\.f32\.tf32\.tf32[^;]*?, 1, 1;", tf32, re.S)
+
+
+# The specs each ptxas test builds, from its parameters: ptxas_logs builds them all up front.
+_PTXAS_SPECS = {
+    "test_wgmma_kernels_build_for_sm_90a_without_spilling": lambda name: [_spill_plan(name).spec],
+    "test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling":
+        lambda layer, tile, dtype: [_weight_split(layer, tile, dtype).partial.spec],
+    "test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling":
+        lambda layer, tile, layout: [_tf32_weight_split(layer, tile, layout).partial.spec],
+    "test_grad_weight_kernels_writing_a_channels_last_weight_build_without_spilling":
+        lambda layer: [split.partial.spec for split in _channels_last_weight_splits(layer)],
+}
+
+
+def _ptxas_log_or_error(spec):
+    try:
+        return _ptxas_log(spec)
+    except Exception as error:   # raised again by the test that reads it
+        return error
+
+
+@pytest.fixture(scope="module")
+def ptxas_logs(request):
+    """``log(spec)``: ptxas's log of a spec, every one this session's ptxas tests need built up front on a thread
+    per CPU (NVRTC releases the GIL); a spec built by no selected test is built when asked for."""
+    specs = {spec for item in request.session.items
+             if item.module.__name__ == __name__ and getattr(item, "originalname", None) in _PTXAS_SPECS
+             for spec in _PTXAS_SPECS[item.originalname](**item.callspec.params)}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        logs = dict(zip(specs, pool.map(_ptxas_log_or_error, specs)))
+
+    def log(spec):
+        found = logs[spec] if spec in logs else _ptxas_log_or_error(spec)
+        if isinstance(found, Exception):
+            raise found
+        return found
+    return log
