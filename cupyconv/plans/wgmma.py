@@ -490,20 +490,12 @@ def weight_phases(g: Geometry) -> Tuple[int, int, int]:
     return max(map(len, rows)) * max(map(len, cols)), spread[0], spread[1]
 
 
-def _weight_block_taps(g: Geometry, tap_group: int) -> List[int]:
-    """The taps of each grad_weight block (per stride phase, per chunk of ``tap_group``)."""
+def weight_block_taps(g: Geometry, tap_group: int) -> List[int]:
+    """The taps of each grad_weight block with ``tap_group`` taps a block: each stride phase's taps in chunks of
+    ``tap_group`` (phases without taps hold no block)."""
     rows, cols = _phase_shifts(g)
     return [min(tap_group, taps - start) for taps in (len(r) * len(c) for r in rows for c in cols)
             for start in range(0, taps, tap_group)]
-
-
-def weight_tap_counts(g: Geometry, tap_group: int) -> int:
-    """The taps a grad_weight block can hold with ``tap_group`` taps a block, as a bit mask (bit t: some block
-    has t taps): each stride phase's taps in chunks of ``tap_group``."""
-    mask = 0
-    for taps in _weight_block_taps(g, tap_group):
-        mask |= 1 << taps
-    return mask
 
 
 def weight_skips_absent_taps(g: Geometry, tap_group: int) -> bool:
@@ -512,7 +504,7 @@ def weight_skips_absent_taps(g: Geometry, tap_group: int) -> bool:
     MMAs, at which ptxas makes the warpgroup wait: 10% of the 15-tap asym_kernel's time (H200), against the 7%
     more MMAs its last group of three costs run full.  So blocks test their taps only where full groups would
     add more than an eighth to the MMAs (a 3 x 3 stride-2 layer's phases of 4, 2, 2 and 1 taps)."""
-    taps = _weight_block_taps(g, tap_group)
+    taps = weight_block_taps(g, tap_group)
     issued, needed = len(taps) * tap_group, sum(taps)
     return issued - needed > needed / 8
 

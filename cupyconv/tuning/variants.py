@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-# rows x columns, or [images i] height x width x channels, or grad_weight's channels x channels x taps [r rows],
+# rows x columns, or [images i] height x width x channels, or grad_weight's channels x channels x taps [r rows
+# [w columns]],
 # or the tiled forward's rows x columns x channels [b blocks per SM]
 _TILE = re.compile(r"(\d+i)?\d+x\d+(x\d+)?(r\d+(w\d+)?|b\d+)?")
 _STAGES = re.compile(r"s(\d+)")
