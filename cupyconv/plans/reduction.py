@@ -71,10 +71,12 @@ def finishing_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Op
 @functools.lru_cache(maxsize=1024)
 def plan_tap_major_reduce(dtype: str, rows: int, taps: int, chunks: int, index_t: str) -> Plan:
     """The reduce of partials written tap-major, ``[chunk][tap][row]``: adds the chunks in order and writes
-    ``out[row][tap]`` (the weight's layout), through 32 x 32 tiles of (rows, taps)."""
+    ``out[row][tap]`` (the weight's layout), through tiles of 1024 values: the taps, up to 32, rounded up to a
+    power of two, by as many rows as make 1024."""
     constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, TAPS=taps)
     spec = KernelSpec.make("reduce_tap_major_partials.cu", "reduce_tap_major_partials", constants)
-    return Plan(spec, (cdiv(rows, 32), cdiv(taps, 32), 1), (256, 1, 1), (rows, chunks), index_t)
+    tap_tile = min(32, 1 << (taps - 1).bit_length())
+    return Plan(spec, (cdiv(rows, 1024 // tap_tile), cdiv(taps, tap_tile), 1), (256, 1, 1), (rows, chunks), index_t)
 
 
 @functools.lru_cache(maxsize=1024)
