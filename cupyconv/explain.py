@@ -674,7 +674,7 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precisio
             continue
         kernels, note, partial = [], "", None
         for stage, plan in recorded.launches:
-            if stage in ("pack", "to_channels_last"):
+            if stage in ("pack", "to_channels_last", "pack_sources"):
                 # a copy: each byte read once and written once
                 moved = 2 * (w if stage == "pack" else plan.scratch_bytes)
                 kernels.append(_record(name, stage, plan, 0, moved, peak, dtype))

@@ -11,12 +11,11 @@
 // (With pixels innermost, a one-pixel shift would fall inside a slot.)  A K step is QUADS groups
 // of four images x TILE_H x TILE_W input pixels, and the halo the same over the phase's span.
 //
-// Every word is its own 4-byte cp.async, so both layouts are read in place: a warp copies four
-// 32-byte runs (NCHW: 8 pixels x 4 images of one channel; NHWC: 8 channels x 4 images of one
-// pixel), and planes padded by 16 bytes put its 32 words on distinct banks either way.  A lane's
-// words of one slot differ only by channel, so each costs an add and the copy.  The tensor
-// cores drop the low 13 bits of fp32 words, so a landed stage is rounded in place (cvt.rna, as the
-// mma.sync GEMMs round their fragments) before any MMA reads it.
+// Both operands come packed by to_image_quads.cu as [n / 4][pixel][channel][n % 4], rounded to TF32 (the
+// tensor cores would drop the low 13 bits of fp32 words unrounded), so a plane is one contiguous run of the
+// packed source: a thread copies one channel's 16-byte slot of a row's planes, a warp 512 contiguous bytes, and
+// the copies coalesce.  (Read in place, every word was its own 4-byte cp.async, an L2 request of one sector, and
+// a landed stage needed a rounding pass: 1.3-2.3x slower on every layer measured.)
 //
 // Split-K, the tap-major partials and their fixed-order reduction are the 16-bit kernel's.
 #include "layer.cuh"
@@ -33,7 +32,6 @@ constexpr int QUADS = {{QUADS}};             // groups of four images in a K ste
 constexpr int SPAN_H = {{SPAN_H}}, SPAN_W = {{SPAN_W}};   // the widest spread of one phase's tap shifts
 constexpr int STAGES = {{STAGES}};
 constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};
-constexpr bool NHWC = {{NHWC}};
 constexpr int TAP_CHUNKS = {{TAP_CHUNKS}};   // tap groups of the phase with the most taps
 typedef PartialOut<SINGLE_CHUNK, scalar_t, float>::type partial_t;
 
@@ -54,65 +52,43 @@ static_assert(TAP_GROUP >= 1 && TAP_GROUP <= 4, "a block accumulates one to four
 static_assert(!SINGLE_CHUNK || TAPS == 1 || WEIGHT_CL, "tap-major partials are the weight's layout only for one tap");
 static_assert(STAGES >= 3, "one tile copied ahead and one whose MMAs are in flight");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
+static_assert(THREADS % BM == 0 && THREADS % BN == 0, "whole planes per copy round");
 
-__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
-}
-
-constexpr int WARPS = THREADS / 32;
-
-// Copies one operand's words of a stage: CHANNELS channels (the first `channels` of which exist) of SLOT_COUNT
-// slots into planes PLANE bytes apart from `dst`.  locate(slot, image, at) says whether image `image`'s pixel of
-// that slot exists and sets `at` to its element offset at the tile's first channel; channels lie `channel_stride`
-// elements apart.  A lane copies image lane / 8; its other coordinate runs along the source's contiguous axis,
-// so a warp reads four 32-byte runs: NCHW, pixels (a warp takes channels warp, warp + WARPS, ... of every octet
-// of slots); NHWC, channels (a warp takes slots warp, warp + WARPS, ..., each a whole channel row).  The
-// address arithmetic is paid once per slot, each channel only adding its stride.
-template <int CHANNELS, int SLOT_COUNT, int PLANE, typename Locate>
-__device__ __forceinline__ void copy_operand(unsigned dst, const scalar_t* src, index_t channel_stride, int channels,
-                                             Locate& locate, int warp_id, int lane) {
-    const int image = lane / 8, sub = lane % 8;
-    if constexpr (NHWC) {
+// Copies one packed operand's planes of a stage: ROWS rows of COLS planes (image groups x pixel rows, then the
+// pixels of a row), each plane CHANNELS 16-byte slots (the first `channels` of which exist), PLANE bytes apart
+// from `dst`.  locate_row(row, at) says whether the row exists and sets `at` to its first pixel's run in `src`;
+// neighbouring planes of a row lie COL_STRIDE slots apart there, and col_ok(col) says whether a column exists.
+// A thread copies one channel of every STEP-th row, whole: its rows' arithmetic is paid once a row, each plane
+// only a test and a copy at a fixed offset.  A warp copies 32 neighbouring slots of one plane: 512 contiguous
+// bytes on both sides.
+template <int CHANNELS, int ROWS, int COLS, int PLANE, int COL_STRIDE, typename LocateRow, typename ColOk>
+__device__ __forceinline__ void copy_packed(unsigned dst, const float4* src, int channels, LocateRow& locate_row,
+                                            ColOk& col_ok, int tid) {
+    constexpr int STEP = THREADS / CHANNELS;
+    const int c = tid % CHANNELS;
+    const bool channel_ok = c < channels;
+    for (int row = tid / CHANNELS; row < ROWS; row += STEP) {
+        index_t at;
+        const bool row_ok = locate_row(row, at) && channel_ok;
+        const float4* from = src + at + c;
+        const unsigned to = dst + row * COLS * PLANE + c * 16;
 #pragma unroll
-        for (int s0 = 0; s0 < SLOT_COUNT; s0 += WARPS) {
-            const int slot = s0 + warp_id;
-            if (SLOT_COUNT % WARPS != 0 && slot >= SLOT_COUNT) break;
-            index_t at;
-            const bool ok = locate(slot, image, at);
-#pragma unroll
-            for (int c = sub; c < CHANNELS; c += 8) {
-                const bool in = ok && c < channels;
-                cp_async_4(dst + slot * PLANE + c * 16 + image * 4, in ? src + at + c : src, in);
-            }
-        }
-    } else {
-#pragma unroll
-        for (int octet = 0; octet < (SLOT_COUNT + 7) / 8; ++octet) {
-            const int slot = octet * 8 + sub;
-            if (SLOT_COUNT % 8 != 0 && slot >= SLOT_COUNT) break;
-            index_t at;
-            const bool ok = locate(slot, image, at);
-#pragma unroll
-            for (int c0 = 0; c0 < CHANNELS; c0 += WARPS) {
-                const int c = c0 + warp_id;
-                const bool in = ok && c < channels;
-                cp_async_4(dst + slot * PLANE + c * 16 + image * 4, in ? src + at + c * channel_stride : src, in);
-            }
+        for (int col = 0; col < COLS; ++col) {
+            const bool ok = row_ok && col_ok(col);
+            cp_async_16(to + col * PLANE, ok ? from + col * COL_STRIDE : src, ok);
         }
     }
 }
 
 // The 16-bit kernel's ring (STAGES buffers, STAGES - 2 tiles copied ahead, one step's MMAs in flight
-// while the next waits), with a rounding pass between a stage landing and its MMAs: every thread
-// rounds a share of the stage, fences the async proxy, and a second barrier hands it over.
+// while the next waits).
 // A block with fewer taps than TAP_GROUP still runs every tap's MMAs, its idle taps reading the
 // first tap's window into accumulators that are never stored: a branch between the MMAs makes
 // ptxas serialise them (C7515), which measured slower on the large ragged layer (NOTES v14).
 constexpr int LOOKAHEAD = STAGES - 2;
 template <typename Issue>
 __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], const int (&offsets)[TAP_GROUP],
-                                           unsigned char* smem, int k_tiles, int wg, int tid,
-                                           Issue& issue) {
+                                           unsigned char* smem, int k_tiles, int wg, Issue& issue) {
 #pragma unroll
     for (int s = 0; s < LOOKAHEAD; ++s) {
         if (s < k_tiles) issue(s, s);
@@ -120,15 +96,13 @@ __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], cons
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
         cp_async_wait<LOOKAHEAD - 1>();
+        fence_async_shared();   // hands cp.async's writes to the tensor cores' async proxy
         // Tile kt has landed for every thread, and every warpgroup has retired the MMAs of tile kt - 2.
         __syncthreads();
         const int next = kt + LOOKAHEAD;
         if (next < k_tiles) issue(next, next % STAGES);
         cp_async_commit();
         const unsigned stage = smem_addr(smem + (kt % STAGES) * STAGE_BYTES);
-        for (int v = tid; v < STAGE_BYTES / 16; v += THREADS) round_shared_tf32(stage + v * 16);
-        fence_async_shared();   // hands the rounded words to the tensor cores' async proxy
-        __syncthreads();
         const unsigned a_base = stage + wg * 8 * 128;   // the warpgroup's 64 channels: eight core matrices
         const unsigned b_base = stage + A_BYTES;
 #pragma unroll
@@ -159,14 +133,14 @@ __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], cons
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-conv_transpose2d_grad_weight_wgmma_tf32(const scalar_t* __restrict__ x, const scalar_t* __restrict__ grad_out,
+conv_transpose2d_grad_weight_wgmma_tf32(const float4* __restrict__ x_quads, const float4* __restrict__ grad_out_quads,
                                         partial_t* __restrict__ partial, index_t N, index_t H, index_t W,
                                         index_t H_out, index_t W_out, index_t k_tiles_per_split) {
     extern __shared__ __align__(128) unsigned char smem[];   // STAGES x (x tile, grad_out halo)
     __shared__ int tap_ids[TAP_GROUP], tap_origins[TAP_GROUP];
     __shared__ int tap_count, base_h, base_w;
 
-    const int tid = threadIdx.x, wg = tid / 128, warp = tid % 128 / 32, warp_id = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x, wg = tid / 128, warp = tid % 128 / 32, lane = tid % 32;
     const int phase = blockIdx.x % PHASES, chunk = blockIdx.x / PHASES % TAP_CHUNKS;
     const int g = blockIdx.x / (PHASES * TAP_CHUNKS);
     const int rh = phase / SW, rw = phase % SW;
@@ -191,24 +165,24 @@ conv_transpose2d_grad_weight_wgmma_tf32(const scalar_t* __restrict__ x, const sc
         const index_t tile = kt0 + kt;
         const index_t image0 = tile / (tiles_h * tiles_w) * (QUADS * IMAGES);
         const index_t i0 = tile / tiles_w % tiles_h * TILE_H, j0 = tile % tiles_w * TILE_W;
-        auto locate_x = [&](int slot, int image, index_t& at) {
-            const int p = slot % TILE_PIXELS;
-            const index_t n = image0 + slot / TILE_PIXELS * IMAGES + image;
-            const index_t i = i0 + p / TILE_W, j = j0 + p % TILE_W;
-            at = NHWC ? ((n * H + i) * W + j) * CIN + ic0 : ((n * CIN + ic0) * H + i) * W + j;
-            return n < N && i < H && j < W;
+        const index_t quad0 = image0 / IMAGES, quads = (N + IMAGES - 1) / IMAGES;
+        auto x_row = [&](int row, index_t& at) {
+            const index_t q = quad0 + row / TILE_H, i = i0 + row % TILE_H;
+            at = ((q * H + i) * W + j0) * CIN + ic0;
+            return q < quads && i < H;
         };
-        auto locate_go = [&](int slot, int image, index_t& at) {
-            const int p = slot % HALO_PIXELS;
-            const index_t n = image0 + slot / HALO_PIXELS * IMAGES + image;
-            const index_t oh = static_cast<index_t>(SH) * (i0 + p / HALO_W + lo_h) + rh;
-            const index_t ow = static_cast<index_t>(SW) * (j0 + p % HALO_W + lo_w) + rw;
-            at = NHWC ? ((n * H_out + oh) * W_out + ow) * COUT + oc0 : ((n * COUT + oc0) * H_out + oh) * W_out + ow;
-            return n < N && oh >= 0 && oh < H_out && ow >= 0 && ow < W_out;
+        auto x_col = [&](int col) { return j0 + col < W; };
+        const index_t ow0 = static_cast<index_t>(SW) * (j0 + lo_w) + rw;
+        auto go_row = [&](int row, index_t& at) {
+            const index_t q = quad0 + row / HALO_H;
+            const index_t oh = static_cast<index_t>(SH) * (i0 + row % HALO_H + lo_h) + rh;
+            at = ((q * H_out + oh) * W_out + ow0) * COUT + oc0;
+            return q < quads && oh >= 0 && oh < H_out;
         };
-        copy_operand<BM, SLOTS, A_PLANE>(a_tile, x, NHWC ? 1 : H * W, channels_a, locate_x, warp_id, lane);
-        copy_operand<BN, HALO_SLOTS, B_PLANE>(b_tile, grad_out, NHWC ? 1 : H_out * W_out, channels_b, locate_go,
-                                              warp_id, lane);
+        auto go_col = [&](int col) { return ow0 + SW * col >= 0 && ow0 + SW * col < W_out; };
+        copy_packed<BM, QUADS * TILE_H, TILE_W, A_PLANE, CIN>(a_tile, x_quads, channels_a, x_row, x_col, tid);
+        copy_packed<BN, QUADS * HALO_H, HALO_W, B_PLANE, SW * COUT>(b_tile, grad_out_quads, channels_b, go_row,
+                                                                    go_col, tid);
     };
 
     int offsets[TAP_GROUP];   // the taps' halo origins in bytes, in registers for the descriptors
@@ -220,7 +194,7 @@ conv_transpose2d_grad_weight_wgmma_tf32(const scalar_t* __restrict__ x, const sc
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc[t][e] = 0.0f;
 
-    accumulate(acc, offsets, smem, k_tiles, wg, tid, issue);
+    accumulate(acc, offsets, smem, k_tiles, wg, issue);
 
     // one copy of the partials per split (grad_weight itself for SINGLE_CHUNK)
     partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G;

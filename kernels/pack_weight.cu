@@ -10,6 +10,8 @@
 // TILE_N x TILE_K per (n tile, k chunk, tap), each tile one contiguous block.
 // ROUND_TF32 rounds fp32 values to TF32 (round to nearest, ties away), as the wgmma kernels, which
 // read TF32 operands straight from shared memory, need.
+#include "tf32_round.cuh"
+
 typedef {{INDEX_T}} index_t;
 
 constexpr int MODE = {{MODE}};
@@ -62,9 +64,7 @@ pack_weight(const bits_t* __restrict__ weight, bits_t* __restrict__ packed) {
             const int ic = MODE == 0 ? k : n, oc = MODE == 0 ? n : k;
             const index_t row = static_cast<index_t>(g) * CIN_G + ic;
             v = weight[WEIGHT_CL ? (row * TAPS + t) * COUT_G + oc : (row * COUT_G + oc) * TAPS + t];
-            // cvt.rna.tf32.f32 by bits, so the kernel builds for any architecture: half a TF32 unit added to the
-            // magnitude, the dropped bits cleared; Inf and NaN keep theirs.
-            if constexpr (ROUND_TF32) v = (v & 0x7f800000u) == 0x7f800000u ? v : (v + 0x1000u) & 0xffffe000u;
+            if constexpr (ROUND_TF32) v = round_tf32_bits(v);
         }
         packed[e] = v;
     }

@@ -306,7 +306,10 @@ def test_variants_reach_every_template_and_both_index_widths():
     tf32_weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_TF32_WEIGHT_TEMPLATE]
     assert {(c["TILE_H"], c["TILE_W"], c["QUADS"]) for c in tf32_weights} >= {(2, 8, 1), (4, 4, 1), (2, 2, 4),
                                                                                (1, 2, 3)}
-    assert {c["NHWC"] for c in tf32_weights} == {True, False} and {c["STAGES"] for c in tf32_weights} == {3, 4}
+    assert {c["STAGES"] for c in tf32_weights} == {3, 4}
+    quad_packs = [dict(s.constants) for s in PLANS if s.template == "to_image_quads.cu"]
+    assert {c["NHWC"] for c in quad_packs} == {True, False}
+    assert {c["INDEX_T"] for c in quad_packs} == {"int", "long long"}
     assert {c["TAP_GROUP"] for c in tf32_weights} == {t.taps for t in wgmma.TF32_WEIGHT_TILES.values()}
     assert {c["SINGLE_CHUNK"] for c in tf32_weights} == {True, False}
     assert {c["INDEX_T"] for c in tf32_weights} == {"int", "long long"}

@@ -264,6 +264,39 @@ def test_weight_packed_for_tf32_wgmma_is_rounded_to_nearest():
         gemm.plan_pack_weight_padded(g, "float16", 0, 32, 32, (32, 16), round_tf32=True)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("x_shape, w_shape, kwargs", [
+    # a batch of 6 (a ragged image group), channels and pixels past whole 32-wide tiles
+    ((6, 40, 5, 7), (40, 33, 4, 4), dict(stride=2, padding=1)),
+    # one image, one pixel
+    ((1, 16, 1, 1), (16, 24, 2, 2), dict(stride=2)),
+])
+def test_sources_packed_into_image_quads_for_tf32_grad_weight(x_shape, w_shape, kwargs, layout):
+    """x and grad_output in one launch, each as [n / 4][pixel][channel][n % 4], rounded to TF32 as cvt.rna
+    rounds, the images past the batch zero, grad_output's copy from the aligned offset the plan gives."""
+    from cupyconv.plans import wgmma
+
+    g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+    plan, x_bytes = wgmma.plan_to_image_quads(g, layout)
+    rng = np.random.default_rng(sum(x_shape))
+    x = rng.standard_normal(g.input_shape).astype(np.float32)
+    go = rng.standard_normal(g.output_shape).astype(np.float32)
+    x.ravel()[:4] = [1 + 2 ** -11, -(1 + 2 ** -11), np.inf, np.finfo(np.float32).max]   # ties away; Inf stays
+    to_layout = _nhwc if layout == "nhwc" else np.ascontiguousarray
+    scratch = np.full(plan.scratch_bytes // 4, np.nan, np.float32)   # anything the pack leaves unwritten shows
+    offset = wgmma.aligned_size(x_bytes) // 4
+    _, _, x_quads, go_quads = cuda_emulator.run(plan, [to_layout(x), to_layout(go), scratch[:offset],
+                                                       scratch[offset:]], ["float", "float", "uint4", "uint4"])
+    for name, got, source in (("x", x_quads[:x_bytes // 4], x), ("grad_output", go_quads, go)):
+        n, c = source.shape[:2]
+        quads = -(-n // 4)
+        padded = np.zeros((quads * 4,) + source.shape[1:], np.float32)
+        padded[:n] = source
+        want = padded.reshape(quads, 4, c, -1).transpose(0, 3, 2, 1)   # [quad][pixel][channel][image]
+        np.testing.assert_array_equal(got.view(np.float32).reshape(want.shape), _tf32_nearest_away(want),
+                                      err_msg=name)
+
+
 def _weight_channels_last(w):
     """A (C_in, C_out/groups, kH, kW) weight's channels_last memory: (C_in, kH, kW, C_out/groups)."""
     return np.ascontiguousarray(w.transpose(0, 2, 3, 1))

@@ -16,13 +16,13 @@ EXPECTED = {
     "conv_transpose2d_grad_weight_nhwc.cu",
 }
 GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
-DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu"}
+DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu", "to_image_quads.cu"}
 LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_large_kernel_grad_input.cu",
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
 WGMMA = {"conv_transpose2d_wgmma.cu"}
 WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
 WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
-TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its 32 x 8 block is its transpose tile, not a setting
+TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its tile follows its tap count, not a setting
 TILED = {"conv_transpose2d_forward_tiled.cu"}
 # the constants of kernels/include/layer.cuh: every layer template takes them
 LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G",
@@ -47,15 +47,21 @@ def test_the_wgmma_grad_weight_template_inlines_the_mma_headers():
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 
-def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_the_layout():
+def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_no_layout():
     name, = WGMMA_TF32_GRAD_WEIGHT
     text = templates.expanded(name)
     assert "#include" not in text
-    # wgmma.cuh, mma.cuh's TF32 rounding, and the phase-tap helpers shared with the 16-bit kernel
-    assert "wgmma_async" in text and "round_shared_tf32" in text and "find_phase_taps" in text
+    # wgmma.cuh, cp.async, and the phase-tap helpers shared with the 16-bit kernel
+    assert "wgmma_async" in text and "cp_async_16" in text and "find_phase_taps" in text
     tile = {"WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TILE_H", "TILE_W", "QUADS", "SPAN_H", "SPAN_W",
-            "STAGES", "SINGLE_CHUNK", "NHWC"}
-    assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
+            "STAGES", "SINGLE_CHUNK"}
+    assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name), "its sources come packed"
+
+
+def test_the_image_quad_pack_rounds_by_bits_and_takes_the_layout():
+    text = templates.expanded("to_image_quads.cu")
+    assert "#include" not in text and "round_tf32_bits" in text and "asm" not in text, "builds for any architecture"
+    assert templates.placeholders("to_image_quads.cu") == {"INDEX_T", "NHWC"}
 
 
 def test_the_tiled_forward_takes_the_layer_and_its_tile():

@@ -1196,7 +1196,7 @@ def test_unaligned_channels_last_grad_weight_runs_the_gemm():
 
 def test_tf32_grad_weight_eligibility_takes_any_channel_count_of_16_or_more():
     g = _g((2, 60, 8, 8), (60, 17, 4, 4), stride=2, padding=1)
-    assert wgmma.grad_weight_eligible(g, "float32", "tf32"), "words are copied one by one: no 16-byte runs needed"
+    assert wgmma.grad_weight_eligible(g, "float32", "tf32"), "packed word by word: no 16-byte runs needed"
     assert not wgmma.grad_weight_eligible(g, "float32", "strict"), "3xTF32 stays on mma.sync"
     assert not wgmma.grad_weight_eligible(g, "float16", "tf32"), "16-bit kinds still need whole 16-byte runs"
     assert not wgmma.grad_weight_eligible(_g((2, 64, 8, 8), (64, 12, 4, 4), stride=2), "float32", "tf32")
@@ -1220,12 +1220,21 @@ def test_tf32_grad_weight_steps_fill_sixteen_slots_from_the_input(size, batch, s
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_tf32_grad_weight_plans_a_split_k_that_reads_either_layout_in_place(layout):
+def test_tf32_grad_weight_plans_a_split_k_on_sources_packed_into_image_quads(layout):
     g = _g((16, 256, 32, 32), (256, 64, 4, 4), stride=2, padding=1)
-    split = wgmma.plan_grad_weight_tf32(g, 132, layout)
+    plan = wgmma.plan_grad_weight_tf32(g, 132, layout)
     tile = wgmma.tf32_weight_tile(g)
     assert tile.name == "128x64x4", "four taps a phase, more than 64 input channels"
-    assert split.sources is None, "no channels_last copies: words are copied from either layout"
+    # one launch packs both sources: 4 image groups x 32-channel x 32-pixel tiles of each
+    pack = plan.pack
+    assert pack.spec.function == "to_image_quads" and dict(pack.spec.constants)["NHWC"] is (layout == "nhwc")
+    x_blocks = 4 * (256 // 32) * (32 * 32 // 32)
+    go_blocks = 4 * (64 // 32) * (64 * 64 // 32)
+    assert pack.grid == (x_blocks + go_blocks, 1, 1) and pack.block == (256, 1, 1)
+    assert pack.scalars == (16, 256, 32 * 32, 64, 64 * 64, x_blocks)
+    assert plan.x_bytes == 16 * 256 * 32 * 32 * 4 and pack.scratch_bytes == plan.x_bytes + 16 * 64 * 64 * 64 * 4
+    assert plan.plans()[0] is pack and plan.split.sources is None
+    split = plan.split
     blocks_x, channel_tiles, splits = split.partial.grid
     assert blocks_x == 4 and channel_tiles == 2 * 1 and split.partial.block == (256, 1, 1)
     k_tiles = cdiv(16, 4) * cdiv(32, 2) * cdiv(32, 8)   # image groups x 2 x 8 pixel patches
@@ -1235,15 +1244,29 @@ def test_tf32_grad_weight_plans_a_split_k_that_reads_either_layout_in_place(layo
     # plane padded by 16 bytes
     assert split.partial.smem_bytes == 3 * (16 * (128 * 16 + 16) + 27 * (64 * 16 + 16)) <= wgmma.SMEM_LIMIT
     constants = dict(split.partial.spec.constants)
-    assert constants["NHWC"] is (layout == "nhwc") and constants["SCALAR_T"] == "float"
+    assert "NHWC" not in constants and constants["SCALAR_T"] == "float", "packed sources have one layout"
     assert (constants["TILE_H"], constants["TILE_W"], constants["QUADS"], constants["STAGES"]) == (2, 8, 1, 3)
     assert split.partial.spec.target == wgmma.TARGET
     assert split.reduce.spec.function == "reduce_tap_major_partials"
+    other = wgmma.plan_grad_weight_tf32(g, 132, "nhwc" if layout == "nchw" else "nchw")
+    assert other.partial.spec == split.partial.spec, "both layouts run one kernel"
     # one K step of a one-tap layer writes grad_weight itself
     one = wgmma.plan_grad_weight_tf32(_g((4, 64, 2, 8), (64, 64, 1, 1), stride=2), 132, layout)
     assert one.reduce is None and dict(one.partial.spec.constants)["SINGLE_CHUNK"] is True
     with pytest.raises(ValueError, match="stages must be one of"):
         wgmma.plan_grad_weight_tf32(g, 132, layout, stages=5)
+
+
+def test_tf32_grad_weight_packed_offsets_widen_before_the_padded_groups_overflow():
+    """Packed offsets count slots of four images, up to a step's image groups past the last: one image whose
+    grad_output has 2**30 elements is one group of 2**30 slots and one past it, so it takes 64-bit offsets; at
+    2**29 elements it keeps 32-bit ones."""
+    wide = _g((1, 32, 128, 2 ** 16), (32, 32, 2, 2), stride=2)
+    narrow = _g((1, 32, 64, 2 ** 16), (32, 32, 2, 2), stride=2)
+    assert numel(wide.output_shape) == 2 ** 30 and numel(narrow.output_shape) == 2 ** 29
+    assert wgmma.tf32_weight_step(wide).quads == wgmma.tf32_weight_step(narrow).quads == 1
+    assert wgmma.plan_grad_weight_tf32(wide, 132, "nchw").partial.index_t == "long long"
+    assert wgmma.plan_grad_weight_tf32(narrow, 132, "nchw").partial.index_t == "int"
 
 
 def test_tf32_grad_weight_heuristic_falls_back_to_a_tile_that_fits():
@@ -1266,7 +1289,7 @@ def test_tf32_grad_weight_candidates_follow_the_precision(layout):
     assert tf32[0] == WGMMA and GEMM in tf32
     assert all(v.family != "wgmma" for v in table.candidates("grad_weight", g, "float32", layout, "strict"))
     plan = table.plan("grad_weight", WGMMA, g, "float32", layout, "tf32", aligned=False)
-    assert plan.partial.spec.function == "conv_transpose2d_grad_weight_wgmma_tf32", "unaligned views read in place"
+    assert plan.partial.spec.function == "conv_transpose2d_grad_weight_wgmma_tf32", "unaligned views are packed too"
 
 
 # ------------------------------------------------------------------------ small grids

@@ -94,6 +94,36 @@ class SplitK(PassPlan):
 
 
 @dataclass(frozen=True)
+class PackedSourcesSplitK(PassPlan):
+    """x and grad_output packed into scratch by one ``pack`` launch (into the operand layout the partial pass
+    reads), then ``split`` on the packed copies.  ``x_bytes`` is where grad_output's copy starts in the pack's
+    scratch."""
+
+    pack: Plan
+    split: SplitK
+    x_bytes: int
+
+    @property
+    def partial(self) -> Plan:
+        return self.split.partial
+
+    @property
+    def reduce(self) -> Optional[Plan]:
+        return self.split.reduce
+
+    def plans(self) -> List[Plan]:
+        return [self.pack] + self.split.plans()
+
+    def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
+        x, grad_out, out = pointers
+        keep, (x_packed, grad_out_packed) = launcher.scratch(
+            [self.x_bytes, self.pack.scratch_bytes - aligned_size(self.x_bytes)])
+        launcher.launch("pack_sources", self.pack, (x, grad_out, x_packed, grad_out_packed))
+        self.split.run(launcher, (x_packed, grad_out_packed, out))
+        del keep
+
+
+@dataclass(frozen=True)
 class PackedGemm(PassPlan):
     """The weight repacked into the GEMM's operand layout, optionally the source copied to
     channels_last (shared through ``launcher.copies``), then the GEMM."""

@@ -9,8 +9,8 @@ for the ``mma.sync`` GEMMs, and NCHW sources are copied into channels_last scrat
 as there.  grad_weight is the ``mma.sync`` family's split-K GEMM per tap with wgmma for
 its math (``kernels/conv_transpose2d_grad_weight_wgmma.cu``): pixel tiles land channel
 group by channel group, which makes both operands MN-major.  TF32 takes K-major operands only, so float32's
-grad_weight (``kernels/conv_transpose2d_grad_weight_wgmma_tf32.cu``) runs K over (pixel, four images) and
-copies word by word, reading either layout in place.  Built for exactly sm_90
+grad_weight (``kernels/conv_transpose2d_grad_weight_wgmma_tf32.cu``) runs K over (pixel, four images), on
+copies of x and grad_output packed so (``kernels/to_image_quads.cu``).  Built for exactly sm_90
 (``sm_90a`` code runs on no other architecture); other GPUs keep the ``gemm`` family.
 """
 from __future__ import annotations
@@ -26,9 +26,9 @@ from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
 from . import gemm
 from .family import Family
-from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
+from .launch import GRID_YZ_LIMIT, Plan, aligned_size, cdiv, index_type, layer_constants, numel
 from .reduction import plan_reduce, plan_tap_major_reduce
-from .sequences import PackedGemm, PassPlan, SplitK
+from .sequences import PackedGemm, PackedSourcesSplitK, PassPlan, SplitK
 
 TARGET = "sm_90a"
 # wgmma kinds, as mma.cuh numbers them.  float32 runs as TF32 where the precision allows it (grad_weight on its
@@ -541,7 +541,7 @@ def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
 def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> bool:
     """16 or more channels a group on both sides, the GEMMs' grid limits, and a halo that fits shared memory;
     fp16/bf16 with whole 16-byte channel runs (:func:`plan_grad_weight`), or float32 at TF32 precision
-    (:func:`plan_grad_weight_tf32`, which copies word by word)."""
+    (:func:`plan_grad_weight_tf32`)."""
     if min(g.in_per_group, g.out_per_group) < 16 or not gemm.gemm_fits(g, dtype):
         return False
     if dtype == "float32":
@@ -566,10 +566,11 @@ def _weight_ring(tile: WeightTile, stages: Optional[int], default: int, smem_of)
 
 
 def _weight_split_k(g: Geometry, dtype: str, tile: WeightTile, k_tiles: int, sm_count: int, smem: int,
-                    function: str, constants: dict) -> Tuple[Plan, Optional[Plan]]:
+                    function: str, constants: dict, batch_bound: Optional[int] = None) -> Tuple[Plan, Optional[Plan]]:
     """The partial pass and the fixed-order reduction shared by both grad_weight kernels (``function``, in the
     template of that name): a block per (group, tap chunk, stride phase) x channel tile x K range, and the
-    kernel's own ``constants`` besides the layer's and the tile's."""
+    kernel's own ``constants`` besides the layer's and the tile's.  ``batch_bound`` is the most images (or packed
+    groups of images) that the kernel's source offsets may count, where that passes the batch."""
     phase_taps, span_h, span_w = weight_phases(g)
     tap_chunks = cdiv(phase_taps, tile.taps)
     phases = g.params.stride[0] * g.params.stride[1]
@@ -588,7 +589,10 @@ def _weight_split_k(g: Geometry, dtype: str, tile: WeightTile, k_tiles: int, sm_
     # by up to 2 (padding + stride) rows and columns, which the offsets must still hold.
     (ph, pw), (sh, sw) = g.params.padding, g.params.stride
     overshoot = (2 * (ph + sh) + 1) * (g.out_size[1] + 2 * (pw + sw) + 1) * g.out_channels
-    index_t = index_type(numel(g.input_shape), numel(g.output_shape) + overshoot, splits * weight_elems)
+    images = max(g.batch, batch_bound or 0)
+    x_elems = images * g.in_channels * g.in_size[0] * g.in_size[1]
+    go_elems = images * g.out_channels * g.out_size[0] * g.out_size[1]
+    index_t = index_type(x_elems, go_elems + overshoot, splits * weight_elems)
     constants = {**layer_constants(g, dtype, index_t), **constants}
     constants.update(WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps, TAP_CHUNKS=tap_chunks,
                      SPAN_H=span_h, SPAN_W=span_w, SINGLE_CHUNK=direct)
@@ -684,22 +688,44 @@ def tf32_weight_tile(g: Geometry) -> WeightTile:
     return TF32_WEIGHT_TILES["64x64x4"]
 
 
+_QUAD_TILE = 32   # to_image_quads.cu packs four images x 32 channels x 32 pixels a block
+
+
+def plan_to_image_quads(g: Geometry, layout: str) -> Tuple[Plan, int]:
+    """The launch that packs x and grad_output for the TF32 grad_weight kernel as [n / 4][pixel][channel][n % 4]
+    words rounded to TF32 (``kernels/to_image_quads.cu``), and the bytes of x's copy, where grad_output's
+    starts in its scratch (256-byte aligned)."""
+    quads = cdiv(g.batch, 4)
+    sources = ((g.in_channels, g.in_size[0] * g.in_size[1]), (g.out_channels, g.out_size[0] * g.out_size[1]))
+    elems = [quads * 4 * c * p for c, p in sources]
+    blocks = [quads * cdiv(c, _QUAD_TILE) * cdiv(p, _QUAD_TILE) for c, p in sources]
+    index_t = index_type(*elems, numel(g.input_shape), numel(g.output_shape))
+    spec = KernelSpec.make("to_image_quads.cu", "to_image_quads", dict(INDEX_T=index_t, NHWC=layout == "nhwc"))
+    x_bytes = elems[0] * 4
+    plan = Plan(spec, (sum(blocks), 1, 1), (256, 1, 1), (g.batch,) + sources[0] + sources[1] + (blocks[0],),
+                index_t, scratch_bytes=aligned_size(x_bytes) + elems[1] * 4)
+    return plan, x_bytes
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw", tile: Optional[WeightTile] = None,
-                          stages: Optional[int] = None) -> SplitK:
-    """float32 grad_weight at TF32 precision as split-K wgmma GEMMs per (group, stride phase, group of taps) and
-    the fixed-order reduction, reading either layout in place, K in :func:`tf32_weight_step`'s steps.  ``stages``
-    defaults to the deepest ring up to :data:`WEIGHT_STAGES` that fits shared memory."""
+                          stages: Optional[int] = None) -> PackedSourcesSplitK:
+    """float32 grad_weight at TF32 precision: x and grad_output packed into image quads in ``layout`` order
+    (:func:`plan_to_image_quads`), then split-K wgmma GEMMs per (group, stride phase, group of taps) on the packed
+    copies (one kernel for both layouts), K in :func:`tf32_weight_step`'s steps, and the fixed-order reduction.
+    ``stages`` defaults to the deepest ring up to :data:`WEIGHT_STAGES` that fits shared memory."""
     tile = tile or tf32_weight_tile(g)
     step = tf32_weight_step(g)
     ring, smem = _weight_ring(tile, stages, WEIGHT_STAGES, lambda depth: tf32_weight_smem_bytes(g, tile, depth))
     h, w = g.in_size
     k_tiles = cdiv(g.batch, 4 * step.quads) * cdiv(h, step.rows) * cdiv(w, step.cols)
+    # Packed offsets count slots of four images, from the tile's image group up to QUADS groups past the last.
     partial, reduce = _weight_split_k(g, "float32", tile, k_tiles, sm_count, smem,
                                       "conv_transpose2d_grad_weight_wgmma_tf32",
-                                      dict(TILE_H=step.rows, TILE_W=step.cols, QUADS=step.quads, STAGES=ring,
-                                           NHWC=layout == "nhwc"))
-    return SplitK(partial, reduce)
+                                      dict(TILE_H=step.rows, TILE_W=step.cols, QUADS=step.quads, STAGES=ring),
+                                      batch_bound=cdiv(g.batch, 4) + step.quads)
+    pack, x_bytes = plan_to_image_quads(g, layout)
+    return PackedSourcesSplitK(pack, SplitK(partial, reduce), x_bytes)
 
 
 def tf32_weight_options(g: Geometry) -> List[Dict[str, object]]:

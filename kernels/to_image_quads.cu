@@ -1,0 +1,57 @@
+// Packs float32 activations for the TF32 grad_weight kernel: src[n][c][p] (NCHW) or src[n][p][c] (NHWC) goes to
+// dst[n / 4][p][c][n % 4], each word rounded to TF32, the images past the batch zero.
+//
+// That kernel's K runs over (pixel, four images), a 16-byte slot holding one channel of four images at a pixel
+// (TF32 wgmma takes K-major operands only).  Read in place, every slot is four words from four images, so each
+// word was its own 4-byte copy.  Packed, a pixel's slots for a tile's channels are one contiguous run, copied in
+// 16-byte pieces, already rounded, so the kernel needs no rounding pass over shared memory either.
+//
+// Both operands of a call are packed in one launch: blocks [0, x_blocks) pack x, the rest grad_output.  A block
+// packs four images x 32 channels x 32 pixels through shared memory: the loads run along the source's contiguous
+// axis (pixels or channels), the stores along channels, a warp's 32 slots one 512-byte run.
+#include "tf32_round.cuh"
+
+typedef {{INDEX_T}} index_t;
+
+constexpr bool NHWC = {{NHWC}};
+constexpr int TILE = 32, WARPS = 8, IMAGES = 4;
+
+__device__ __forceinline__ unsigned word(float v) { return round_tf32_bits(__float_as_uint(v)); }
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+to_image_quads(const float* __restrict__ x, const float* __restrict__ grad_out, uint4* __restrict__ x_quads,
+               uint4* __restrict__ grad_out_quads, index_t N, index_t C_x, index_t P_x, index_t C_go, index_t P_go,
+               index_t x_blocks) {
+    __shared__ float stage[IMAGES][TILE][TILE + 1];   // [image][channel][pixel]; an odd pitch, conflict-free both ways
+    const bool is_x = static_cast<index_t>(blockIdx.x) < x_blocks;
+    const float* src = is_x ? x : grad_out;
+    uint4* dst = is_x ? x_quads : grad_out_quads;
+    const index_t C = is_x ? C_x : C_go, P = is_x ? P_x : P_go;
+    const index_t block = is_x ? blockIdx.x : blockIdx.x - x_blocks;
+    const index_t tiles_p = (P + TILE - 1) / TILE, tiles_c = (C + TILE - 1) / TILE;
+    const index_t p0 = block % tiles_p * TILE, c0 = block / tiles_p % tiles_c * TILE;
+    const index_t quad = block / (tiles_p * tiles_c);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+#pragma unroll
+    for (int r = warp; r < IMAGES * TILE; r += WARPS) {
+        const int image = r / TILE, row = r % TILE;
+        const index_t n = quad * IMAGES + image;
+        if constexpr (NHWC) {
+            const index_t p = p0 + row, c = c0 + lane;
+            stage[image][lane][row] = n < N && p < P && c < C ? __ldg(src + (n * P + p) * C + c) : 0.0f;
+        } else {
+            const index_t c = c0 + row, p = p0 + lane;
+            stage[image][row][lane] = n < N && c < C && p < P ? __ldg(src + (n * C + c) * P + p) : 0.0f;
+        }
+    }
+    __syncthreads();
+    const index_t c = c0 + lane;
+#pragma unroll
+    for (int row = warp; row < TILE; row += WARPS) {
+        const index_t p = p0 + row;
+        if (p < P && c < C)
+            dst[(quad * P + p) * C + c] = make_uint4(word(stage[0][lane][row]), word(stage[1][lane][row]),
+                                                     word(stage[2][lane][row]), word(stage[3][lane][row]));
+    }
+}
