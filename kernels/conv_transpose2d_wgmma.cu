@@ -28,8 +28,10 @@
 // runs ahead across tiles, so the next tile's halo and weights land while this tile's
 // MMAs and stores run.  The source is channels_last with 16-byte channel groups (an NCHW
 // source is copied into that form first); the destination may be either layout.
-// fp32 runs as TF32 (MMA_KIND 2): the producer rounds each halo vector to TF32 once it has
-// landed, and pack_weight rounds the weight, since wgmma would drop the low bits unrounded.
+// fp32 runs as TF32 (MMA_KIND 2), rounded to nearest, since wgmma would drop the low bits
+// unrounded: pack_weight rounds the weight, and the channels_last copy of an NCHW source rounds
+// the source (SRC_ROUNDED).  A source read in place is rounded by the producer, which must then
+// wait for each halo to land before it hands it over, so its copies no longer run ahead.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -46,6 +48,7 @@ constexpr int B_STAGES = {{B_STAGES}}, HALO_STAGES = {{HALO_STAGES}};
 constexpr int HALO_H = {{HALO_H}}, HALO_W = {{HALO_W}};   // one phase plane of the widest phase's halo
 constexpr bool DST_CL = {{DST_CL}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
+constexpr bool SRC_ROUNDED = {{SRC_ROUNDED}};   // TF32: the source's words are already rounded
 
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;   // source channels per group: the GEMM's K per tap
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;   // destination channels per group: its N
@@ -223,7 +226,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                 } else {
                     for (int v = ptid; v < HALO_VECS; v += 128) copy_vector(v);
                 }
-                if constexpr (TF32) {
+                if constexpr (TF32 && !SRC_ROUNDED) {
                     // The tensor cores would truncate fp32 words; each thread rounds the vectors it copied
                     // once they land, before its arrival hands the halo to the MMAs (the async proxy).
                     cp_async_commit();

@@ -7,10 +7,16 @@
 // 128-byte rows.  Every global access is a 32-bit word: 16-bit elements move in
 // pairs (two pixels in, two channels out), so a warp request is never narrower
 // than the line it touches, and each thread keeps eight or sixteen loads in flight.
-// Only the bits move, so one kernel serves every dtype of a given width.
+// Only the bits move, so one kernel serves every dtype of a given width; with ROUND_TF32, fp32
+// words are rounded to TF32 on the way (for the wgmma kernels, whose tensor cores would truncate
+// them), which spares those kernels a rounding pass between a copy landing and its MMAs.
+#include "tf32_round.cuh"
+
 typedef {{INDEX_T}} index_t;
 
 constexpr int ELEMENT_BYTES = {{ELEMENT_BYTES}};
+constexpr bool ROUND_TF32 = {{ROUND_TF32}};
+static_assert(!ROUND_TF32 || ELEMENT_BYTES == 4, "TF32 rounding of fp32 words");
 constexpr int TILE = 64, WARPS = 8;
 constexpr int PAIRS = ELEMENT_BYTES == 2;
 
@@ -76,7 +82,10 @@ to_channels_last(const bits_t* __restrict__ src, bits_t* __restrict__ dst, index
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const index_t c = c0 + lane + 32 * h;
-                    if (c < C) d[p * C + c] = tile[lane + 32 * h][r];
+                    if (c < C) {
+                        const bits_t v = tile[lane + 32 * h][r];
+                        d[p * C + c] = ROUND_TF32 ? round_tf32_bits(v) : v;
+                    }
                 }
             }
         }

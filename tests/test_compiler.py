@@ -288,6 +288,8 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {dict(s.constants).get("SCALAR_T") for s in PLANS} == {"float", "double", "half_t", "bf16_t", None}
     for data_movement in ("pack_weight.cu", "to_channels_last.cu"):
         assert {dict(s.constants)["ELEMENT_BYTES"] for s in PLANS if s.template == data_movement} == {2, 4}
+    assert {(dict(s.constants)["ROUND_TF32"], dict(s.constants)["ELEMENT_BYTES"]) for s in PLANS
+            if s.template == "to_channels_last.cu"} == {(False, 2), (False, 4), (True, 4)}
     gemms = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_igemm.cu"]
     assert {c["STAGES"] for c in gemms if c["A_VEC"]} == set(gemm.STAGE_CHOICES)
     assert {(c["SRC_CL"], c["DST_CL"]) for c in gemms} == {(True, True), (True, False), (False, False)}
@@ -316,6 +318,8 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert any(c["CIN_G"] % 8 or c["COUT_G"] % 8 for c in tf32_weights), "channels in no whole 16-byte runs"
     assert {c["MMA_KIND"] for c in hopper} == {0, 1, 2} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
     tf32 = [c for c in hopper if c["MMA_KIND"] == 2]
+    assert {c["SRC_ROUNDED"] for c in tf32} == {True, False} and not any(c["SRC_ROUNDED"] for c in hopper
+                                                                         if c["MMA_KIND"] != 2)
     assert {c["SCALAR_T"] for c in tf32} == {"float"} and {(c["MODE"], c["DST_CL"]) for c in tf32} == {
         (0, False), (0, True), (1, False), (1, True)} and {c["WARPGROUPS"] for c in tf32} == {1, 2}
     assert {(c["DST_CL"], c["HAS_BIAS"]) for c in hopper} == {(False, False), (False, True), (True, False),

@@ -222,3 +222,26 @@ def test_to_channels_last_copy(element_bytes, batch, channels, pixels, offset):
     plan.run(0, torch.cuda.current_stream().cuda_stream, (src.data_ptr(), dst.data_ptr()))
     torch.cuda.synchronize()
     assert torch.equal(dst, src.transpose(1, 2))
+
+
+@pytest.mark.parametrize("batch,channels,pixels", [(3, 40, 4100), (2, 31, 97), (1, 130, 129)])
+def test_to_channels_last_copy_rounds_tf32(batch, channels, pixels):
+    """The copy in front of the TF32 wgmma kernels rounds each float32 word as cvt.rna.tf32.f32 does (ties away,
+    Inf and NaN kept, the largest values to Inf), and moves it where the plain copy would."""
+    gen = torch.Generator(device="cuda").manual_seed(batch + channels + pixels)
+    src = torch.randn(batch, channels, pixels, generator=gen, device="cuda")
+    special = torch.tensor([1 + 2 ** -11, -(1 + 2 ** -11), 1 + 3 * 2 ** -11, 2 ** -140, float("inf"), float("nan"),
+                            torch.finfo(torch.float32).max], device="cuda")
+    src.view(-1)[:special.numel()] = special
+    dst = torch.full((batch, pixels, channels), -1.0, device="cuda")
+    plan = gemm.plan_to_channels_last(batch, channels, pixels, "float32", round_tf32=True)
+    plan.run(0, torch.cuda.current_stream().cuda_stream, (src.data_ptr(), dst.data_ptr()))
+    torch.cuda.synchronize()
+    bits = src.transpose(1, 2).contiguous().view(torch.int32)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    want = torch.where(finite, (bits + 0x1000) & ~0x1FFF, bits).view(torch.float32)
+    assert torch.equal(dst.view(torch.int32), want.view(torch.int32))
+    assert dst[0, 0, 0] == 1 + 2 ** -10 and dst[0, 1, 0] == -(1 + 2 ** -10), "ties away from zero"
+    assert torch.isinf(dst[0, 6, 0]) and torch.isnan(dst[0, 5, 0])
+    with pytest.raises(ValueError, match="float32"):
+        gemm.plan_to_channels_last(batch, channels, pixels, "float16", round_tf32=True)

@@ -478,6 +478,27 @@ def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
         assert (wgmma.weight_phases(g)[0] >= 2) == (name in ("asym_kernel", "big_square", "dcgan_up")), name
 
 
+@pytest.mark.parametrize("pass_", ["forward", "grad_input"])
+def test_tf32_sources_are_rounded_by_their_channels_last_copy(pass_):
+    """An NCHW source's channels_last copy rounds TF32 words, so the kernel's producer hands each halo over as soon
+    as it lands; a channels_last source is read in place and rounded by the producer.  3xTF32 (strict float32)
+    keeps every bit, and a TF32 GEMM shares the rounded copy (it rounds its fragments the same way)."""
+    g = _g((4, 64, 12, 12), (64, 48, 4, 4), stride=2, padding=1)
+    plan = (wgmma.plan_forward(g, "float32", True, "nchw", precision="tf32") if pass_ == "forward"
+            else wgmma.plan_grad_input(g, "float32", "nchw", precision="tf32"))
+    assert dict(plan.to_channels_last.spec.constants)["ROUND_TF32"] is True
+    assert dict(plan.gemm.spec.constants)["SRC_ROUNDED"] is True
+    in_place = (wgmma.plan_forward(g, "float32", True, "nhwc", precision="tf32") if pass_ == "forward"
+                else wgmma.plan_grad_input(g, "float32", "nhwc", precision="tf32"))
+    assert in_place.to_channels_last is None and dict(in_place.gemm.spec.constants)["SRC_ROUNDED"] is False
+    gemm_plan = {"forward": gemm.plan_forward_gemm(g, "float32", True, "nchw", "tf32"),
+                 "grad_input": gemm.plan_grad_input_gemm(g, "float32", "nchw", "tf32")}[pass_]
+    assert gemm_plan.to_channels_last is plan.to_channels_last, "one copy for both families"
+    strict = {"forward": gemm.plan_forward_gemm(g, "float32", True, "nchw", "strict"),
+              "grad_input": gemm.plan_grad_input_gemm(g, "float32", "nchw", "strict")}[pass_]
+    assert dict(strict.to_channels_last.spec.constants)["ROUND_TF32"] is False
+
+
 def test_tf32_leads_where_it_beat_the_gemm_on_the_h100():
     """float32 at TF32 precision: the wgmma kernel leads on the layers where it was faster than the mma.sync GEMM on
     the H100 and steps back, still racing, where it was slower (NOTES v13: the models' layers and the suite's)."""
@@ -585,6 +606,7 @@ def test_plan_shapes(case, dtype, layout):
     if layout == "nchw":
         assert packed.to_channels_last == gemm.plan_to_channels_last(g.batch, g.in_channels,
                                                                      g.in_size[0] * g.in_size[1], dtype)
+        assert dict(packed.to_channels_last.spec.constants)["ROUND_TF32"] is False and c["SRC_ROUNDED"] is False
     else:
         assert packed.to_channels_last is None
     assert packed.plans() == [p_ for p_ in (pack, packed.to_channels_last, main) if p_ is not None]

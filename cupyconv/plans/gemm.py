@@ -154,13 +154,22 @@ def plan_pack_weight_padded(g: Geometry, dtype: str, mode: int, n_pad: int, k_pa
                 constants["INDEX_T"], scratch_bytes=total * element)
 
 
+def plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str, round_tf32: bool = False) -> Plan:
+    """Copy an NCHW activation into channels_last scratch (see to_channels_last.cu); ``round_tf32`` rounds
+    float32 words to TF32 on the way, for kernels that multiply in TF32 only (3xTF32 needs every bit).
+
+    One plan object per copy however it is asked for: passes share a copy through the plan's identity."""
+    return _plan_to_channels_last(batch, channels, pixels, dtype, bool(round_tf32))
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str) -> Plan:
-    """Copy an NCHW activation into channels_last scratch (see to_channels_last.cu)."""
+def _plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str, round_tf32: bool) -> Plan:
+    if round_tf32 and dtype != "float32":
+        raise ValueError(f"only float32 words are rounded to TF32, got {dtype}")
     total = batch * channels * pixels
     element = _itemsize(dtype)
     index_t = index_type(total)
-    constants = dict(INDEX_T=index_t, ELEMENT_BYTES=element)
+    constants = dict(INDEX_T=index_t, ELEMENT_BYTES=element, ROUND_TF32=round_tf32)
     spec = KernelSpec.make("to_channels_last.cu", "to_channels_last", constants)
     grid = (cdiv(pixels, 64), cdiv(channels, 64), max(1, min(batch, GRID_YZ_LIMIT)))
     return Plan(spec, grid, (32, 8, 1), (batch, channels, pixels), index_t, scratch_bytes=total * element)
@@ -203,7 +212,10 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
     grid = (cdiv(m, tile.bm), g.groups * cdiv(cg_n, tile.bn), phases)
     gemm = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), sizes, index_t,
                 smem_bytes=stages * stage_bytes(tile))
-    to_cl = plan_to_channels_last(g.batch, src_channels, src_pixels, dtype) if transpose else None
+    # A TF32 GEMM rounds its fragments, so a copy already rounded (shared with the wgmma kernels) gives it the
+    # same products.
+    to_cl = plan_to_channels_last(g.batch, src_channels, src_pixels, dtype,
+                                  round_tf32=mma_kind(dtype, precision) == MMA_TF32) if transpose else None
     return PackedGemm(plan_pack_weight(g, dtype, mode, tile), gemm, to_cl)
 
 
@@ -373,7 +385,7 @@ class GemmFamily(Family):
         return SplitK(partial, reduce, sources)
 
     def clear(self) -> None:
-        for planner in (plan_forward_gemm, plan_grad_input_gemm, plan_grad_weight_gemm, plan_to_channels_last,
+        for planner in (plan_forward_gemm, plan_grad_input_gemm, plan_grad_weight_gemm, _plan_to_channels_last,
                         plan_grad_weight_sources, _gemm_shape):
             planner.cache_clear()
 

@@ -327,7 +327,8 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
                  stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict") -> PackedGemm:
     """The forward as one halo-tile wgmma kernel per stride phase (grid z), after the weight repack
     and, for NCHW input, the channels_last copy.  float32 needs ``precision="tf32"``: it runs as TF32,
-    rounded to nearest as the ``mma.sync`` kernels round.
+    rounded to nearest as the ``mma.sync`` kernels round (by the weight repack, the channels_last copy,
+    or, for a source read in place, the kernel's producer).
 
     ``stages``: weight buffers (one of :data:`STAGE_CHOICES`; default :data:`B_STAGES`, fewer where
     shared memory runs out).  Blocks are persistent: about one per SM, each walking the tiles of its
@@ -381,7 +382,9 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     constants.update(MODE=mode, MMA_KIND=kind, TILE_IMAGES=tile.images, TILE_H=tile.tile_h,
                      TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
                      HALO_STAGES=halo_stages(g, b_stages, pass_), HALO_H=halo_h, HALO_W=halo_w,
-                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0)
+                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0,
+                     # an NCHW source's channels_last copy rounds TF32 words, so the producer need not
+                     SRC_ROUNDED=kind == _TF32 and layout == "nchw")
     spec = KernelSpec.make("conv_transpose2d_wgmma.cu", "conv_transpose2d_wgmma", constants, TARGET)
     if mode == 0:
         sizes = (g.batch,) + g.in_size + g.out_size
@@ -392,7 +395,8 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     main = Plan(spec, (blocks, g.groups * n_tiles, phases), (128 * (tile.warpgroups + 1), 1, 1), sizes, index_t,
                 smem_bytes=smem)
     pack = gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck), round_tf32=kind == _TF32)
-    to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype) if layout == "nchw" else None
+    to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype, round_tf32=kind == _TF32) \
+        if layout == "nchw" else None
     return PackedGemm(pack, main, to_cl)
 
 
