@@ -158,8 +158,10 @@ def base_cases() -> List[Case]:
     # (its mbarriers wrap their phases).  (One pixel would make channels_last and NCHW the
     # same memory, and the op would run the NCHW kernels.)
     # float32 at TF32 precision runs them too, its producer rounding each halo vector in shared memory.
+    # TF32 in both layouts: an NCHW source's rounded copy lets the producer hand halos over as they land, a
+    # channels_last one is rounded by the producer
     for dtype, precision, layout in (("float16", "strict", "nhwc"), ("bfloat16", "strict", "nchw"),
-                                     ("float32", "tf32", "nhwc")):
+                                     ("float32", "tf32", "nhwc"), ("float32", "tf32", "nchw")):
         tag = "tf32" if precision == "tf32" else dtype
         cases.append(Case(f"wgmma-persistent-{tag}-{layout}", (256, 16, 1, 2), (16, 64, 3, 3), _kw(), True,
                           dtype, precision, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))

@@ -90,6 +90,15 @@ def test_tensor_core_kernels_in_every_dtype_precision_and_layout(san, plan):
     assert any(c.variants for c in cases)
 
 
+def test_tf32_wgmma_producers_run_both_ways(plan):
+    """The halo-tile kernel's TF32 producer hands over a rounded NCHW copy as it lands and rounds a channels_last
+    source itself: both run under the tools."""
+    _, specs = plan
+    tf32 = [c for c in _constants(specs, "conv_transpose2d_wgmma") if c["MMA_KIND"] == 2]
+    assert {c["SRC_ROUNDED"] for c in tf32} == {True, False}
+    assert True in {c["ROUND_TF32"] for c in _constants(specs, "to_channels_last")}
+
+
 def test_layers_are_tiny(plan):
     """racecheck is slow: every layer must stay small (the persistent wgmma cases need more tiles than an H100
     has SMs, and two pixels an image so that channels_last is told apart: 8192 input values)."""
