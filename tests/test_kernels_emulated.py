@@ -277,7 +277,7 @@ def test_sources_packed_into_image_quads_for_tf32_grad_weight(x_shape, w_shape, 
     from cupyconv.plans import wgmma
 
     g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
-    plan, x_bytes = wgmma.plan_to_image_quads(g, layout)
+    plan, (x_bytes, go_bytes) = wgmma.plan_to_image_quads(g, layout)
     rng = np.random.default_rng(sum(x_shape))
     x = rng.standard_normal(g.input_shape).astype(np.float32)
     go = rng.standard_normal(g.output_shape).astype(np.float32)
@@ -285,6 +285,7 @@ def test_sources_packed_into_image_quads_for_tf32_grad_weight(x_shape, w_shape, 
     to_layout = _nhwc if layout == "nhwc" else np.ascontiguousarray
     scratch = np.full(plan.scratch_bytes // 4, np.nan, np.float32)   # anything the pack leaves unwritten shows
     offset = wgmma.aligned_size(x_bytes) // 4
+    assert plan.scratch_bytes == offset * 4 + go_bytes
     _, _, x_quads, go_quads = cuda_emulator.run(plan, [to_layout(x), to_layout(go), scratch[:offset],
                                                        scratch[offset:]], ["float", "float", "uint4", "uint4"])
     for name, got, source in (("x", x_quads[:x_bytes // 4], x), ("grad_output", go_quads, go)):

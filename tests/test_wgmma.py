@@ -1254,7 +1254,8 @@ def test_tf32_grad_weight_plans_a_split_k_on_sources_packed_into_image_quads(lay
     go_blocks = 4 * (64 // 32) * (64 * 64 // 32)
     assert pack.grid == (x_blocks + go_blocks, 1, 1) and pack.block == (256, 1, 1)
     assert pack.scalars == (16, 256, 32 * 32, 64, 64 * 64, x_blocks)
-    assert plan.x_bytes == 16 * 256 * 32 * 32 * 4 and pack.scratch_bytes == plan.x_bytes + 16 * 64 * 64 * 64 * 4
+    assert plan.copy_bytes == (16 * 256 * 32 * 32 * 4, 16 * 64 * 64 * 64 * 4)
+    assert pack.scratch_bytes == sum(plan.copy_bytes), "x's copy ends 256-byte aligned"
     assert plan.plans()[0] is pack and plan.split.sources is None
     split = plan.split
     blocks_x, channel_tiles, splits = split.partial.grid

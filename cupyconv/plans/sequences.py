@@ -96,12 +96,11 @@ class SplitK(PassPlan):
 @dataclass(frozen=True)
 class PackedSourcesSplitK(PassPlan):
     """x and grad_output packed into scratch by one ``pack`` launch (into the operand layout the partial pass
-    reads), then ``split`` on the packed copies.  ``x_bytes`` is where grad_output's copy starts in the pack's
-    scratch."""
+    reads), then ``split`` on the packed copies.  ``copy_bytes``: the bytes of x's copy and of grad_output's."""
 
     pack: Plan
     split: SplitK
-    x_bytes: int
+    copy_bytes: Tuple[int, int]
 
     @property
     def partial(self) -> Plan:
@@ -116,8 +115,7 @@ class PackedSourcesSplitK(PassPlan):
 
     def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
         x, grad_out, out = pointers
-        keep, (x_packed, grad_out_packed) = launcher.scratch(
-            [self.x_bytes, self.pack.scratch_bytes - aligned_size(self.x_bytes)])
+        keep, (x_packed, grad_out_packed) = launcher.scratch(self.copy_bytes)
         launcher.launch("pack_sources", self.pack, (x, grad_out, x_packed, grad_out_packed))
         self.split.run(launcher, (x_packed, grad_out_packed, out))
         del keep

@@ -378,13 +378,13 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     k_pad = cdiv(src_channels, ck) * ck
     index_t = index_type(numel(g.input_shape), numel(g.output_shape),
                          g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad)
+    # an NCHW source's channels_last copy rounds TF32 words, so the producer need not
+    rounded_copy = kind == _TF32 and layout == "nchw"
     constants = layer_constants(g, dtype, index_t)
     constants.update(MODE=mode, MMA_KIND=kind, TILE_IMAGES=tile.images, TILE_H=tile.tile_h,
                      TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
                      HALO_STAGES=halo_stages(g, b_stages, pass_), HALO_H=halo_h, HALO_W=halo_w,
-                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0,
-                     # an NCHW source's channels_last copy rounds TF32 words, so the producer need not
-                     SRC_ROUNDED=kind == _TF32 and layout == "nchw")
+                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0, SRC_ROUNDED=rounded_copy)
     spec = KernelSpec.make("conv_transpose2d_wgmma.cu", "conv_transpose2d_wgmma", constants, TARGET)
     if mode == 0:
         sizes = (g.batch,) + g.in_size + g.out_size
@@ -395,7 +395,7 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     main = Plan(spec, (blocks, g.groups * n_tiles, phases), (128 * (tile.warpgroups + 1), 1, 1), sizes, index_t,
                 smem_bytes=smem)
     pack = gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck), round_tf32=kind == _TF32)
-    to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype, round_tf32=kind == _TF32) \
+    to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype, round_tf32=rounded_copy) \
         if layout == "nchw" else None
     return PackedGemm(pack, main, to_cl)
 
@@ -695,20 +695,20 @@ def tf32_weight_tile(g: Geometry) -> WeightTile:
 _QUAD_TILE = 32   # to_image_quads.cu packs four images x 32 channels x 32 pixels a block
 
 
-def plan_to_image_quads(g: Geometry, layout: str) -> Tuple[Plan, int]:
+def plan_to_image_quads(g: Geometry, layout: str) -> Tuple[Plan, Tuple[int, int]]:
     """The launch that packs x and grad_output for the TF32 grad_weight kernel as [n / 4][pixel][channel][n % 4]
-    words rounded to TF32 (``kernels/to_image_quads.cu``), and the bytes of x's copy, where grad_output's
-    starts in its scratch (256-byte aligned)."""
+    words rounded to TF32 (``kernels/to_image_quads.cu``), and the bytes of the two copies (grad_output's
+    starts 256-byte aligned after x's in the launch's scratch)."""
     quads = cdiv(g.batch, 4)
     sources = ((g.in_channels, g.in_size[0] * g.in_size[1]), (g.out_channels, g.out_size[0] * g.out_size[1]))
     elems = [quads * 4 * c * p for c, p in sources]
     blocks = [quads * cdiv(c, _QUAD_TILE) * cdiv(p, _QUAD_TILE) for c, p in sources]
-    index_t = index_type(*elems, numel(g.input_shape), numel(g.output_shape))
+    index_t = index_type(*elems)   # the padded copies hold every offset the sources have
     spec = KernelSpec.make("to_image_quads.cu", "to_image_quads", dict(INDEX_T=index_t, NHWC=layout == "nhwc"))
-    x_bytes = elems[0] * 4
+    copy_bytes = (elems[0] * 4, elems[1] * 4)
     plan = Plan(spec, (sum(blocks), 1, 1), (256, 1, 1), (g.batch,) + sources[0] + sources[1] + (blocks[0],),
-                index_t, scratch_bytes=aligned_size(x_bytes) + elems[1] * 4)
-    return plan, x_bytes
+                index_t, scratch_bytes=aligned_size(copy_bytes[0]) + copy_bytes[1])
+    return plan, copy_bytes
 
 
 @functools.lru_cache(maxsize=1024)
@@ -728,8 +728,8 @@ def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw"
                                       "conv_transpose2d_grad_weight_wgmma_tf32",
                                       dict(TILE_H=step.rows, TILE_W=step.cols, QUADS=step.quads, STAGES=ring),
                                       batch_bound=cdiv(g.batch, 4) + step.quads)
-    pack, x_bytes = plan_to_image_quads(g, layout)
-    return PackedSourcesSplitK(pack, SplitK(partial, reduce), x_bytes)
+    pack, copy_bytes = plan_to_image_quads(g, layout)
+    return PackedSourcesSplitK(pack, SplitK(partial, reduce), copy_bytes)
 
 
 def tf32_weight_options(g: Geometry) -> List[Dict[str, object]]:
