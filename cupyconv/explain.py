@@ -658,8 +658,8 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precisio
     mac_flops = g.flops()
     # per pass: (useful FLOPs, minimum bytes, bytes its partial pass reads, bytes its reduce writes)
     work = {
-        "forward": (mac_flops, x + w + (b if has_bias else 0) + y, 0, 0),
-        "grad_input": (mac_flops, y + w + x, 0, 0),
+        "forward": (mac_flops, x + w + (b if has_bias else 0) + y, x + w, y + (b if has_bias else 0)),
+        "grad_input": (mac_flops, y + w + x, y + w, x),
         "grad_weight": (mac_flops, x + y + w, x + y, w),
         "grad_bias": (_prod(g.output_shape), y + b, y, b),   # one addition per output element
     }
@@ -682,13 +682,16 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precisio
                 partial = plan
                 kernels.append(_record(name, stage, plan, flops, partial_reads + plan.scratch_bytes, peak, dtype))
             elif stage == "reduce":
-                elements, chunks = plan.scalars
+                elements, chunks = plan.scalars[:2]
                 # a reduce always follows the partial pass whose scratch it sums
                 kernels.append(_record(name, stage, plan, (chunks - 1) * elements, partial.scratch_bytes + written,
                                        peak, dtype))
-                unit = "K tiles" if recorded.variant.family == "gemm" else "rows"
-                note = (f"split-K over {chunks} chunks of {partial.scalars[-1]} {unit}; "
-                        f"{_bytes(partial.scratch_bytes)} of {acc}-byte partials")
+                if name in ("forward", "grad_input"):
+                    ranges = f"{chunks} even ranges of each stride phase's K tiles"
+                else:
+                    unit = "K tiles" if recorded.variant.family == "gemm" else "rows"
+                    ranges = f"{chunks} chunks of {partial.scalars[-1]} {unit}"
+                note = f"split-K over {ranges}; {_bytes(partial.scratch_bytes)} of {acc}-byte partials"
             else:
                 kernels.append(_record(name, stage, plan, flops, nbytes, peak, dtype))
         passes.append(_pass(name, flops, nbytes, kernels, peak, dtype, note=note, variant=recorded.variant.name))

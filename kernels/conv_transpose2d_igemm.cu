@@ -18,6 +18,12 @@
 // global latency overlaps the tensor-core work and no registers stage the data.
 // Otherwise A is gathered element by element through registers, one tile ahead.
 // The source and destination layouts are independent (SRC_CL, DST_CL).
+// With SPLIT_K > 1 each block takes one of SPLIT_K even ranges of its phase's K tiles
+// (grid z is phase x SPLIT_K) and writes fp32 partial sums, without the bias, into
+// dst reinterpreted as [SPLIT_K][the destination's elements], in the destination's
+// layout; reduce_partials.cu adds them in order.  Layers whose M x N grid leaves most
+// SMs idle (a few images of a small grid, wide channels) are weight-bound, and only
+// more blocks, each reading a slice of the weight, bring its bandwidth in.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "gemm_tile.cuh"
@@ -30,6 +36,7 @@ constexpr int STAGES = {{STAGES}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
 constexpr bool A_VEC = {{A_VEC}};
 constexpr bool A_L1 = {{A_L1}};       // A copies through L1 (see cp_async_16_l1)
+constexpr int SPLIT_K = {{SPLIT_K}};
 
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;  // src channels per group: the K of the GEMM
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;  // dst channels per group: the N of the GEMM
@@ -67,8 +74,9 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     // Rows i, cols j of this GEMM's M grid map to dst (O_SH*i + rh, O_SW*j + rw) and
     // read src (A_SH*i + tap.dh, A_SW*j + tap.dw).
-    const int rh = MODE == 0 ? static_cast<int>(blockIdx.z) / SW : 0;
-    const int rw = MODE == 0 ? static_cast<int>(blockIdx.z) % SW : 0;
+    const int phase = static_cast<int>(blockIdx.z) / SPLIT_K, split = static_cast<int>(blockIdx.z) % SPLIT_K;
+    const int rh = MODE == 0 ? phase / SW : 0;
+    const int rw = MODE == 0 ? phase % SW : 0;
     constexpr int O_SH = MODE == 0 ? SH : 1, O_SW = MODE == 0 ? SW : 1;
     constexpr int A_SH = MODE == 0 ? 1 : SH, A_SW = MODE == 0 ? 1 : SW;
     const index_t MH = rh < H_DST ? (H_DST - rh + O_SH - 1) / O_SH : 0;
@@ -104,7 +112,11 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
         }
     }
     __syncthreads();
-    const int k_tiles = tap_count * CHUNKS;
+    // This block's K tiles: [kt0, kt0 + k_tiles) of its phase's tap_count * CHUNKS.
+    const int phase_k_tiles = tap_count * CHUNKS;
+    const int per_split = (phase_k_tiles + SPLIT_K - 1) / SPLIT_K;
+    const int kt0 = min(phase_k_tiles, split * per_split);
+    const int k_tiles = min(phase_k_tiles - kt0, per_split);
 
     const index_t src_plane = H_SRC * W_SRC;
     const index_t src_batch = src_plane * C_SRC;
@@ -142,7 +154,8 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
             a_j[q] = A_SW * row_j[r];
             a_k[q] = (v % VEC_PER_ROW) * 4 * PER_WORD;
         }
-        auto issue = [&](int kt, int s) {
+        auto issue = [&](int step, int s) {
+            const int kt = kt0 + step;
             const Tap tap = taps[kt / CHUNKS];
             const int c0 = (kt % CHUNKS) * BK;
 #pragma unroll
@@ -162,7 +175,8 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
     } else {
         unsigned a_regs[A_WORDS];
         uint4 b_vecs[B_VECS];
-        auto load_tiles = [&](int kt) {
+        auto load_tiles = [&](int step) {
+            const int kt = kt0 + step;
             const Tap tap = taps[kt / CHUNKS];
             const int c0 = (kt % CHUNKS) * BK;
 #pragma unroll
@@ -206,7 +220,9 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
 
     const index_t dst_plane = H_DST * W_DST;
     const index_t dst_c_stride = DST_CL ? 1 : dst_plane;
-    scalar_t* dst_group = dst + static_cast<index_t>(g) * CG_N * dst_c_stride;
+    const index_t group_offset = static_cast<index_t>(g) * CG_N * dst_c_stride;
+    scalar_t* dst_group = dst + group_offset;
+    float* partial_group = reinterpret_cast<float*>(dst) + split * (N * dst_plane * C_DST) + group_offset;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -214,7 +230,7 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
             const int r = warp_row + mi * 16 + (lane >> 2) + h * 8;
             if (row_n[r] < 0) continue;
             const index_t pixel = (static_cast<index_t>(O_SH) * row_i[r] + rh) * W_DST + O_SW * row_j[r] + rw;
-            scalar_t* out = dst_group + row_n[r] * dst_plane * C_DST + (DST_CL ? pixel * C_DST : pixel);
+            const index_t at = row_n[r] * dst_plane * C_DST + (DST_CL ? pixel * C_DST : pixel);
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
@@ -222,8 +238,12 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
                     const int n = n0 + warp_col + ni * 8 + (lane & 3) * 2 + q;
                     if (n >= CG_N) continue;
                     float v = pick_result<KIND>(acc, total)[mi][ni][h * 2 + q];
-                    if constexpr (HAS_BIAS) v += load(bias + g * CG_N + n);
-                    store(out + n * dst_c_stride, v);
+                    if constexpr (SPLIT_K > 1) {
+                        partial_group[at + n * dst_c_stride] = v;
+                    } else {
+                        if constexpr (HAS_BIAS) v += load(bias + g * CG_N + n);
+                        store(dst_group + at + n * dst_c_stride, v);
+                    }
                 }
         }
 }

@@ -204,6 +204,60 @@ def test_every_block_tile_is_correct(tile, stages):
         assert _rel_err(got, want) <= 2e-3
 
 
+# Where K is split into ranges: a weight-bound small grid whose heuristic splits it, a 3 x 3 kernel whose stride
+# phases have 4, 2, 2 and 1 taps (so some ranges of the short phases are empty), a 2 x 2 kernel at stride 3 (a
+# third of the phases have no taps: bias only), and grouped, dilated channels, each with a bias.
+SPLIT_LAYERS = [
+    Layer(4, 256, 136, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (3, 3), ""),
+    Layer(2, 72, 40, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1, True, (5, 4), ""),
+    Layer(2, 64, 48, (2, 2), (3, 3), (0, 0), (2, 1), (1, 1), 1, True, (3, 5), ""),
+    Layer(3, 96, 64, (2, 3), (1, 2), (0, 1), (0, 1), (2, 1), 2, True, (4, 6), ""),
+]
+SPLIT_CASES = [("float16", "strict", 3e-3), ("bfloat16", "strict", 2e-2), ("float32", "tf32", 3e-3),
+               ("float32", "strict", 1e-5)]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype,precision,tol", SPLIT_CASES, ids=[c[0] + "_" + c[1] for c in SPLIT_CASES])
+@pytest.mark.parametrize("index", range(len(SPLIT_LAYERS)))
+def test_split_k_forward_and_grad_input_match_float64(index, dtype, precision, tol, layout):
+    """Forward (with and without its bias) and grad_input with K split 2, 5 and 13 ways and by the heuristic,
+    against float64; every split gives the same result on every run (a fixed-order reduce)."""
+    layer = SPLIT_LAYERS[index]
+    g = _geometry(layer)
+    x, w, b, go = _data(layer, seed=index)
+    tdtype = getattr(torch, dtype)
+    cl = layout == "nhwc"
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    xs, gos = (t.to(tdtype).contiguous(memory_format=fmt) for t in (x, go))
+    ws, bs = w.to(tdtype).contiguous(), b.to(tdtype)
+    ref = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)
+    no_bias = F.conv_transpose2d(x, w, None, **layer.kwargs())
+    launcher = launch.Launcher(0, torch.cuda.current_stream().cuda_stream, _scratch)
+    heuristic = table.plan("forward", Variant("gemm"), g, dtype, layout, precision, True).reduce
+    if index == 0:
+        assert heuristic is not None and heuristic.scalars[1] > 1, "the weight-bound layer splits untold"
+    for split in (2, 5, 13, None):
+        variant = Variant.make("gemm", **({} if split is None else {"split": split}))
+        results = []
+        for _ in range(2):
+            y = torch.full(go.shape, float("nan"), dtype=tdtype, device="cuda").contiguous(memory_format=fmt)
+            y0 = torch.full_like(y, float("nan"))
+            gi = torch.full_like(xs, float("nan"))
+            table.plan("forward", variant, g, dtype, layout, precision, True).run(
+                launcher, (xs.data_ptr(), ws.data_ptr(), bs.data_ptr(), y.data_ptr()))
+            table.plan("forward", variant, g, dtype, layout, precision, False).run(
+                launcher, (xs.data_ptr(), ws.data_ptr(), 0, y0.data_ptr()))
+            table.plan("grad_input", variant, g, dtype, layout, precision).run(
+                launcher, (gos.data_ptr(), ws.data_ptr(), gi.data_ptr()))
+            results.append((y, y0, gi))
+        for name, got, want in zip(("forward", "forward without bias", "grad_input"), results[0],
+                                   (ref[0], no_bias, ref[1])):
+            assert _rel_err(got, want) <= tol, f"split {split}: {name} {_rel_err(got, want):.2e}"
+        for a, c in zip(*results):
+            assert torch.equal(a, c), f"split {split}: bitwise the same on every run"
+
+
 @pytest.mark.parametrize("element_bytes", (2, 4))
 @pytest.mark.parametrize("batch,channels,pixels,offset", [
     (1, 64, 64, 0), (3, 40, 4100, 0), (2, 8, 6, 0), (2, 31, 97, 0), (1, 130, 129, 1), (4, 72, 900, 1),

@@ -222,6 +222,30 @@ def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(rows, taps, c
     np.testing.assert_array_equal(_values(out, dtype), expected)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_split_gemm_reduce_adds_chunks_in_order_then_each_channels_bias(layout, dtype):
+    """The split GEMMs' partials are [chunk][destination element] in the destination's layout; the reduce adds
+    the chunks in order in fp32, then the bias of the element's channel, and rounds once."""
+    n, c, h, w, chunks = 3, 5, 4, 7, 3
+    plane = h * w
+    stride = 1 if layout == "nhwc" else plane
+    plan = reduction.plan_reduce_with_bias(dtype, n * c * plane, chunks, c, stride, "int")
+    rng = np.random.default_rng(c + chunks)
+    partials = rng.standard_normal((chunks, n * c * plane)).astype(np.float32)
+    bias = _storage(rng.standard_normal(c), dtype)
+    _, _, out = cuda_emulator.run(plan, [partials.ravel(), bias, _empty(n * c * plane, dtype)],
+                                  ["float", C_TYPE[dtype], C_TYPE[dtype]])
+    total = partials[0].copy()
+    for k in range(1, chunks):
+        total += partials[k]
+    shape = (n, h, w, c) if layout == "nhwc" else (n, c, h, w)
+    channel = np.indices(shape)[3 if layout == "nhwc" else 1].ravel()
+    total += _values(bias, dtype).astype(np.float32)[channel]
+    expected = _values(_storage(total.astype(np.float64), dtype), dtype)
+    np.testing.assert_array_equal(_values(out, dtype), expected)
+
+
 def _tf32_nearest_away(values: np.ndarray) -> np.ndarray:
     """float32 values rounded to TF32 (10 mantissa bits, fp32's exponent range) to nearest, ties away from
     zero, computed in float64 from each value's exponent: what cvt.rna.tf32.f32 gives."""

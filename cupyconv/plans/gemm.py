@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..core import dtypes
-from ..core.device import MMA_SYNC, Device
+from ..core.device import ASSUMED, MMA_SYNC, Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, check_layout, index_type, layer_constants, numel
-from .reduction import ELEMENTWISE_BLOCK, finishing_reduce, split_k_scratch
+from .reduction import ELEMENTWISE_BLOCK, finishing_reduce, plan_reduce_with_bias, split_k_scratch
 from .sequences import PackedGemm, PassPlan, SplitK
 
 # CUPYCONV_TENSOR_CORES=0 keeps every layer on the direct kernels.
@@ -181,8 +181,37 @@ def vector_ok(g: Geometry, dtype: str, mode: int) -> bool:
     return (cg_k * _itemsize(dtype)) % 16 == 0
 
 
+# A split GEMM's K ranges are at least this many K tiles long: shorter ones spend more time filling and
+# draining the pipeline and writing partials than multiplying.
+_MIN_SPLIT_K_TILES = 8
+_MAX_SPLITS = 32
+
+
+def gemm_splits(blocks: int, warps: int, k_tiles: int, sm_count: int, weight_bytes: int, out_elems: int) -> int:
+    """K ranges for a forward or grad_input GEMM of ``blocks`` blocks of ``warps`` warps and ``k_tiles`` K tiles
+    (the phase with the most taps): enough for 16 resident warps an SM, each range at least
+    :data:`_MIN_SPLIT_K_TILES` long, none empty, and fp32 partials of ``out_elems`` each no larger in all than the
+    weight (so a split layer is one the weight's reads bound, and the partials add at most that traffic again).
+    One where the grid fills the SMs already."""
+    wanted = cdiv(16 * sm_count, warps * blocks)
+    splits = max(1, min(wanted, k_tiles // _MIN_SPLIT_K_TILES, _MAX_SPLITS, weight_bytes // (4 * out_elems)))
+    return cdiv(k_tiles, cdiv(k_tiles, splits))
+
+
+def most_phase_taps(g: Geometry, mode: int) -> int:
+    """Taps of the forward's widest stride phase, or every tap for grad_input."""
+    (kh, kw), (sh, sw) = g.kernel, g.params.stride
+    if mode == 1:
+        return kh * kw
+    (ph, pw), (dh, dw) = g.params.padding, g.params.dilation
+    rows = max(sum((r + ph - k * dh) % sh == 0 for k in range(kh)) for r in range(sh))
+    cols = max(sum((r + pw - k * dw) % sw == 0 for k in range(kw)) for r in range(sw))
+    return rows * cols
+
+
 def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, precision: str,
-               tile: Optional[Tile], aligned: bool, stages: Optional[int]) -> PackedGemm:
+               tile: Optional[Tile], aligned: bool, stages: Optional[int], split: Optional[int],
+               sm_count: int) -> PackedGemm:
     sh, sw = g.params.stride
     if mode == 0:
         h_out, w_out = g.out_size
@@ -195,7 +224,16 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
         sizes = (g.batch,) + g.out_size + g.in_size
         src_channels, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
     tile = tile or _default_tile(gemm_tile(m, cg_n), dtype, precision)
-    index_t = _gemm_index_t(g)
+    blocks = cdiv(m, tile.bm) * g.groups * cdiv(cg_n, tile.bn) * phases
+    k_tiles = most_phase_taps(g, mode) * cdiv(g.in_per_group if mode == 0 else g.out_per_group, _bk(dtype))
+    out_elems = numel(g.output_shape if mode == 0 else g.input_shape)
+    if split is None:
+        split = gemm_splits(blocks, tile.warps_m * tile.warps_n, k_tiles, sm_count,
+                            numel(g.weight_shape) * _itemsize(dtype), out_elems)
+    elif not isinstance(split, int) or isinstance(split, bool) or split < 1:
+        raise ValueError(f"split must be a positive int, got {split!r}")
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape),
+                         split * out_elems if split > 1 else 0)
     constants = _gemm_constants(g, dtype, layout, precision, tile, index_t)
     del constants["CHANNELS_LAST"]
     # Whole 16-byte channel runs are copied with cp.async; an NCHW source is first
@@ -206,36 +244,47 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
     stages = (stages or DEFAULT_STAGES) if a_vec else 2
     if stages not in STAGE_CHOICES:
         raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
+    if phases * split > GRID_YZ_LIMIT:
+        raise ValueError(f"{phases} stride phases x {split} K ranges pass the grid's z limit of {GRID_YZ_LIMIT}")
     constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0, A_VEC=a_vec, STAGES=stages, A_L1=A_CACHE_L1,
-                     SRC_CL=layout == "nhwc" or transpose, DST_CL=layout == "nhwc")
+                     SRC_CL=layout == "nhwc" or transpose, DST_CL=layout == "nhwc", SPLIT_K=split)
     spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
-    grid = (cdiv(m, tile.bm), g.groups * cdiv(cg_n, tile.bn), phases)
+    grid = (cdiv(m, tile.bm), g.groups * cdiv(cg_n, tile.bn), phases * split)
     gemm = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), sizes, index_t,
-                smem_bytes=stages * stage_bytes(tile))
+                scratch_bytes=split_k_scratch(split, out_elems, 4), smem_bytes=stages * stage_bytes(tile))
+    reduce = None
+    if split > 1:
+        channels = g.out_channels if mode == 0 else g.in_channels
+        plane = numel(g.out_size if mode == 0 else g.in_size)
+        reduce = plan_reduce_with_bias(dtype, out_elems, split, channels, 1 if layout == "nhwc" else plane, index_t)
     # A TF32 GEMM rounds its fragments, so a copy already rounded (shared with the wgmma kernels) gives it the
     # same products.
     to_cl = plan_to_channels_last(g.batch, src_channels, src_pixels, dtype,
                                   round_tf32=mma_kind(dtype, precision) == MMA_TF32) if transpose else None
-    return PackedGemm(plan_pack_weight(g, dtype, mode, tile), gemm, to_cl)
+    return PackedGemm(plan_pack_weight(g, dtype, mode, tile), gemm, to_cl, reduce)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_forward_gemm(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", precision: str = "strict",
-                      tile: Optional[Tile] = None, aligned: bool = True, stages: Optional[int] = None) -> PackedGemm:
+                      tile: Optional[Tile] = None, aligned: bool = True, stages: Optional[int] = None,
+                      split: Optional[int] = None, sm_count: int = 132) -> PackedGemm:
     """Forward as one implicit GEMM per stride phase (grid z).
 
     ``aligned``: the activation pointers are 16-byte aligned (channels_last vector loads).
     ``stages``: cp.async pipeline depth (one of :data:`STAGE_CHOICES`; default
     :data:`DEFAULT_STAGES`); the element-gathering fallback always double-buffers.
+    ``split``: K ranges, each block taking one and a fixed-order reduce adding their partials and the bias;
+    by default :func:`gemm_splits` for ``sm_count`` SMs (one wherever the grid fills them).
     """
-    return _plan_gemm(g, dtype, 0, has_bias, layout, precision, tile, aligned, stages)
+    return _plan_gemm(g, dtype, 0, has_bias, layout, precision, tile, aligned, stages, split, sm_count)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input_gemm(g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict",
-                         tile: Optional[Tile] = None, aligned: bool = True, stages: Optional[int] = None) -> PackedGemm:
+                         tile: Optional[Tile] = None, aligned: bool = True, stages: Optional[int] = None,
+                         split: Optional[int] = None, sm_count: int = 132) -> PackedGemm:
     """grad_input (a strided conv2d of grad_output) as one implicit GEMM; see :func:`plan_forward_gemm`."""
-    return _plan_gemm(g, dtype, 1, False, layout, precision, tile, aligned, stages)
+    return _plan_gemm(g, dtype, 1, False, layout, precision, tile, aligned, stages, split, sm_count)
 
 
 def grad_weight_vectors(g: Geometry, dtype: str, layout: str, aligned: bool = True) -> Tuple[bool, bool]:
@@ -349,6 +398,8 @@ def options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Dict[st
         bms = (64, 128, 256) if rows >= _TALL_TILE_ROWS else (64, 128) if rows > 64 else (32, 64)
         bns = _sides(g.out_per_group if pass_ == "forward" else g.in_per_group)
     found: List[Dict[str, object]] = [{}]
+    if pass_ != "grad_weight" and _heuristic_splits(pass_, g, dtype, precision) > 1:
+        found.append({"split": 1})   # the heuristic splits K: race it against one range
     for bm in bms:
         for bn in bns:
             tile = TILES.get(f"{bm}x{bn}")
@@ -356,6 +407,13 @@ def options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Dict[st
                 found.append({"tile": tile.name})
     found += [{"stages": s} for s in STAGE_CHOICES if s != DEFAULT_STAGES]
     return found
+
+
+def _heuristic_splits(pass_: str, g: Geometry, dtype: str, precision: str) -> int:
+    """The K ranges of the heuristic plan of a forward or grad_input GEMM on :data:`ASSUMED`'s SMs."""
+    plan = (plan_forward_gemm(g, dtype, False, "nhwc", precision, sm_count=ASSUMED.sm_count) if pass_ == "forward"
+            else plan_grad_input_gemm(g, dtype, "nhwc", precision, sm_count=ASSUMED.sm_count))
+    return 1 if plan.reduce is None else plan.reduce.scalars[1]
 
 
 class GemmFamily(Family):
@@ -377,9 +435,10 @@ class GemmFamily(Family):
         if "tile" in kwargs:
             kwargs["tile"] = TILES[kwargs["tile"]]
         if pass_ == "forward":
-            return plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=aligned, **kwargs)
+            return plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=aligned, sm_count=sm_count,
+                                     **kwargs)
         if pass_ == "grad_input":
-            return plan_grad_input_gemm(g, dtype, layout, precision, aligned=aligned, **kwargs)
+            return plan_grad_input_gemm(g, dtype, layout, precision, aligned=aligned, sm_count=sm_count, **kwargs)
         partial, reduce = plan_grad_weight_gemm(g, dtype, sm_count, layout, precision, aligned=aligned, **kwargs)
         sources = plan_grad_weight_sources(g, dtype) if grad_weight_vectors(g, dtype, layout, aligned)[1] else None
         return SplitK(partial, reduce, sources)

@@ -87,6 +87,17 @@ def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
     return Plan(spec, grid, (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks), index_t)
 
 
+@functools.lru_cache(maxsize=1024)
+def plan_reduce_with_bias(dtype: str, elements: int, chunks: int, channels: int, channel_stride: int,
+                          index_t: str) -> Plan:
+    """The reduce of a split GEMM's partials in the destination's layout: the chunks in order, then the bias of
+    each element's channel, ``(element // channel_stride) % channels``, where the launch passes a bias."""
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK)
+    spec = KernelSpec.make("reduce_partials.cu", "reduce_partials_bias", constants)
+    grid = (min(cdiv(elements, ELEMENTWISE_BLOCK), 8192), 1, 1)
+    return Plan(spec, grid, (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks, channels, channel_stride), index_t)
+
+
 
 
 class ReductionFamily(Family):
@@ -100,6 +111,7 @@ class ReductionFamily(Family):
     def clear(self) -> None:
         plan_grad_bias.cache_clear()
         plan_reduce.cache_clear()
+        plan_reduce_with_bias.cache_clear()
         plan_tap_major_reduce.cache_clear()
 
 

@@ -124,14 +124,17 @@ class PackedSourcesSplitK(PassPlan):
 @dataclass(frozen=True)
 class PackedGemm(PassPlan):
     """The weight repacked into the GEMM's operand layout, optionally the source copied to
-    channels_last (shared through ``launcher.copies``), then the GEMM."""
+    channels_last (shared through ``launcher.copies``), then the GEMM.  With a ``reduce`` the GEMM is
+    split over K: it writes its partials into scratch (launched as the "partial" stage) and the reduce
+    adds them in order, and the bias, into the destination."""
 
     pack: Plan
     gemm: Plan
     to_channels_last: Optional[Plan] = None
+    reduce: Optional[Plan] = None
 
     def plans(self) -> List[Plan]:
-        return [p for p in (self.pack, self.to_channels_last, self.gemm) if p is not None]
+        return [p for p in (self.pack, self.to_channels_last, self.gemm, self.reduce) if p is not None]
 
     def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
         if len(pointers) == 4:
@@ -140,13 +143,19 @@ class PackedGemm(PassPlan):
             (src, weight, dst), bias = pointers, 0
         to_cl = self.to_channels_last
         own_copy = to_cl is not None and launcher.copies is None
-        keep, (packed, *src_cl) = launcher.scratch(
-            [self.pack.scratch_bytes] + ([to_cl.scratch_bytes] if own_copy else []))
+        keep, (packed, *rest) = launcher.scratch(
+            [self.pack.scratch_bytes] + ([self.gemm.scratch_bytes] if self.reduce is not None else [])
+            + ([to_cl.scratch_bytes] if own_copy else []))
+        partials = rest.pop(0) if self.reduce is not None else None
         launcher.launch("pack", self.pack, (weight, packed))
         if own_copy:
-            launcher.launch("to_channels_last", to_cl, (src, src_cl[0]))
-            src = src_cl[0]
+            launcher.launch("to_channels_last", to_cl, (src, rest[0]))
+            src = rest[0]
         elif to_cl is not None:
             src = launcher.copies.get(to_cl, src, launcher)
-        launcher.launch("main", self.gemm, (src, packed, bias, dst))
+        if partials is None:
+            launcher.launch("main", self.gemm, (src, packed, bias, dst))
+        else:
+            launcher.launch("partial", self.gemm, (src, packed, bias, partials))
+            launcher.launch("reduce", self.reduce, (partials, bias, dst))
         del keep

@@ -814,8 +814,8 @@ class WgmmaFamily(Family):
         if layout == "nhwc" and not aligned:
             # The halo copies need 16-byte aligned channel groups; an offset view takes the mma.sync GEMM.
             if forward:
-                return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False)
-            return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False)
+                return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False, sm_count=sm_count)
+            return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False, sm_count=sm_count)
         if forward:
             return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count, precision)
         return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count, precision)

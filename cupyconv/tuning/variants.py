@@ -1,8 +1,8 @@
 """A variant: one way to run a pass, as a kernel family and its planner options.
 
 Its name is what the tuning file stores: ``direct``, ``gemm``, ``gemm:128x64``,
-``gemm:s3``, ``gemm:64x64:s2``, ``wgmma:4i8x8x128``, ``wgmma:16x16x64:s6``, ``wgmma:64x64x4r16``
-or ``tiled:8x8x1b6`` (family, then a block tile, then a pipeline depth).
+``gemm:s3``, ``gemm:64x64:s2``, ``gemm:k1``, ``gemm:128x128:k8``, ``wgmma:4i8x8x128``, ``wgmma:16x16x64:s6``,
+``wgmma:64x64x4r16`` or ``tiled:8x8x1b6`` (family, then a block tile, then a pipeline depth, then K ranges).
 """
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from typing import Dict, Tuple
 # or the tiled forward's rows x columns x channels [b blocks per SM]
 _TILE = re.compile(r"(\d+i)?\d+x\d+(x\d+)?(r\d+(w\d+)?|b\d+)?")
 _STAGES = re.compile(r"s(\d+)")
+_SPLIT = re.compile(r"k(\d+)")
 _FAMILY = re.compile(r"[a-z][a-z0-9_]*")
 # the order of options in a name
-_ORDER = ("tile", "stages")
+_ORDER = ("tile", "stages", "split")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Variant:
             parts.append(str(opts["tile"]))
         if "stages" in opts:
             parts.append(f"s{opts['stages']}")
+        if "split" in opts:
+            parts.append(f"k{opts['split']}")
         return ":".join(parts)
 
     @classmethod
@@ -66,11 +69,13 @@ class Variant:
             raise ValueError(f"not a cupyconv variant name: {name!r}")
         opts: Dict[str, object] = {}
         for part in rest:
-            stages = _STAGES.fullmatch(part)
+            stages, split = _STAGES.fullmatch(part), _SPLIT.fullmatch(part)
             if _TILE.fullmatch(part) and not opts:
                 opts["tile"] = part
-            elif stages and "stages" not in opts:
+            elif stages and "stages" not in opts and "split" not in opts:
                 opts["stages"] = int(stages.group(1))
+            elif split and "split" not in opts:
+                opts["split"] = int(split.group(1))
             else:
                 raise ValueError(f"not a cupyconv variant name: {name!r}")
         return cls.make(family, **opts)

@@ -1,0 +1,119 @@
+"""The mma.sync GEMM planners without a GPU: where forward and grad_input split K, and what a split plan launches.
+
+The split kernels' arithmetic runs on the GPU (tests/test_gemm_gpu.py); their reduce runs emulated in
+tests/test_kernels_emulated.py.
+"""
+import math
+
+import pytest
+
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import gemm, launch, table
+from cupyconv.plans.launch import Recorder
+from cupyconv.core import device
+from cupyconv.tuning.variants import Variant
+
+
+def _g(x_shape, w_shape, **kwargs):
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+# pix2pix's innermost decoder layer: 16 images of 4 x 4, a 33.5 MB float32 weight, a 2 MB output
+WEIGHT_BOUND = _g((16, 1024, 4, 4), (1024, 512, 4, 4), stride=2, padding=1)
+# DCGAN's third layer: 128 images of 8 x 8, its output eight times its weight
+OUTPUT_BOUND = _g((128, 256, 8, 8), (256, 128, 4, 4), stride=2, padding=1)
+
+
+def _split(plan):
+    return dict(plan.gemm.spec.constants)["SPLIT_K"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_bound_small_grids_split_k_and_reduce_in_the_destination_layout(dtype):
+    for pass_, planner in (("forward", gemm.plan_forward_gemm), ("grad_input", gemm.plan_grad_input_gemm)):
+        for layout in launch.LAYOUTS:
+            args = (WEIGHT_BOUND, dtype, True, layout, "tf32") if pass_ == "forward" else \
+                (WEIGHT_BOUND, dtype, layout, "tf32")
+            plan = planner(*args)
+            split = _split(plan)
+            assert split > 1, (pass_, layout)
+            out = WEIGHT_BOUND.output_shape if pass_ == "forward" else WEIGHT_BOUND.input_shape
+            assert plan.gemm.scratch_bytes == split * math.prod(out) * 4, "fp32 partials of every output element"
+            # the partials may move no more bytes than the weight
+            assert plan.gemm.scratch_bytes <= math.prod(WEIGHT_BOUND.weight_shape) * (4 if dtype == "float32" else 2)
+            phases = 4 if pass_ == "forward" else 1
+            assert plan.gemm.grid[2] == phases * split
+            reduce = plan.reduce
+            assert reduce.spec.function == "reduce_partials_bias"
+            channels = out[1]
+            stride = 1 if layout == "nhwc" else out[2] * out[3]
+            assert reduce.scalars == (math.prod(out), split, channels, stride)
+            assert plan.plans()[-1] is reduce
+            assert planner(*args, split=1).reduce is None
+
+
+def test_split_ranges_are_whole_even_and_long_enough():
+    bm = gemm.TILES["128x128"]
+    for k_tiles in (8, 9, 64, 100, 256, 1000):
+        for blocks in (1, 8, 32, 200):
+            split = gemm.gemm_splits(blocks, bm.warps_m * bm.warps_n, k_tiles, 132, 1 << 30, 1)
+            per = math.ceil(k_tiles / split)
+            assert 1 <= split <= 32 and (split - 1) * per < k_tiles, "no K range is empty"
+            assert split == 1 or per >= 8
+    assert gemm.gemm_splits(1000, 8, 1000, 132, 1 << 30, 1) == 1, "a grid that fills the SMs runs whole"
+    assert gemm.gemm_splits(4, 8, 1000, 132, 1 << 30, 1 << 28) == 1, "partials larger than the weight: no split"
+
+
+def test_layers_whose_grids_fill_the_gpu_or_whose_outputs_outweigh_their_weights_run_whole():
+    for dtype in ("float32", "float16"):
+        assert _split(gemm.plan_forward_gemm(OUTPUT_BOUND, dtype, True, "nchw", "tf32")) == 1
+        assert gemm.plan_grad_input_gemm(OUTPUT_BOUND, dtype, "nchw", "tf32").reduce is None
+
+
+def test_more_sms_split_less():
+    few = _split(gemm.plan_forward_gemm(WEIGHT_BOUND, "float16", False, "nhwc", sm_count=132))
+    many = _split(gemm.plan_forward_gemm(WEIGHT_BOUND, "float16", False, "nhwc", sm_count=16))
+    assert many < few
+
+
+def test_a_split_is_checked_and_its_offsets_widened():
+    for bad in (0, -2, True, 2.0, "4"):
+        with pytest.raises(ValueError, match="split"):
+            gemm.plan_forward_gemm(WEIGHT_BOUND, "float16", False, "nhwc", split=bad)
+    with pytest.raises(ValueError, match="grid's z limit"):
+        gemm.plan_forward_gemm(_g((1, 16, 2, 2), (16, 16, 1, 1), stride=(256, 256)), "float16", False, "nhwc",
+                               split=2)
+    # 2**31 partial elements need 64-bit offsets though the tensors themselves do not
+    g = _g((64, 64, 64, 64), (64, 64, 4, 4), stride=2, padding=1)
+    out = math.prod(g.output_shape)
+    assert out < 2 ** 31 and gemm.plan_forward_gemm(g, "float16", False, "nhwc", split=1).gemm.index_t == "int"
+    wide = gemm.plan_forward_gemm(g, "float16", False, "nhwc", split=2 ** 31 // out + 1)
+    assert wide.gemm.index_t == "long long" and wide.reduce.index_t == "long long"
+
+
+def test_the_tuner_races_the_split_against_one_range():
+    for dtype, precision in (("float32", "tf32"), ("float16", "strict")):
+        names = [v.name for v in table.candidates("forward", WEIGHT_BOUND, dtype, "nchw", precision)]
+        assert "gemm" in names and "gemm:k1" in names
+        assert names.index("gemm:k1") == names.index("gemm") + 1
+    assert "gemm:k1" not in [v.name for v in table.candidates("forward", OUTPUT_BOUND, "float16", "nchw")]
+    v = Variant.parse("gemm:64x128:k4")
+    assert v.kwargs == {"tile": "64x128", "split": 4} and v.name == "gemm:64x128:k4"
+    assert _split(table.plan("grad_input", v, WEIGHT_BOUND, "float16", "nhwc")) == 4
+
+
+def test_a_split_pass_launches_its_partials_then_the_reduce_with_the_bias():
+    dev = device.fake(0, arch="90")
+    recorder = Recorder(dev)
+    plan = gemm.plan_forward_gemm(WEIGHT_BOUND, "float16", True, "nchw", sm_count=dev.sm_count)
+    recorder.enter("forward", Variant("gemm"))
+    x, w, b, y = (i << 36 for i in range(1, 5))
+    calls = []
+    recorder.launch = lambda stage, p, pointers: calls.append((stage, p, tuple(pointers)))
+    plan.run(recorder, (x, w, b, y))
+    assert [c[0] for c in calls] == ["pack", "to_channels_last", "partial", "reduce"]
+    (_, _, (_, packed)), (_, _, (_, x_cl)), (_, gemm_plan, partial_args), (_, reduce, reduce_args) = calls
+    partials = partial_args[3]
+    assert partial_args == (x_cl, packed, b, partials) and gemm_plan is plan.gemm
+    assert reduce_args == (partials, b, y) and reduce is plan.reduce
+    assert len({packed, x_cl, partials}) == 3 and partials not in (x, w, b, y)
