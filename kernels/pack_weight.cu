@@ -10,6 +10,15 @@
 // TILE_N x TILE_K per (n tile, k chunk, tap), each tile one contiguous block.
 // ROUND_TF32 rounds fp32 values to TF32 (round to nearest, ties away), as the wgmma kernels, which
 // read TF32 operands straight from shared memory, need.
+//
+// Either order is a transpose of the weight's: k and n trade places and the taps move out.  A
+// block takes a region of REGION_K k by REGION_N n by every tap, which is a few long runs of the
+// weight's memory, through shared memory: it reads the region in the weight's order and writes it
+// in the packed order, so both sides move whole sectors (an element-wise gather read each 4-byte
+// value of a sector in a different pass over the weight).  Regions lie inside one (n tile, k
+// chunk) of the tiled order.  A region's (k, n) pairs sit in shared memory in the order the
+// packed side walks them, each pair's taps a run of an odd length, so the stores' reads fall on
+// distinct banks.
 #include "tf32_round.cuh"
 
 typedef {{INDEX_T}} index_t;
@@ -22,13 +31,20 @@ constexpr int CIN_G = {{CIN_G}}, COUT_G = {{COUT_G}};
 constexpr int N_PAD = {{N_PAD}}, K_PAD = {{K_PAD}};
 constexpr int BLOCK = {{BLOCK}};
 constexpr int TILE_N = {{TILE_N}}, TILE_K = {{TILE_K}};
+constexpr int REGION_K = {{REGION_K}}, REGION_N = {{REGION_N}};
 constexpr bool ROUND_TF32 = {{ROUND_TF32}};
 constexpr bool WEIGHT_CL = {{WEIGHT_CL}};
 constexpr int VEC = 16 / ELEMENT_BYTES;
+constexpr bool TILED = TILE_N > 0;
 static_assert(!ROUND_TF32 || ELEMENT_BYTES == 4, "TF32 rounding of fp32 words");
-static_assert(TILE_N == 0 || (N_PAD % TILE_N == 0 && K_PAD % TILE_K == 0 && TILE_K % VEC == 0), "whole tiles");
+static_assert(!TILED || (N_PAD % TILE_N == 0 && K_PAD % TILE_K == 0 && TILE_K % VEC == 0), "whole tiles");
+static_assert(!TILED || (TILE_N % REGION_N == 0 && TILE_K % REGION_K == 0 && REGION_K % VEC == 0),
+              "regions inside one tile, of whole 16-byte k groups");
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;
+constexpr int TAP_RUN = TAPS | 1;   // a (k, n) pair's taps in shared memory, odd so pairs start on distinct banks
+constexpr int REGION = REGION_K * REGION_N * TAPS;
+constexpr int N_REGIONS = (N_PAD + REGION_N - 1) / REGION_N, K_REGIONS = (K_PAD + REGION_K - 1) / REGION_K;
 
 // Only the bits move, so one kernel serves every dtype of a given width.
 template <int BYTES> struct Bits;
@@ -36,29 +52,37 @@ template <> struct Bits<2> { typedef unsigned short type; };
 template <> struct Bits<4> { typedef unsigned int type; };
 typedef Bits<ELEMENT_BYTES>::type bits_t;
 
+// Where the pair (kk, nn) of a region keeps its taps: in the order the packed side walks pairs.
+__device__ __forceinline__ int pair_slot(int kk, int nn) {
+    const int pair = TILED ? ((kk / VEC) * REGION_N + nn) * VEC + kk % VEC : nn * REGION_K + kk;
+    return pair * TAP_RUN;
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK)
 pack_weight(const bits_t* __restrict__ weight, bits_t* __restrict__ packed) {
-    constexpr index_t TOTAL = static_cast<index_t>(GROUPS) * TAPS * N_PAD * K_PAD;
-    for (index_t e = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; e < TOTAL;
-         e += static_cast<index_t>(gridDim.x) * BLOCK) {
-        int k, n, t, g;
-        if constexpr (TILE_N > 0) {
-            index_t rest = e;
-            const int in_group = static_cast<int>(rest % VEC); rest /= VEC;
-            const int n_in = static_cast<int>(rest % TILE_N); rest /= TILE_N;
-            const int k_group = static_cast<int>(rest % (TILE_K / VEC)); rest /= TILE_K / VEC;
-            t = static_cast<int>(rest % TAPS); rest /= TAPS;
-            const int chunk = static_cast<int>(rest % (K_PAD / TILE_K)); rest /= K_PAD / TILE_K;
-            const int n_tile = static_cast<int>(rest % (N_PAD / TILE_N));
-            g = static_cast<int>(rest / (N_PAD / TILE_N));
-            n = n_tile * TILE_N + n_in;
-            k = chunk * TILE_K + k_group * VEC + in_group;
-        } else {
-            k = static_cast<int>(e % K_PAD);
-            n = static_cast<int>((e / K_PAD) % N_PAD);
-            t = static_cast<int>((e / (static_cast<index_t>(K_PAD) * N_PAD)) % TAPS);
-            g = static_cast<int>(e / (static_cast<index_t>(K_PAD) * N_PAD * TAPS));
+    __shared__ bits_t region[REGION_K * REGION_N * TAP_RUN];
+    const int tid = threadIdx.x;
+    const int k_region = blockIdx.x % K_REGIONS;
+    const int n_region = blockIdx.x / K_REGIONS % N_REGIONS;
+    const int g = blockIdx.x / K_REGIONS / N_REGIONS;
+    const int k0 = k_region * REGION_K, n0 = n_region * REGION_N;
+
+    // Read: consecutive threads take consecutive elements of the weight's memory.
+    for (int e = tid; e < REGION; e += BLOCK) {
+        // the region's index that runs along the weight's memory: n for MODE 0 (output channels), k for MODE 1
+        constexpr int INNER = MODE == 0 ? REGION_N : REGION_K;
+        int inner, outer, t;
+        if constexpr (WEIGHT_CL) {   // [ic][tap][oc]: output channels, then taps, then input channels
+            inner = e % INNER;
+            t = e / INNER % TAPS;
+            outer = e / INNER / TAPS;
+        } else {                     // [ic][oc][tap]: taps, then output channels, then input channels
+            t = e % TAPS;
+            inner = e / TAPS % INNER;
+            outer = e / TAPS / INNER;
         }
+        const int nn = MODE == 0 ? inner : outer, kk = MODE == 0 ? outer : inner;
+        const int k = k0 + kk, n = n0 + nn;
         bits_t v = 0;
         if (n < CG_N && k < CG_K) {
             const int ic = MODE == 0 ? k : n, oc = MODE == 0 ? n : k;
@@ -66,6 +90,31 @@ pack_weight(const bits_t* __restrict__ weight, bits_t* __restrict__ packed) {
             v = weight[WEIGHT_CL ? (row * TAPS + t) * COUT_G + oc : (row * COUT_G + oc) * TAPS + t];
             if constexpr (ROUND_TF32) v = round_tf32_bits(v);
         }
-        packed[e] = v;
+        region[pair_slot(kk, nn) + t] = v;
+    }
+    __syncthreads();
+
+    // Write: consecutive threads take consecutive elements of the packed order.
+    if constexpr (TILED) {
+        // [n tile][k chunk][tap][k group][n in tile][k in group]: per tap and k group, REGION_N x VEC in a row
+        const int n_tile = n0 / TILE_N, chunk = k0 / TILE_K;
+        const index_t tile_base = ((static_cast<index_t>(g) * (N_PAD / TILE_N) + n_tile) * (K_PAD / TILE_K) + chunk)
+                                  * TAPS * TILE_K * TILE_N;
+        const int n_in0 = n0 % TILE_N, group0 = k0 % TILE_K / VEC;
+        for (int e = tid; e < REGION; e += BLOCK) {
+            const int in_group = e % VEC, nn = e / VEC % REGION_N;
+            const int kg = e / (VEC * REGION_N) % (REGION_K / VEC), t = e / (REGION_N * REGION_K);
+            const int kk = kg * VEC + in_group;
+            packed[tile_base + ((static_cast<index_t>(t) * (TILE_K / VEC) + group0 + kg) * TILE_N + n_in0 + nn) * VEC
+                   + in_group] = region[pair_slot(kk, nn) + t];
+        }
+    } else {
+        // [tap][n][k]: per tap and n, REGION_K in a row
+        for (int e = tid; e < REGION; e += BLOCK) {
+            const int kk = e % REGION_K, nn = e / REGION_K % REGION_N, t = e / (REGION_K * REGION_N);
+            const int k = k0 + kk, n = n0 + nn;
+            if (k < K_PAD && n < N_PAD)
+                packed[((static_cast<index_t>(g) * TAPS + t) * N_PAD + n) * K_PAD + k] = region[pair_slot(kk, nn) + t];
+        }
     }
 }

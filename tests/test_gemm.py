@@ -117,3 +117,17 @@ def test_a_split_pass_launches_its_partials_then_the_reduce_with_the_bias():
     assert partial_args == (x_cl, packed, b, partials) and gemm_plan is plan.gemm
     assert reduce_args == (partials, b, y) and reduce is plan.reduce
     assert len({packed, x_cl, partials}) == 3 and partials not in (x, w, b, y)
+
+
+def test_split_gemm_leads_weight_bound_grids_in_16_bits():
+    """The 16-bit halo-tile kernels step behind the GEMM where it splits K four ways or more: their few tiles each
+    read the whole weight.  Where it splits less, or not at all, they lead as before."""
+    from cupyconv.plans import wgmma
+
+    for dtype in ("float16", "bfloat16"):
+        for pass_ in ("forward", "grad_input"):
+            assert gemm.heuristic_splits(pass_, WEIGHT_BOUND, dtype, "strict") >= wgmma.SPLIT_GEMM_LEADS
+            assert [f.name for f in table.eligible(pass_, WEIGHT_BOUND, dtype, "nhwc")][:2] == ["gemm", "wgmma"]
+            assert table.candidates(pass_, WEIGHT_BOUND, dtype, "nhwc")[0] == Variant("gemm")
+            assert gemm.heuristic_splits(pass_, OUTPUT_BOUND, dtype, "strict") == 1
+            assert table.eligible(pass_, OUTPUT_BOUND, dtype, "nhwc")[0].name == "wgmma"

@@ -381,3 +381,55 @@ def test_weight_packed_from_channels_last_memory_matches_the_contiguous_pack(mod
         packed.append(out)
     np.testing.assert_array_equal(packed[1], packed[0])
     assert np.count_nonzero(packed[0]) == w.size, "every weight value packed once"
+
+
+def _packed_reference(w, groups, mode, n_pad, k_pad, tile):
+    """pack_weight.cu's layout written out in numpy: B[g][tap][n][k] of the weight, zero-padded, then (with a
+    tile) [g][n tile][k chunk][tap][16-byte k group][n in tile][k in group]."""
+    cin, cout_g, kh, kw = w.shape
+    cin_g, taps = cin // groups, kh * kw
+    per_group = w.reshape(groups, cin_g, cout_g, taps)                  # [g][ic][oc][tap]
+    b = per_group.transpose(0, 3, 2, 1) if mode == 0 else per_group.transpose(0, 3, 1, 2)   # [g][tap][n][k]
+    padded = np.zeros((groups, taps, n_pad, k_pad), w.dtype)
+    padded[:, :, :b.shape[2], :b.shape[3]] = b
+    tile_n, tile_k = tile
+    if not tile_n:
+        return padded.ravel()
+    vec = 16 // w.dtype.itemsize
+    t = padded.reshape(groups, taps, n_pad // tile_n, tile_n, k_pad // tile_k, tile_k // vec, vec)
+    return np.ascontiguousarray(t.transpose(0, 2, 4, 1, 5, 3, 6)).ravel()
+
+
+@pytest.mark.parametrize("weight_cl", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("bits, kernel, pads, tile", [
+    # fp32 (the TF32 and 3xTF32 GEMMs): row-major and tiled, a 3 x 2 kernel (a run of 7 slots for 6 taps)
+    (np.uint32, (3, 2), (48, 32), (0, 0)), (np.uint32, (3, 2), (64, 48), (32, 8)),
+    (np.uint32, (3, 2), (32, 24), (8, 24)),
+    # 49 taps: the regions shrink to fit shared memory
+    (np.uint32, (7, 7), (64, 32), (64, 32)), (np.uint32, (7, 7), (32, 32), (0, 0)),
+    # 16-bit words, one tap
+    (np.uint16, (1, 1), (256, 64), (128, 64)), (np.uint16, (4, 4), (64, 96), (0, 0)),
+    (np.uint16, (4, 4), (16, 32), (16, 16)),
+])
+def test_weight_packs_match_the_layout_written_out(bits, kernel, pads, tile, mode, weight_cl):
+    """Both packs of pack_weight.cu against the layout computed in numpy: grouped, n and k padded past the channels,
+    both weight layouts; the region shapes it runs with differ per order and mode (pack_region)."""
+    from cupyconv.plans import gemm
+
+    groups, cin_g, cout_g = 2, 20, 13
+    g = geometry((1, groups * cin_g, 3, 3), (groups * cin_g, cout_g) + kernel, None,
+                 ConvParams.from_args(stride=2, groups=groups))
+    w = np.random.default_rng(sum(kernel) + mode).integers(1, 2 ** 15, g.weight_shape).astype(bits)
+    n_pad, k_pad = pads if mode == 0 else pads[::-1]
+    if tile[0]:
+        n_pad, k_pad = -(-n_pad // tile[0]) * tile[0], -(-k_pad // tile[1]) * tile[1]
+    dtype = "float32" if bits == np.uint32 else "float16"
+    geom = g.with_weight_channels_last() if weight_cl else g
+    plan = gemm.plan_pack_weight_padded(geom, dtype, mode, n_pad, k_pad, tile)
+    c = dict(plan.spec.constants)
+    assert c["REGION_K"] * c["REGION_N"] * ((kernel[0] * kernel[1]) | 1) * w.itemsize <= 40 * 1024
+    memory = _weight_channels_last(w) if weight_cl else w
+    out = np.full(plan.scratch_bytes // w.itemsize, 2 ** (8 * w.itemsize) - 1, bits)   # unwritten words show
+    _, out = cuda_emulator.run(plan, [memory, out], ["unsigned int" if bits == np.uint32 else "unsigned short"] * 2)
+    np.testing.assert_array_equal(out, _packed_reference(w, groups, mode, n_pad, k_pad, tile))

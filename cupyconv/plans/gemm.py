@@ -145,13 +145,43 @@ def plan_pack_weight_padded(g: Geometry, dtype: str, mode: int, n_pad: int, k_pa
     taps = g.kernel[0] * g.kernel[1]
     total = g.groups * taps * n_pad * k_pad
     element = _itemsize(dtype)
+    region_k, region_n = pack_region(mode, taps, element, tile)
     constants = dict(INDEX_T=index_type(total, numel(g.weight_shape)), MODE=mode, ELEMENT_BYTES=element,
                      TAPS=taps, GROUPS=g.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group, N_PAD=n_pad,
-                     K_PAD=k_pad, BLOCK=ELEMENTWISE_BLOCK, TILE_N=tile[0], TILE_K=tile[1], ROUND_TF32=round_tf32,
-                     WEIGHT_CL=g.weight_channels_last)
+                     K_PAD=k_pad, BLOCK=ELEMENTWISE_BLOCK, TILE_N=tile[0], TILE_K=tile[1], REGION_K=region_k,
+                     REGION_N=region_n, ROUND_TF32=round_tf32, WEIGHT_CL=g.weight_channels_last)
     spec = KernelSpec.make("pack_weight.cu", "pack_weight", constants)
-    return Plan(spec, (min(cdiv(total, ELEMENTWISE_BLOCK), 8192), 1, 1), (ELEMENTWISE_BLOCK, 1, 1), (),
-                constants["INDEX_T"], scratch_bytes=total * element)
+    blocks = g.groups * cdiv(n_pad, region_n) * cdiv(k_pad, region_k)
+    return Plan(spec, (blocks, 1, 1), (ELEMENTWISE_BLOCK, 1, 1), (), constants["INDEX_T"],
+                scratch_bytes=total * element)
+
+
+# Shared memory of one pack_weight region (static, so under 48 KB with room to spare).
+_PACK_REGION_BYTES = 40 * 1024
+
+
+def pack_region(mode: int, taps: int, element: int, tile: Tuple[int, int] = (0, 0)) -> Tuple[int, int]:
+    """(k, n) of a block's region in pack_weight.cu, every tap of each: long runs on both sides of the transpose.
+
+    The tiled order's runs are a region's n side of 16-byte k groups, so the forward (whose n, output channels,
+    also runs along the weight's memory) takes one k group by a whole n tile, grad_input a whole k chunk by 8 n.
+    The row-major order's runs are a region's k side: 128 bytes of k by 8 n.  n halves, then k, down to what
+    shared memory holds."""
+    vec = 16 // element
+    tile_n, tile_k = tile
+    if tile_n:
+        region_k, region_n = (vec, tile_n) if mode == 0 else (tile_k, min(8, tile_n))
+    else:
+        region_k, region_n = 128 // element, 8
+
+    def fits(k: int, n: int) -> bool:
+        return k * n * (taps | 1) * element <= _PACK_REGION_BYTES
+
+    while not fits(region_k, region_n) and region_n > 1:
+        region_n //= 2
+    while not fits(region_k, region_n) and region_k > vec and (not tile_n or (region_k // 2) % vec == 0):
+        region_k //= 2
+    return region_k, region_n
 
 
 def plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str, round_tf32: bool = False) -> Plan:
@@ -398,7 +428,7 @@ def options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Dict[st
         bms = (64, 128, 256) if rows >= _TALL_TILE_ROWS else (64, 128) if rows > 64 else (32, 64)
         bns = _sides(g.out_per_group if pass_ == "forward" else g.in_per_group)
     found: List[Dict[str, object]] = [{}]
-    if pass_ != "grad_weight" and _heuristic_splits(pass_, g, dtype, precision) > 1:
+    if pass_ != "grad_weight" and heuristic_splits(pass_, g, dtype, precision) > 1:
         found.append({"split": 1})   # the heuristic splits K: race it against one range
     for bm in bms:
         for bn in bns:
@@ -409,10 +439,14 @@ def options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Dict[st
     return found
 
 
-def _heuristic_splits(pass_: str, g: Geometry, dtype: str, precision: str) -> int:
-    """The K ranges of the heuristic plan of a forward or grad_input GEMM on :data:`ASSUMED`'s SMs."""
-    plan = (plan_forward_gemm(g, dtype, False, "nhwc", precision, sm_count=ASSUMED.sm_count) if pass_ == "forward"
-            else plan_grad_input_gemm(g, dtype, "nhwc", precision, sm_count=ASSUMED.sm_count))
+def heuristic_splits(pass_: str, g: Geometry, dtype: str, precision: str) -> int:
+    """The K ranges of the heuristic plan of a forward or grad_input GEMM on :data:`ASSUMED`'s SMs (one for a layer
+    the GEMM cannot plan)."""
+    try:
+        plan = (plan_forward_gemm(g, dtype, False, "nhwc", precision, sm_count=ASSUMED.sm_count)
+                if pass_ == "forward" else plan_grad_input_gemm(g, dtype, "nhwc", precision, sm_count=ASSUMED.sm_count))
+    except (ValueError, TypeError):
+        return 1
     return 1 if plan.reduce is None else plan.reduce.scalars[1]
 
 

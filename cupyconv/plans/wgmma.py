@@ -769,6 +769,10 @@ def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
     return found
 
 
+# K ranges of the mma.sync GEMM's heuristic from which it runs ahead of the 16-bit halo-tile kernels.
+SPLIT_GEMM_LEADS = 4
+
+
 class WgmmaFamily(Family):
     name = "wgmma"
     passes = ("forward", "grad_input", "grad_weight")
@@ -785,10 +789,14 @@ class WgmmaFamily(Family):
         with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races them.
         The TF32 grad_weight kernel beat the GEMM on all such layers measured but a 3-tap dilated one in NCHW and,
         in one of two runs, pix2pix's 1 x 1 input (v14 notes); the tuner races the two.  The float32 (TF32)
-        forward and grad_input lead as :func:`tf32_leads` says."""
+        forward and grad_input lead as :func:`tf32_leads` says; fp16 and bf16 ones unless the GEMM would split K
+        :data:`SPLIT_GEMM_LEADS` ways or more (a weight-bound grid, whose few halo tiles each read the weight whole:
+        on pix2pix's 1², 2² and 4² grids the split GEMM took 0.5-0.9x their time forward, 0.3-0.5x for grad_input)."""
         if pass_ == "grad_weight":
             return weight_phases(g)[0] >= 2
-        return dtype != "float32" or tf32_leads(g, pass_)
+        if dtype == "float32":
+            return tf32_leads(g, pass_)
+        return gemm.heuristic_splits(pass_, g, dtype, "strict") < SPLIT_GEMM_LEADS
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
         if pass_ == "grad_weight":
