@@ -258,6 +258,32 @@ def test_split_k_forward_and_grad_input_match_float64(index, dtype, precision, t
             assert torch.equal(a, c), f"split {split}: bitwise the same on every run"
 
 
+@pytest.mark.parametrize("tile", [(0, 0), (64, 32)])
+@pytest.mark.parametrize("weight_cl", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_16_bit_weight_packs_alike_from_a_view_one_element_off_word_alignment(mode, weight_cl, tile):
+    """pack_weight moves 16-bit weights a word at a time where the pointer allows: a weight view starting one
+    element into its allocation takes the halfword path and packs the same bits."""
+    g = geometry((1, 40, 3, 3), (40, 24, 4, 4), None, ConvParams.from_args(stride=2))
+    if weight_cl:
+        g = g.with_weight_channels_last()
+    plan = gemm.plan_pack_weight_padded(g, "float16", mode, 64, 64, tile)
+    w = (torch.rand(g.weight_shape, device="cuda") + 0.5).half()   # no zeros: every packed zero is padding
+    memory = w.permute(0, 2, 3, 1).contiguous() if weight_cl else w
+    flat = torch.empty(memory.numel() + 1, device="cuda", dtype=torch.float16)
+    flat[1:] = memory.reshape(-1)
+    stream = torch.cuda.current_stream().cuda_stream
+    outs = []
+    for ptr in (memory.data_ptr(), flat.data_ptr() + 2):
+        out = torch.full((plan.scratch_bytes // 2,), -1, device="cuda", dtype=torch.int16)
+        plan.run(0, stream, (ptr, out.data_ptr()))
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert (flat.data_ptr() + 2) % 4 == 2
+    assert torch.equal(outs[0], outs[1])
+    assert int((outs[0] != 0).sum()) == w.numel() and not bool((outs[0] == -1).any())
+
+
 @pytest.mark.parametrize("element_bytes", (2, 4))
 @pytest.mark.parametrize("batch,channels,pixels,offset", [
     (1, 64, 64, 0), (3, 40, 4100, 0), (2, 8, 6, 0), (2, 31, 97, 0), (1, 130, 129, 1), (4, 72, 900, 1),
