@@ -62,6 +62,9 @@ def test_split_ranges_are_whole_even_and_long_enough():
             assert split == 1 or per >= 8
     assert gemm.gemm_splits(1000, 8, 1000, 132, 1 << 30, 1) == 1, "a grid that fills the SMs runs whole"
     assert gemm.gemm_splits(4, 8, 1000, 132, 1 << 30, 1 << 28) == 1, "partials larger than the weight: no split"
+    empty = _g((0, 1024, 4, 4), (1024, 512, 4, 4), stride=2, padding=1)
+    assert gemm.gemm_splits(0, 8, 1000, 132, 1 << 30, 0) == 1
+    assert _split(gemm.plan_forward_gemm(empty, "float16", True, "nchw")) == 1, "a batch of none plans, unsplit"
 
 
 def test_layers_whose_grids_fill_the_gpu_or_whose_outputs_outweigh_their_weights_run_whole():

@@ -120,10 +120,6 @@ def _default_tile(tile: Tile, dtype: str, precision: str) -> Tile:
     return tile
 
 
-def _gemm_index_t(g: Geometry) -> str:
-    return index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
-
-
 def _bk(dtype: str) -> int:
     """GEMM K elements per shared-memory stage: 64 bytes."""
     return 64 // _itemsize(dtype)
@@ -222,7 +218,9 @@ def gemm_splits(blocks: int, warps: int, k_tiles: int, sm_count: int, weight_byt
     (the phase with the most taps): enough for 16 resident warps an SM, each range at least
     :data:`_MIN_SPLIT_K_TILES` long, none empty, and fp32 partials of ``out_elems`` each no larger in all than the
     weight (so a split layer is one the weight's reads bound, and the partials add at most that traffic again).
-    One where the grid fills the SMs already."""
+    One where the grid fills the SMs already, or is empty (a batch of none)."""
+    if blocks == 0 or out_elems == 0:
+        return 1
     wanted = cdiv(16 * sm_count, warps * blocks)
     splits = max(1, min(wanted, k_tiles // _MIN_SPLIT_K_TILES, _MAX_SPLITS, weight_bytes // (4 * out_elems)))
     return cdiv(k_tiles, cdiv(k_tiles, splits))
