@@ -217,6 +217,14 @@ def base_cases() -> List[Case]:
         cases.append(Case(f"wgmma-grad-weight-{tag}-nhwc-weight_cl-one-range", (1, 16, 2, 2), (16, 16, 4, 4),
                           _kw(stride=2, padding=1), False, dtype, precision, layout="nhwc",
                           variants=(("grad_weight", "wgmma"),), weight_cl=True))
+    # weight-bound: two 2 x 2 images of 128 channels, whose GEMMs split K (forward and grad_input each forced to
+    # uneven ranges, in 16 bits a last one empty) and reduce the partials with the bias
+    for dtype, precision, layout in (("float16", "strict", "nhwc"), ("bfloat16", "strict", "nchw"),
+                                     ("float32", "tf32", "nchw"), ("float32", "strict", "nhwc")):
+        tag = "tf32" if precision == "tf32" else dtype
+        cases.append(Case(f"gemm-split-{tag}-{layout}", (2, 128, 2, 2), (128, 32, 4, 4), _kw(stride=2, padding=1),
+                          True, dtype, precision, layout,
+                          variants=(("forward", "gemm:k5"), ("grad_input", "gemm:k7"))))
     cases.append(Case("gemm-dense-float16-cupy", xs, ws, kw, True, "float16", api="cupy"))
     cases.append(Case("gemm-dense-float32-nonfinite", xs, ws, kw, True, "float32", nonfinite=True))
     cases.append(Case("gemm-dense-tf32-nhwc-nonfinite", xs, ws, kw, True, "float32", "tf32", "nhwc", nonfinite=True))
