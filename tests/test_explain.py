@@ -514,3 +514,27 @@ def test_explain_matches_the_engine_on_a_recorder():
     e = explain((2, 32, 9, 11), (32, 48, 3, 5), stride=2, padding=1, dtype="bfloat16")
     assert [(k.stage, k.function, k.grid) for k in e.kernels] == \
         [(stage, plan.spec.function, plan.grid) for stage, plan in rec.launches]
+
+
+@pytest.mark.skipif(GPU, reason="checks the host-only plan for the assumed H100")
+def test_a_split_forward_and_grad_input_show_their_partials_and_reduce():
+    """A weight-bound layer's GEMMs split K: explain lists each pass's partial and reduce, the partials' bytes in
+    both, and says how K was split."""
+    x_shape, w_shape = (16, 1024, 4, 4), (1024, 512, 4, 4)
+    e = explain(x_shape, w_shape, stride=2, padding=1, dtype="float32", precision="tf32")
+    g = geometry(x_shape, w_shape, None, ConvParams.from_args(stride=2, padding=1))
+    x_b, w_b, y_b = (math.prod(s) * 4 for s in (g.input_shape, g.weight_shape, g.output_shape))
+    b_b = g.out_channels * 4
+    # (bytes the partial pass reads, bytes the reduce writes, fp32 bytes of one range's partials)
+    for name, (reads, written, one_range) in (("forward", (x_b + w_b, y_b + b_b, y_b)),
+                                              ("grad_input", (y_b + w_b, x_b, x_b))):
+        p = e.pass_(name)
+        stages = [k.stage for k in p.kernels]
+        assert stages[-2:] == ["partial", "reduce"] and p.variant == "gemm", (name, stages)
+        partial, reduce = p.kernels[-2:]
+        chunks = partial.constants["SPLIT_K"]
+        assert chunks > 1 and reduce.function == "reduce_partials_bias"
+        assert partial.scratch_bytes == chunks * one_range
+        assert partial.bytes == reads + partial.scratch_bytes
+        assert reduce.bytes == partial.scratch_bytes + written
+        assert f"split-K over {chunks} even ranges of each stride phase's K tiles" in p.note
