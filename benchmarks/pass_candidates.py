@@ -1,0 +1,146 @@
+"""Time every candidate of a pass, pinned, against cuDNN in the same process (the v23 notes' tables).
+
+    python benchmarks/pass_candidates.py pix2pix_4 --dtype float32 bfloat16 --layout nchw
+    python benchmarks/pass_candidates.py 16x1024x4x4:512:k4s2p1 --layout nhwc --weight-channels-last
+
+A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP`` (a square kernel, stride and padding).  For each
+dtype, layout and pass (forward, grad_input) it prints cuDNN's time (``cudnn.benchmark`` on, TF32 allowed for
+float32), the heuristic candidate's, and every candidate the pass table lists, fastest first, then the
+fastest one's kernels.  Times are the GPU time of every kernel the pass launches (``torch.profiler``), averaged
+over five calls after three warm-ups.  float32 runs at TF32 precision, as under torch's defaults.  Needs a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+from typing import Callable, Dict, List, Tuple
+
+LAYERS = {
+    # pix2pix's decoder and DCGAN's generator, as their layers run in the model benchmark
+    "pix2pix_1": ((16, 512, 1, 1), 512, 4, 2, 1),
+    "pix2pix_2": ((16, 1024, 2, 2), 512, 4, 2, 1),
+    "pix2pix_4": ((16, 1024, 4, 4), 512, 4, 2, 1),
+    "pix2pix_8": ((16, 1024, 8, 8), 512, 4, 2, 1),
+    "dcgan_4": ((128, 512, 4, 4), 256, 4, 2, 1),
+    "dcgan_8": ((128, 256, 8, 8), 128, 4, 2, 1),
+}
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+):(\d+):k(\d+)s(\d+)p(\d+)")
+PASSES = ("forward", "grad_input")
+WARMUP, CALLS = 3, 5
+
+
+def parse_layer(text: str) -> Tuple[Tuple[int, int, int, int], int, int, int, int]:
+    """(input shape, output channels, kernel, stride, padding) of a name in :data:`LAYERS` or a spec."""
+    if text in LAYERS:
+        return LAYERS[text]
+    match = _SPEC.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither one of {', '.join(LAYERS)} nor NxCxHxW:OUT:kKsSpP")
+    n, c, h, w, out, k, s, p = map(int, match.groups())
+    return (n, c, h, w), out, k, s, p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("layers", nargs="+", type=parse_layer, help="layer names or NxCxHxW:OUT:kKsSpP specs")
+    parser.add_argument("--dtype", nargs="+", default=["float32"], choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--layout", nargs="+", default=["nchw"], choices=("nchw", "nhwc"))
+    parser.add_argument("--weight-channels-last", action="store_true",
+                        help="the weight channels_last too, as model.to(memory_format=torch.channels_last) leaves it")
+    parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
+    return parser.parse_args(argv)
+
+
+def gpu_time_us(fn: Callable[[], object]) -> Tuple[float, Dict[str, float]]:
+    """The GPU time of one call of ``fn`` in µs, and per kernel name, from ``torch.profiler``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: Dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.device_time_total / CALLS
+    return sum(per_kernel.values()), dict(per_kernel)
+
+
+def _calls(pass_: str, x, w, b, go, kw: dict):
+    """(torch's call, cupyconv's call) of the pass."""
+    import torch
+    import torch.nn.functional as F
+
+    import cupyconv.torch as ct
+
+    if pass_ == "forward":
+        return (lambda: F.conv_transpose2d(x, w, b, **kw)), (lambda: ct.conv_transpose2d(x, w, b, **kw))
+    stride, padding = [kw["stride"]] * 2, [kw["padding"]] * 2
+    theirs = (lambda: torch.ops.aten.convolution_backward(go, x, w, None, stride, padding, [1, 1], True, [0, 0], 1,
+                                                          [True, False, False])[0])
+    ours = (lambda: torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, stride, padding, [0, 0], 1, [1, 1], 0))
+    return theirs, ours
+
+
+def run(args: argparse.Namespace) -> List[str]:
+    import torch
+    import torch.nn.functional as F
+
+    from cupyconv.core.geometry import ConvParams, geometry
+    from cupyconv.plans import table
+    from cupyconv.tuning import pinned
+
+    if not torch.cuda.is_available():
+        raise SystemExit("pass_candidates needs a CUDA GPU that torch can see")
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = True
+    lines = []
+    for x_shape, out_channels, k, s, p in args.layers:
+        kw = dict(stride=s, padding=p)
+        w_shape = (x_shape[1], out_channels, k, k)
+        g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kw))
+        name = f"{'x'.join(map(str, x_shape))}:{out_channels}:k{k}s{s}p{p}"
+        for dtype in args.dtype:
+            precision = "tf32" if dtype == "float32" else "strict"
+            tdtype = getattr(torch, dtype)
+            for layout in args.layout:
+                fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+                x = torch.randn(x_shape, device="cuda", dtype=tdtype).contiguous(memory_format=fmt)
+                w = (torch.randn(w_shape, device="cuda") / (x_shape[1] * k * k) ** 0.5).to(tdtype)
+                if args.weight_channels_last:
+                    w = w.contiguous(memory_format=torch.channels_last)
+                b = torch.randn(out_channels, device="cuda", dtype=tdtype)
+                go = torch.randn_like(F.conv_transpose2d(x, w, None, **kw)).contiguous(memory_format=fmt)
+                for pass_ in args.passes:
+                    theirs, ours = _calls(pass_, x, w, b, go, kw)
+                    cudnn_us, _ = gpu_time_us(theirs)
+                    candidates = table.candidates(pass_, g, dtype, layout, precision)
+                    timed = []
+                    for variant in candidates:
+                        with pinned({pass_: variant}):
+                            us, kernels = gpu_time_us(ours)
+                        timed.append((us, variant.name, kernels))
+                    heuristic = timed[0]
+                    timed.sort(key=lambda t: t[0])
+                    where = f"{name} {dtype} {layout}{' weight channels_last' if args.weight_channels_last else ''}"
+                    lines.append(f"{where} {pass_}: cuDNN {cudnn_us:.1f} us; heuristic {heuristic[1]} "
+                                 f"{heuristic[0]:.1f}; " + ", ".join(f"{n} {us:.1f}" for us, n, _ in timed))
+                    best = sorted(timed[0][2].items(), key=lambda kv: -kv[1])
+                    lines.append("    fastest's kernels: " + "; ".join(f"{k[:48]} {us:.1f}" for k, us in best))
+                    print(lines[-2], lines[-1], sep="\n", flush=True)
+    return lines
+
+
+def main(argv=None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
