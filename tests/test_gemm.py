@@ -60,6 +60,12 @@ def test_split_ranges_are_whole_even_and_long_enough():
             per = math.ceil(k_tiles / split)
             assert 1 <= split <= 32 and (split - 1) * per < k_tiles, "no K range is empty"
             assert split == 1 or per >= 8
+    # each limit in turn: 16 warps an SM, 8 K tiles a range, 32 ranges, partials no larger than the weight
+    assert gemm.gemm_splits(33, 8, 1000, 132, 1 << 30, 1) == 8
+    assert gemm.gemm_splits(1, 8, 40, 132, 1 << 30, 1) == 5
+    assert gemm.gemm_splits(1, 8, 1000, 132, 1 << 30, 1) == 32
+    assert gemm.gemm_splits(1, 8, 1000, 132, 4 * 1000 * 3, 1000) == 3
+    assert gemm.gemm_splits(1, 8, 100, 132, 1 << 30, 1) == 12 and math.ceil(100 / 12) * 11 < 100
     assert gemm.gemm_splits(1000, 8, 1000, 132, 1 << 30, 1) == 1, "a grid that fills the SMs runs whole"
     assert gemm.gemm_splits(4, 8, 1000, 132, 1 << 30, 1 << 28) == 1, "partials larger than the weight: no split"
     empty = _g((0, 1024, 4, 4), (1024, 512, 4, 4), stride=2, padding=1)

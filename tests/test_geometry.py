@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cupyconv.core.geometry import (ConvParams, Geometry, as_int, as_pair, geometry, output_length, output_padding_for,
-                                    output_size)
+                                    output_size, phase_taps)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -344,3 +344,13 @@ def test_geometry_batched_keeps_batch_axis():
 def test_geometry_allows_empty_batch():
     g = geometry((0, 2, 3, 3), (2, 1, 2, 2), None, ConvParams())
     assert g.output_shape == (0, 1, 4, 4)
+
+
+def test_phase_taps_is_the_most_taps_any_stride_phase_holds():
+    for kernel in range(1, 12):
+        for stride in range(1, 7):
+            for dilation in range(1, 5):
+                for padding in range(0, dilation * (kernel - 1) + 1, 3):
+                    counts = [sum((r + padding - k * dilation) % stride == 0 for k in range(kernel))
+                              for r in range(stride)]
+                    assert phase_taps(kernel, stride, dilation) == max(counts), (kernel, stride, dilation, padding)

@@ -5,6 +5,7 @@ is compiled or launched, with an exception that names the argument.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
@@ -44,6 +45,12 @@ def output_length(in_size: int, kernel: int, stride: int, padding: int, output_p
     rather than an exception; :func:`output_size` is the checked, public form.
     """
     return (in_size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
+
+
+def phase_taps(kernel: int, stride: int, dilation: int) -> int:
+    """The most taps one stride phase of an axis holds: taps k fall in phase (k * dilation) % stride, which
+    repeats every stride / gcd(stride, dilation) taps (the padding only renames the phases)."""
+    return -(-kernel // (stride // math.gcd(stride, dilation)))
 
 
 def output_size(in_size: int, kernel: int, stride: int, padding: int, output_padding: int, dilation: int) -> int:

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..core import dtypes
 from ..core.device import ASSUMED, MMA_SYNC, Device
-from ..core.geometry import Geometry
+from ..core.geometry import Geometry, phase_taps
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
 from .family import Family
@@ -226,38 +226,34 @@ def gemm_splits(blocks: int, warps: int, k_tiles: int, sm_count: int, weight_byt
     return cdiv(k_tiles, cdiv(k_tiles, splits))
 
 
-def most_phase_taps(g: Geometry, mode: int) -> int:
-    """Taps of the forward's widest stride phase, or every tap for grad_input."""
-    (kh, kw), (sh, sw) = g.kernel, g.params.stride
-    if mode == 1:
-        return kh * kw
-    (ph, pw), (dh, dw) = g.params.padding, g.params.dilation
-    rows = max(sum((r + ph - k * dh) % sh == 0 for k in range(kh)) for r in range(sh))
-    cols = max(sum((r + pw - k * dw) % sw == 0 for k in range(kw)) for r in range(sw))
-    return rows * cols
+def _heuristic_split(g: Geometry, dtype: str, mode: int, tile: Tile, sm_count: int) -> int:
+    """:func:`gemm_splits` for the forward (``mode`` 0) or grad_input GEMM of the layer on ``tile``: K tiles of the
+    widest stride phase (every tap for grad_input)."""
+    (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.params.stride, g.params.dilation
+    taps, phases = (phase_taps(kh, sh, dh) * phase_taps(kw, sw, dw), sh * sw) if mode == 0 else (kh * kw, 1)
+    cg_k, cg_n = (g.in_per_group, g.out_per_group) if mode == 0 else (g.out_per_group, g.in_per_group)
+    blocks = cdiv(_gemm_rows(mode, g), tile.bm) * g.groups * cdiv(cg_n, tile.bn) * phases
+    return gemm_splits(blocks, tile.warps_m * tile.warps_n, taps * cdiv(cg_k, _bk(dtype)), sm_count,
+                       numel(g.weight_shape) * _itemsize(dtype), numel(g.output_shape if mode == 0 else g.input_shape))
 
 
 def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, precision: str,
                tile: Optional[Tile], aligned: bool, stages: Optional[int], split: Optional[int],
                sm_count: int) -> PackedGemm:
     sh, sw = g.params.stride
+    m = _gemm_rows(mode, g)
     if mode == 0:
-        h_out, w_out = g.out_size
-        m, cg_n, phases = g.batch * cdiv(h_out, sh) * cdiv(w_out, sw), g.out_per_group, sh * sw
+        cg_n, phases = g.out_per_group, sh * sw
         sizes = (g.batch,) + g.in_size + g.out_size
         src_channels, src_pixels = g.in_channels, g.in_size[0] * g.in_size[1]
     else:
-        h, w = g.in_size
-        m, cg_n, phases = g.batch * h * w, g.in_per_group, 1
+        cg_n, phases = g.in_per_group, 1
         sizes = (g.batch,) + g.out_size + g.in_size
         src_channels, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
     tile = tile or _default_tile(gemm_tile(m, cg_n), dtype, precision)
-    blocks = cdiv(m, tile.bm) * g.groups * cdiv(cg_n, tile.bn) * phases
-    k_tiles = most_phase_taps(g, mode) * cdiv(g.in_per_group if mode == 0 else g.out_per_group, _bk(dtype))
     out_elems = numel(g.output_shape if mode == 0 else g.input_shape)
     if split is None:
-        split = gemm_splits(blocks, tile.warps_m * tile.warps_n, k_tiles, sm_count,
-                            numel(g.weight_shape) * _itemsize(dtype), out_elems)
+        split = _heuristic_split(g, dtype, mode, tile, sm_count)
     elif not isinstance(split, int) or isinstance(split, bool) or split < 1:
         raise ValueError(f"split must be a positive int, got {split!r}")
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape),
@@ -399,8 +395,9 @@ def _sides(n: int) -> Tuple[int, ...]:
     return (side, side // 2) if side > 32 else (side,)
 
 
-def _gemm_rows(pass_: str, g: Geometry) -> int:
-    if pass_ == "forward":
+def _gemm_rows(mode: int, g: Geometry) -> int:
+    """M of the forward's GEMM per stride phase (``mode`` 0), or of grad_input's."""
+    if mode == 0:
         sh, sw = g.params.stride
         return g.batch * -(-g.out_size[0] // sh) * -(-g.out_size[1] // sw)
     return g.batch * g.in_size[0] * g.in_size[1]
@@ -420,7 +417,7 @@ def options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Dict[st
     if pass_ == "grad_weight":
         bms, bns = _sides(g.in_per_group), _sides(g.out_per_group)
     else:
-        rows = _gemm_rows(pass_, g)
+        rows = _gemm_rows(0 if pass_ == "forward" else 1, g)
         # 256-row tiles halve the weight traffic per output row; worth it only where the
         # M grid still fills the GPU many times over.
         bms = (64, 128, 256) if rows >= _TALL_TILE_ROWS else (64, 128) if rows > 64 else (32, 64)
@@ -438,14 +435,11 @@ def options(pass_: str, g: Geometry, dtype: str, precision: str) -> List[Dict[st
 
 
 def heuristic_splits(pass_: str, g: Geometry, dtype: str, precision: str) -> int:
-    """The K ranges of the heuristic plan of a forward or grad_input GEMM on :data:`ASSUMED`'s SMs (one for a layer
-    the GEMM cannot plan)."""
-    try:
-        plan = (plan_forward_gemm(g, dtype, False, "nhwc", precision, sm_count=ASSUMED.sm_count)
-                if pass_ == "forward" else plan_grad_input_gemm(g, dtype, "nhwc", precision, sm_count=ASSUMED.sm_count))
-    except (ValueError, TypeError):
-        return 1
-    return 1 if plan.reduce is None else plan.reduce.scalars[1]
+    """The K ranges of a forward or grad_input GEMM's heuristic plan on :data:`ASSUMED`'s SMs."""
+    mode = 0 if pass_ == "forward" else 1
+    tile = _default_tile(gemm_tile(_gemm_rows(mode, g), g.out_per_group if mode == 0 else g.in_per_group), dtype,
+                         precision)
+    return _heuristic_split(g, dtype, mode, tile, ASSUMED.sm_count)
 
 
 class GemmFamily(Family):

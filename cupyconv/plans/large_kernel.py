@@ -16,12 +16,11 @@ exactly where :func:`~.direct.fits` says the direct kernels cannot stage the wei
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional, Tuple
 
 from ..core import dtypes
 from ..core.device import ASSUMED, Device
-from ..core.geometry import Geometry
+from ..core.geometry import Geometry, phase_taps
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
 from . import direct
@@ -44,11 +43,6 @@ _CHANNEL_TILE = 64
 
 def _acc_bytes(dtype: str) -> int:
     return dtypes.get(dtype).accumulator_bytes
-
-
-def _phase_taps(kernel: int, stride: int, dilation: int) -> int:
-    """The most taps that one stride phase of an axis holds."""
-    return cdiv(kernel, stride // math.gcd(stride, dilation))
 
 
 def _gather(g: Geometry, dtype: str, layout: str, sm_count: int, template: str, function: str, phases: int,
@@ -120,7 +114,7 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw",
     phases = min(sh, h_out) * min(sw, w_out)
     return _gather(g, dtype, layout, sm_count, "conv_transpose2d_large_kernel_forward.cu",
                    "conv_transpose2d_large_kernel_forward", phases, (cdiv(h_out, sh), cdiv(w_out, sw)),
-                   (_phase_taps(g.kernel[0], sh, dh), _phase_taps(g.kernel[1], sw, dw)),
+                   (phase_taps(g.kernel[0], sh, dh), phase_taps(g.kernel[1], sw, dw)),
                    (g.out_channels, g.out_per_group, g.in_per_group), dict(HAS_BIAS=bool(has_bias)))
 
 
