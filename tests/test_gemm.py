@@ -54,13 +54,17 @@ def test_weight_bound_small_grids_split_k_and_reduce_in_the_destination_layout(d
 
 def test_split_ranges_are_whole_even_and_long_enough():
     bm = gemm.TILES["128x128"]
-    for k_tiles in (8, 9, 64, 100, 256, 1000):
+    for k_tiles in (8, 9, 31, 32, 64, 100, 256, 1000):
         for blocks in (1, 8, 32, 200):
             split = gemm.gemm_splits(blocks, bm.warps_m * bm.warps_n, k_tiles, 132, 1 << 30, 1)
             per = math.ceil(k_tiles / split)
             assert 1 <= split <= 32 and (split - 1) * per < k_tiles, "no K range is empty"
             assert split == 1 or per >= 8
-    # each limit in turn: 16 warps an SM, 8 K tiles a range, 32 ranges, partials no larger than the weight
+            assert split == 1 or k_tiles >= 32, "a short GEMM runs whole"
+    # each limit in turn: 32 K tiles in all, 16 warps an SM, 8 K tiles a range, 32 ranges, partials no larger
+    # than the weight
+    assert gemm.gemm_splits(1, 8, 31, 132, 1 << 30, 1) == 1
+    assert gemm.gemm_splits(1, 8, 32, 132, 1 << 30, 1) == 4
     assert gemm.gemm_splits(33, 8, 1000, 132, 1 << 30, 1) == 8
     assert gemm.gemm_splits(1, 8, 40, 132, 1 << 30, 1) == 5
     assert gemm.gemm_splits(1, 8, 1000, 132, 1 << 30, 1) == 32
@@ -71,6 +75,17 @@ def test_split_ranges_are_whole_even_and_long_enough():
     empty = _g((0, 1024, 4, 4), (1024, 512, 4, 4), stride=2, padding=1)
     assert gemm.gemm_splits(0, 8, 1000, 132, 1 << 30, 0) == 1
     assert _split(gemm.plan_forward_gemm(empty, "float16", True, "nchw")) == 1, "a batch of none plans, unsplit"
+
+
+def test_a_small_layers_short_gemm_runs_whole():
+    # 16 -> 32 channels, 3x3: grad_input's K is 32 x 9 = 288, 18 fp32 K tiles (9 in 16 bits)
+    small = _g((1, 16, 5, 7), (16, 32, 3, 3), stride=2, padding=1)
+    for dtype in ("float32", "float16"):
+        assert gemm.plan_grad_input_gemm(small, dtype, "nchw", "tf32").reduce is None
+        assert _split(gemm.plan_forward_gemm(small, dtype, True, "nchw", "tf32")) == 1
+    # twice the K (64 -> 128 channels, stride 1): 72 fp32 K tiles, split
+    wider = _g((4, 64, 8, 8), (64, 128, 3, 3), stride=1, padding=1)
+    assert gemm.plan_grad_input_gemm(wider, "float32", "nchw", "tf32").reduce is not None
 
 
 def test_layers_whose_grids_fill_the_gpu_or_whose_outputs_outweigh_their_weights_run_whole():

@@ -211,6 +211,9 @@ def vector_ok(g: Geometry, dtype: str, mode: int) -> bool:
 # draining the pipeline and writing partials than multiplying.
 _MIN_SPLIT_K_TILES = 8
 _MAX_SPLITS = 32
+# A GEMM of fewer K tiles runs whole: its blocks finish in a few µs, about what the reduce's launch costs the host
+# (on an H200, a 16 -> 32 3x3 grad_input of 18 K tiles split two ways saved 2 µs of GPU time and added 16 of host).
+_MIN_SPLIT_GEMM_K_TILES = 32
 
 
 def gemm_splits(blocks: int, warps: int, k_tiles: int, sm_count: int, weight_bytes: int, out_elems: int) -> int:
@@ -218,8 +221,9 @@ def gemm_splits(blocks: int, warps: int, k_tiles: int, sm_count: int, weight_byt
     (the phase with the most taps): enough for 16 resident warps an SM, each range at least
     :data:`_MIN_SPLIT_K_TILES` long, none empty, and fp32 partials of ``out_elems`` each no larger in all than the
     weight (so a split layer is one the weight's reads bound, and the partials add at most that traffic again).
-    One where the grid fills the SMs already, or is empty (a batch of none)."""
-    if blocks == 0 or out_elems == 0:
+    One where the grid fills the SMs already, where K is shorter than :data:`_MIN_SPLIT_GEMM_K_TILES`, or where
+    the grid is empty (a batch of none)."""
+    if blocks == 0 or out_elems == 0 or k_tiles < _MIN_SPLIT_GEMM_K_TILES:
         return 1
     wanted = cdiv(16 * sm_count, warps * blocks)
     splits = max(1, min(wanted, k_tiles // _MIN_SPLIT_K_TILES, _MAX_SPLITS, weight_bytes // (4 * out_elems)))
