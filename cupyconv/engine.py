@@ -35,8 +35,10 @@ from .tuning.variants import Variant
 _log = logging.getLogger("cupyconv.engine")
 
 
-def _aligned(a: int, b: int) -> bool:
-    return a % 16 == 0 and b % 16 == 0
+def _aligned(a: int, b: int, weight: int = 0) -> bool:
+    """Whether the pointers a pass may read or write in 16-byte vectors are 16-byte aligned: its activations, and
+    a channels_last weight (``weight``; 0 for another), which fp16 and bf16 kernels may read in place."""
+    return a % 16 == 0 and b % 16 == 0 and weight % 16 == 0
 
 
 # (pass, geometry, dtype, layout, precision, bias, aligned, device, tensor cores on) -> (variant, plan) of a pass
@@ -159,8 +161,9 @@ def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], o
         return
 
     def passes(launcher, pointers):
-        x, _, _, out = pointers
-        _run(table.FORWARD, _pass_plan(table.FORWARD, g, dtype, layout, precision, bias is not None, _aligned(x, out),
+        x, weight, _, out = pointers
+        _run(table.FORWARD, _pass_plan(table.FORWARD, g, dtype, layout, precision, bias is not None,
+                                       _aligned(x, out, weight if g.weight_channels_last else 0),
                                        launcher, pointers, tensor_cores), pointers, launcher)
     passes(launcher, pointers)
     _tape(key, launcher, pointers, passes)
@@ -193,7 +196,8 @@ def _prefetch_backward(g: Geometry, dtype: str, layout: str, precision: str, dev
 
 def _grad_input_pass(g, dtype, grad_out, weight, out, launcher, layout, precision, tensor_cores):
     pointers = (grad_out, weight, out)
-    return table.GRAD_INPUT, _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False, _aligned(grad_out, out),
+    return table.GRAD_INPUT, _pass_plan(table.GRAD_INPUT, g, dtype, layout, precision, False,
+                                        _aligned(grad_out, out, weight if g.weight_channels_last else 0),
                                         launcher, pointers, tensor_cores), pointers
 
 

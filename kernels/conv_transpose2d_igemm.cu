@@ -11,7 +11,10 @@
 //     grad_in row i reads grad_out rows SH*i + kh*DH - PH for every tap.
 // K runs tap-major, then channel chunks, so one K tile shares one tap and the
 // bounds test is per row, not per element.  The weight arrives repacked by
-// pack_weight.cu, so B tiles are plain 16-byte vector loads.
+// pack_weight.cu, so B tiles are plain 16-byte vector loads.  grad_input of a channels_last
+// 16-bit weight reads it in place (WEIGHT_DIRECT): its memory runs (C_in, KH, KW, C_out / GROUPS),
+// so for each input channel (N) and tap the output channels (K) are one contiguous run, as in the
+// pack, and only the strides and the zeros past the channels differ.
 // When the source is channels_last with 16-byte aligned channel runs (A_VEC; NCHW
 // sources are transposed into that form first by to_channels_last.cu), both tiles
 // are cp.async copies into a STAGES-deep ring of shared buffers, so several tiles'
@@ -37,6 +40,7 @@ constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
 constexpr bool A_VEC = {{A_VEC}};
 constexpr bool A_L1 = {{A_L1}};       // A copies through L1 (see cp_async_16_l1)
 constexpr int SPLIT_K = {{SPLIT_K}};
+constexpr bool WEIGHT_DIRECT = {{WEIGHT_DIRECT}};   // B from a channels_last weight in place, not a packed copy
 
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;  // src channels per group: the K of the GEMM
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;  // dst channels per group: the N of the GEMM
@@ -55,6 +59,8 @@ static_assert(A_VEC ? STAGES >= 2 : STAGES == 2, "the register-staged path doubl
 constexpr int STAGE_WORDS = (BM + BN) * ROW_WORDS;
 
 static_assert(A_WORDS >= 1 && A_VECS >= 1 && B_VECS >= 1, "every thread loads part of each tile");
+static_assert(!WEIGHT_DIRECT || (MODE == 1 && WEIGHT_CL && sizeof(scalar_t) == 2 && COUT_G % 8 == 0),
+              "a weight read in place: grad_input's, channels_last, 16 bits, whole 16-byte output channel runs");
 
 typedef TileMap<BM, A_ROWS_FASTEST, THREADS> AMap;
 
@@ -130,10 +136,20 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
         const int v = tid + q * THREADS;
         return tile + (v / VEC_PER_ROW) * ROW_WORDS + (v % VEC_PER_ROW) * 4;
     };
-    auto b_source = [&](int kt, int q) {
+    // Where B vector q of K tile kt comes from, and whether it lies inside the weight: a weight read in place
+    // has no padding, so its vectors past the group's channels are zeros.
+    auto b_source = [&](int kt, int q, bool& ok) -> const scalar_t* {
         const int v = tid + q * THREADS;
-        return w_group + static_cast<index_t>(taps[kt / CHUNKS].w) * N_PAD * K_PAD + (kt % CHUNKS) * BK
-               + static_cast<index_t>(v / VEC_PER_ROW) * K_PAD + (v % VEC_PER_ROW) * 4 * PER_WORD;
+        if constexpr (WEIGHT_DIRECT) {
+            const int n = n0 + v / VEC_PER_ROW, k = (kt % CHUNKS) * BK + (v % VEC_PER_ROW) * 4 * PER_WORD;
+            ok = n < CG_N && k < CG_K;
+            return ok ? packed_weight + weight_index(static_cast<index_t>(g) * CG_N + n, k, taps[kt / CHUNKS].w)
+                      : packed_weight;
+        } else {
+            ok = true;
+            return w_group + static_cast<index_t>(taps[kt / CHUNKS].w) * N_PAD * K_PAD + (kt % CHUNKS) * BK
+                   + static_cast<index_t>(v / VEC_PER_ROW) * K_PAD + (v % VEC_PER_ROW) * 4 * PER_WORD;
+        }
     };
 
     float acc[MI][NI][4], total[MI][NI][4];
@@ -166,7 +182,11 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
                 cp_async_16_via<A_L1>(smem_addr(vector_slot(a_tile(s), q)), p, ok);
             }
 #pragma unroll
-            for (int q = 0; q < B_VECS; ++q) cp_async_16(smem_addr(vector_slot(b_tile(s), q)), b_source(kt, q), true);
+            for (int q = 0; q < B_VECS; ++q) {
+                bool ok;
+                const scalar_t* p = b_source(kt, q, ok);
+                cp_async_16(smem_addr(vector_slot(b_tile(s), q)), p, ok);
+            }
         };
         cp_async_pipeline<STAGES>(k_tiles, issue, [&](int cur) {
             warp_tile_mma<KIND, MI, NI>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
@@ -196,7 +216,11 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
                 a_regs[q] = word;
             }
 #pragma unroll
-            for (int q = 0; q < B_VECS; ++q) b_vecs[q] = __ldg(reinterpret_cast<const uint4*>(b_source(kt, q)));
+            for (int q = 0; q < B_VECS; ++q) {
+                bool ok;
+                const scalar_t* p = b_source(kt, q, ok);
+                b_vecs[q] = ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+            }
         };
         auto store_tiles = [&](int s) {
             AMap::store(a_tile(s), tid, a_regs);

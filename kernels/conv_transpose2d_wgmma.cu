@@ -19,7 +19,13 @@
 // pixels of its row as an MMA block instead, its core matrices eight pixels apart, so no
 // MMA row falls past a grid only a row or two high.  B is the weight, packed by
 // pack_weight.cu as one contiguous CK x BN tile per (n tile, chunk, tap), copied whole by
-// the copy engine.
+// the copy engine; or, in 16 bits, a channels_last weight read in place (WEIGHT_DIRECT), whose
+// memory runs (C_in, KH, KW, C_out / GROUPS): per tap its output channels are contiguous, so the
+// forward's B (K = input channels, N = output channels) is an MN-major operand and grad_input's
+// (K = output channels) a K-major one.  The forward's lands by cp.async as 128-byte swizzled rows
+// (a k's 64 output channels), grad_input's as such rows too (an n's 64 K channels) where its chunk
+// is 64 channels, else in the pack's planes.  That saves the pack's launch and its pass over the
+// weight.
 //
 // The block is persistent over the tiles of its (channel tile, phase) and split by role:
 // the last warpgroup produces (cp.async for the halos, a bulk copy per weight tile, each
@@ -49,6 +55,7 @@ constexpr int HALO_H = {{HALO_H}}, HALO_W = {{HALO_W}};   // one phase plane of 
 constexpr bool DST_CL = {{DST_CL}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
 constexpr bool SRC_ROUNDED = {{SRC_ROUNDED}};   // TF32: the source's words are already rounded
+constexpr bool WEIGHT_DIRECT = {{WEIGHT_DIRECT}};   // B straight from a channels_last weight, not a packed copy
 
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;   // source channels per group: the GEMM's K per tap
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;   // destination channels per group: its N
@@ -82,6 +89,16 @@ constexpr int HALO_BYTES = SWIZZLED ? HALO_PIXELS * 128 : CHUNK_GROUPS * HALO_PL
 constexpr int B_PLANE = BN * 16;
 constexpr int B_BYTES = CHUNK_GROUPS * B_PLANE;
 constexpr int HALO_VECS = CHUNK_GROUPS * HALO_PIXELS;
+// A weight read in place: the forward's B tile is BN / 64 column blocks of CK rows (input channels) of 128
+// bytes (64 output channels); grad_input's is BN rows (input channels) of 128 bytes (64 output channels, the
+// whole chunk).  16-byte vectors along a copied row, and each producer thread's share of a tile.
+constexpr bool B_MN_MAJOR = WEIGHT_DIRECT && MODE == 0;
+constexpr bool B_SWIZZLED = WEIGHT_DIRECT && (MODE == 0 || CK * sizeof(scalar_t) == 128);
+constexpr int B_ROW_VECS = B_MN_MAJOR ? BN / VEC : CK / VEC;
+constexpr int B_COPIES = CK * BN / VEC / 128;
+constexpr int B_COLUMN_BLOCK = CK * 128;   // MN-major: bytes from one 64-channel column block to the next
+// The halos come first; a directly read weight's buffers start on a whole swizzle period after them.
+constexpr int HALO_REGION = WEIGHT_DIRECT ? (HALO_STAGES * HALO_BYTES + 1023) / 1024 * 1024 : HALO_STAGES * HALO_BYTES;
 // Bytes from one core matrix (eight pixels) of an MMA block to the next along M: the next
 // halo row of an 8 x 8 block, the next eight pixels of a one-row block.
 constexpr int A_CORE_STRIDE = (BLOCK_ROWS == 8 ? HALO_W : 8) * PIXEL_BYTES;
@@ -100,9 +117,38 @@ static_assert(TILE_W % BLOCK_COLS == 0 && TILE_H % BLOCK_ROWS == 0 && M_BLOCKS %
               "whole 64-row MMA blocks per warpgroup");
 static_assert(CK % K_STEP == 0 && CG_K % VEC == 0, "chunks of whole MMA steps, channels in whole 16-byte groups");
 static_assert(B_STAGES >= 2 && HALO_STAGES >= 1, "pipeline depths");
-static_assert(HALO_STAGES * HALO_BYTES + B_STAGES * B_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
+static_assert(HALO_REGION + B_STAGES * B_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
+static_assert(!WEIGHT_DIRECT || (WEIGHT_CL && !TF32 && COUT_G % VEC == 0 && CK * BN % (VEC * 128) == 0
+                                 && (MODE == 1 || BN % 64 == 0)),
+              "a weight read in place: channels_last, 16 bits, whole 16-byte output channel runs, whole copy rounds, "
+              "the forward's N in 64-channel column blocks");
 
 struct Tap { int offset, w; };   // byte offset of the tap's origin in an image's halo; weight tap
+
+// A producer thread's share of the B tile of (group g, n tile n0, chunk c, weight tap `tap`) from a channels_last
+// weight read in place, into the buffer at `slot` (WEIGHT_DIRECT); output channels past the layer's, and input
+// channels past its group's, land as zeros.  A thread keeps one place along the copied rows and steps over rows,
+// and the loop stays rolled: the producer runs on few registers, and unrolled, its 64-bit addresses spilled.
+constexpr int B_ROW_STEP = 128 / B_ROW_VECS;   // rows from one of a thread's copies to the next
+static_assert(!WEIGHT_DIRECT || 128 % B_ROW_VECS == 0, "a thread's copies stay at one place along the rows");
+__device__ __forceinline__ void copy_weight_tile(unsigned slot, const scalar_t* weight, int g, int n0, int c, int tap,
+                                                 int ptid) {
+    const int along = ptid % B_ROW_VECS * VEC, row0 = ptid / B_ROW_VECS;   // channel offset along a row; first row
+    // MN-major (forward): row = input channel c * CK + row, along = output channels n0 + along.
+    // K-major (grad_input): row = input channel n0 + row, along = output channels c * CK + along.
+    const int ic0 = (B_MN_MAJOR ? c * CK : n0) + row0, ocg = (B_MN_MAJOR ? n0 : c * CK) + along;
+    const scalar_t* p = weight + weight_index(static_cast<index_t>(g) * CIN_G + ic0, ocg, tap);
+    unsigned at = !B_SWIZZLED ? slot + along / VEC * B_PLANE + row0 * 16
+                  : B_MN_MAJOR ? slot + along / 64 * B_COLUMN_BLOCK + row0 * 128 + along % 64 * 2
+                               : slot + row0 * 128 + along * 2;
+    constexpr index_t P_STEP = static_cast<index_t>(B_ROW_STEP) * TAPS * COUT_G;   // the next row's input channel
+    constexpr unsigned AT_STEP = B_ROW_STEP * (B_SWIZZLED ? 128 : 16);
+#pragma unroll 1
+    for (int q = 0, ic = ic0; q < B_COPIES; ++q, ic += B_ROW_STEP, p += P_STEP, at += AT_STEP) {
+        const bool ok = ic < CIN_G && ocg < COUT_G;
+        cp_async_16(B_SWIZZLED ? swizzle_128b(at) : at, ok ? p : weight, ok);
+    }
+}
 
 // Where tile `tile` of the phase grid starts; false for a tile past this phase's grid.
 struct TileOrigin {
@@ -179,7 +225,8 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
             mbarrier_init(smem_addr(&halo_empty[s]), CONSUMERS);
         }
         for (int s = 0; s < B_STAGES; ++s) {
-            mbarrier_init(smem_addr(&b_full[s]), 1);        // the expecting arrival, then the bytes
+            // the expecting arrival, then the bytes; or every producer thread's copies of a weight read in place
+            mbarrier_init(smem_addr(&b_full[s]), WEIGHT_DIRECT ? 128 : 1);
             mbarrier_init(smem_addr(&b_empty[s]), CONSUMERS);
         }
         fence_mbarrier_init();
@@ -188,7 +235,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
     const int tap_n = tap_count;
     const unsigned smem_base = smem_addr(smem);
     auto halo_slot = [&](int h) { return smem_base + (h % HALO_STAGES) * HALO_BYTES; };
-    auto b_slot = [&](int b) { return smem_base + HALO_STAGES * HALO_BYTES + (b % B_STAGES) * B_BYTES; };
+    auto b_slot = [&](int b) { return smem_base + HALO_REGION + (b % B_STAGES) * B_BYTES; };
     const int warpgroup = tid / 128;
 
     if (warpgroup == CONSUMERS) {
@@ -239,7 +286,11 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                     cp_async_arrive(full);
                 }
                 for (int t = 0; t < tap_n; ++t, ++b_iter) {
-                    if (ptid == 0) {
+                    if constexpr (WEIGHT_DIRECT) {
+                        mbarrier_wait(smem_addr(&b_empty[b_iter % B_STAGES]), ((b_iter / B_STAGES) & 1) ^ 1);
+                        copy_weight_tile(b_slot(b_iter), packed_weight, g, n0, c, taps[t].w, ptid);
+                        cp_async_arrive(smem_addr(&b_full[b_iter % B_STAGES]));
+                    } else if (ptid == 0) {
                         const unsigned bar = smem_addr(&b_full[b_iter % B_STAGES]);
                         mbarrier_wait(smem_addr(&b_empty[b_iter % B_STAGES]), ((b_iter / B_STAGES) & 1) ^ 1);
                         mbarrier_expect_bytes(bar, B_BYTES);
@@ -289,7 +340,12 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < CK / K_STEP; ++kk) {
-                    const unsigned long long b_desc = smem_descriptor(b_origin + 2 * kk * B_PLANE, B_PLANE, 128);
+                    // B's 32 bytes of K: two planes of the packed tile; 16 rows (two groups of eight) of an
+                    // MN-major one; 32 bytes into a K-major one's swizzled rows.
+                    const unsigned long long b_desc =
+                        !B_SWIZZLED ? smem_descriptor(b_origin + 2 * kk * B_PLANE, B_PLANE, 128)
+                        : B_MN_MAJOR ? smem_descriptor_swizzle_128b(b_origin + kk * 2048, B_COLUMN_BLOCK, 1024)
+                                     : smem_descriptor_swizzle_128b(b_origin + kk * 32, 16, 1024);
 #pragma unroll
                     for (int mb = 0; mb < MB; ++mb) {
                         // An MMA's 32 bytes of K: two channel-group planes, or 32 bytes into the rows.
@@ -298,7 +354,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                                                                     A_CORE_STRIDE)
                                      : smem_descriptor(a_origin + block_offset[mb] + 2 * kk * HALO_PLANE, HALO_PLANE,
                                                        A_CORE_STRIDE);
-                        wgmma_async<KIND, BN>(acc[mb], a_desc, b_desc, 1);
+                        wgmma_async<KIND, BN, 0, B_MN_MAJOR>(acc[mb], a_desc, b_desc, 1);
                     }
                 }
                 wgmma_commit();

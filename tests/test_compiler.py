@@ -261,6 +261,22 @@ def _wgmma_plans():
         g = _wgmma_layer(name).with_weight_channels_last()
         add(f"{name}-weight_cl-forward", wgmma.plan_forward(g, "bfloat16", True, "nhwc"))
         add(f"{name}-weight_cl-grad_input", wgmma.plan_grad_input(g, "float32", "nhwc", precision="tf32"))
+        # TF32 packs it, rounded (the 16-bit forward above reads it in place)
+        add(f"{name}-weight_cl-forward-tf32", wgmma.plan_forward(g, "float32", True, "nhwc", precision="tf32"))
+    # a channels_last 16-bit weight read in place: the forward's MN-major B in one, two and four 64-channel column
+    # blocks past 136 channels; grad_input's K-major rows (a 64-channel chunk) and planes (a 32-channel one); groups
+    wide = _layer((2, 64, 9, 11), (64, 136, 3, 5), stride=2, padding=1).with_weight_channels_last()
+    for i, tile in enumerate(("8x8x64", "16x16x128", "8x16x256")):
+        dtype, layout, bias = WGMMA_CASES[i % len(WGMMA_CASES)]
+        add(f"weight_in_place-forward-{tile}-{dtype}-{layout}",
+            wgmma.plan_forward(wide, dtype, bias, layout, wgmma.TILES[tile]))
+        add(f"weight_in_place-grad_input-{tile}-{dtype}-{layout}",
+            wgmma.plan_grad_input(wide, dtype, layout, wgmma.TILES[tile]))
+    grouped = _layer((2, 128, 9, 11), (128, 72, 4, 4), stride=2, padding=1, groups=2).with_weight_channels_last()
+    add("weight_in_place-grouped-forward", wgmma.plan_forward(grouped, "bfloat16", True, "nhwc"))
+    add("weight_in_place-grouped-grad_input", wgmma.plan_grad_input(grouped, "float16", "nchw"))
+    narrow = _layer((2, 48, 9, 11), (48, 32, 3, 3), stride=2).with_weight_channels_last()
+    add("weight_in_place-grad_input-planes", wgmma.plan_grad_input(narrow, "bfloat16", "nhwc"))
     for name in ("4x4_stride2", "one_tile", "one_tile_1x1"):
         g = WGMMA_GRAD_WEIGHT_LAYERS[name].with_weight_channels_last()
         add(f"{name}-weight_cl-grad_weight", wgmma.plan_grad_weight(g, "float16", 132, "nhwc"))
@@ -296,7 +312,10 @@ def test_variants_reach_every_template_and_both_index_widths():
     grad_weight = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_grad_weight_igemm.cu"]
     assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(gemm.STAGE_CHOICES)
     assert {c["VEC"] for c in grad_weight} == {True, False}
+    assert {c["WEIGHT_DIRECT"] for c in gemms} == {True, False}
     hopper = [dict(s.constants) for s in PLANS if s.template == WGMMA_TEMPLATE]
+    in_place = {(c["MODE"], c["WEIGHT_DIRECT"]) for c in hopper}
+    assert in_place == {(0, True), (0, False), (1, True), (1, False)}, in_place
     assert {s.target for s in PLANS if s.template in HOPPER_TEMPLATES} == {wgmma.TARGET}
     assert {s.target for s in PLANS if s.template not in HOPPER_TEMPLATES} == {""}
     weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]

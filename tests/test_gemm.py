@@ -155,3 +155,76 @@ def test_split_gemm_leads_weight_bound_grids_in_16_bits():
             assert table.candidates(pass_, WEIGHT_BOUND, dtype, "nhwc")[0] == Variant("gemm")
             assert gemm.heuristic_splits(pass_, OUTPUT_BOUND, dtype, "strict") == 1
             assert table.eligible(pass_, OUTPUT_BOUND, dtype, "nhwc")[0].name == "wgmma"
+
+
+def test_halo_kernels_reading_the_weight_in_place_lead_gemms_split_fewer_than_16_ways():
+    """Without their pack the 16-bit halo-tile kernels lead until the GEMM splits 16 ways: pix2pix's 4² forward
+    (8 ways) and 8² grad_input (4), not its 4² grad_input (16)."""
+    from cupyconv.plans import wgmma
+
+    grid8 = _g((16, 1024, 8, 8), (1024, 512, 4, 4), stride=2, padding=1)
+    for g, pass_, splits, leader in ((WEIGHT_BOUND, "forward", 8, "wgmma"), (WEIGHT_BOUND, "grad_input", 16, "gemm"),
+                                     (grid8, "grad_input", 4, "wgmma")):
+        assert gemm.heuristic_splits(pass_, g, "bfloat16", "strict") == splits
+        assert table.candidates(pass_, g.with_weight_channels_last(), "bfloat16", "nhwc")[0].family == leader
+        # a contiguous weight still packs: the GEMM leads from 4 ways
+        assert table.candidates(pass_, g, "bfloat16", "nhwc")[0].family == "gemm"
+    assert wgmma.SPLIT_GEMM_LEADS_IN_PLACE == 16
+
+
+# ---------------------------------------------------------------- a channels_last weight read in place
+
+CL_WEIGHT = WEIGHT_BOUND.with_weight_channels_last()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_grad_input_reads_a_channels_last_16_bit_weight_in_place(dtype):
+    """Its output channels, grad_input's K, are one run per input channel and tap, as in the pack: no pack runs."""
+    for layout in launch.LAYOUTS:
+        plan = gemm.plan_grad_input_gemm(CL_WEIGHT, dtype, layout)
+        assert plan.pack is None and dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"]
+        assert "pack_weight" not in [p.spec.function for p in plan.plans()]
+        # the forward's K (input channels) strides over the taps there: it packs
+        forward = gemm.plan_forward_gemm(CL_WEIGHT, dtype, True, layout)
+        assert forward.pack is not None and not dict(forward.gemm.spec.constants)["WEIGHT_DIRECT"]
+
+
+def test_grad_input_packs_weights_it_cannot_read_in_place():
+    cases = {
+        "contiguous": (WEIGHT_BOUND, "bfloat16", True),
+        "float32": (CL_WEIGHT, "float32", True),
+        "unaligned pointer": (CL_WEIGHT, "bfloat16", False),
+        # 20 output channels a group: not whole 16-byte runs
+        "odd output channels": (_g((2, 32, 6, 6), (32, 20, 3, 3), stride=2).with_weight_channels_last(),
+                                "float16", True),
+    }
+    for name, (g, dtype, aligned) in cases.items():
+        plan = gemm.plan_grad_input_gemm(g, dtype, "nhwc", "tf32", aligned=aligned)
+        assert plan.pack is not None and not dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"], name
+
+
+def test_a_pass_without_a_pack_launches_on_the_weight_and_allocates_no_scratch():
+    dev = device.fake(0, arch="80")
+    recorder = Recorder(dev)
+    plan = gemm.plan_grad_input_gemm(CL_WEIGHT, "bfloat16", "nhwc", split=1)
+    assert plan.reduce is None and plan.to_channels_last is None
+    recorder.enter("grad_input", Variant("gemm"))
+    go, w, gi = (i << 36 for i in range(1, 4))
+    calls, allocations = [], []
+    recorder.launch = lambda stage, p, pointers: calls.append((stage, p, tuple(pointers)))
+    recorder.alloc = lambda nbytes: allocations.append(nbytes) or (None, 1 << 40)
+    plan.run(recorder, (go, w, gi))
+    assert calls == [("main", plan.gemm, (go, w, 0, gi))] and allocations == []
+    # split, the partials still take scratch
+    split = gemm.plan_grad_input_gemm(CL_WEIGHT, "bfloat16", "nhwc", split=4)
+    calls.clear()
+    split.run(recorder, (go, w, gi))
+    assert [c[0] for c in calls] == ["partial", "reduce"] and calls[0][2][1] == w
+    assert allocations == [launch.aligned_size(split.gemm.scratch_bytes)]
+
+
+def test_carving_nothing_calls_no_allocator():
+    def alloc(nbytes):
+        raise AssertionError("allocated")
+    assert launch.carve(alloc, []) == (None, [])
+    assert launch.carve(alloc, [0, 0]) == (None, [0, 0])

@@ -325,3 +325,28 @@ def test_to_channels_last_copy_rounds_tf32(batch, channels, pixels):
     assert torch.isinf(dst[0, 6, 0]) and torch.isnan(dst[0, 5, 0])
     with pytest.raises(ValueError, match="float32"):
         gemm.plan_to_channels_last(batch, channels, pixels, "float16", round_tf32=True)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype,tol", [("float16", 3e-3), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("index", range(len(SPLIT_LAYERS)))
+def test_grad_input_reads_a_channels_last_weight_in_place(index, dtype, tol, layout):
+    """grad_input of a 16-bit channels_last weight reads it in place (no pack), whole or split, on every tile, with
+    input channels past a tile's N and output channels past a K tile zero: against float64."""
+    layer = SPLIT_LAYERS[index]
+    g = _geometry(layer).with_weight_channels_last()
+    x, w, b, go = _data(layer, seed=index)
+    tdtype = getattr(torch, dtype)
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    gos = go.to(tdtype).contiguous(memory_format=fmt)
+    ws = w.to(tdtype).contiguous(memory_format=torch.channels_last)
+    want = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)[1]
+    launcher = launch.Launcher(0, torch.cuda.current_stream().cuda_stream, _scratch)
+    variants = [Variant("gemm"), Variant.make("gemm", split=1), Variant.make("gemm", split=3)]
+    variants += [Variant.make("gemm", tile=tile) for tile in sorted(gemm.TILES)]
+    for variant in variants:
+        plan = table.plan("grad_input", variant, g, dtype, layout, "strict")
+        assert plan.pack is None and dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"]
+        gi = torch.full(x.shape, float("nan"), dtype=tdtype, device="cuda").contiguous(memory_format=fmt)
+        plan.run(launcher, (gos.data_ptr(), ws.data_ptr(), gi.data_ptr()))
+        assert _rel_err(gi, want) <= tol, f"{variant.name}: {_rel_err(gi, want):.2e}"

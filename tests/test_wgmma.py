@@ -1141,8 +1141,9 @@ def test_grad_weight_partials_of_a_channels_last_weight_are_in_its_layout(tf32):
 def test_weight_packs_read_the_weight_in_its_layout():
     g = _g((2, 64, 9, 11), (64, 48, 3, 5), padding=(1, 2))
     for geom in (g, g.with_weight_channels_last()):
-        forward = wgmma.plan_forward(geom, "bfloat16", True, "nhwc")
-        grad_input = wgmma.plan_grad_input(geom, "bfloat16", "nhwc")
+        # a channels_last weight packs where it cannot be read in place (here: a pointer off 16 bytes)
+        forward = wgmma.plan_forward(geom, "bfloat16", True, "nhwc", weight_aligned=False)
+        grad_input = wgmma.plan_grad_input(geom, "bfloat16", "nhwc", weight_aligned=False)
         for p in (forward, grad_input):
             packs = [q for q in p.plans() if q.spec.template == "pack_weight.cu"]
             assert len(packs) == 1 and dict(packs[0].spec.constants)["WEIGHT_CL"] is geom.weight_channels_last
@@ -1346,3 +1347,58 @@ def test_small_grids_of_narrow_or_few_tiles_keep_four_images_a_tile():
     assert wgmma.forward_tile(narrow, "forward", "float16").name == "4i8x8x64"
     few = _g((2, 256, 4, 4), (256, 256, 4, 4), stride=2, padding=1)       # no tile fills half the SMs
     assert wgmma.forward_tile(few, "forward", "float16").name == "8x8x128"
+
+
+# ---------------------------------------------------------------- a channels_last weight read in place
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_channels_last_16_bit_weight_is_read_in_place(dtype):
+    """The forward's B (output channels contiguous per input channel and tap) as an MN-major operand in 64-channel
+    column blocks, grad_input's as K-major rows: no pack, and the weight's buffers on a whole swizzle period."""
+    g = _g((2, 64, 9, 11), (64, 136, 3, 5), stride=2, padding=1).with_weight_channels_last()
+    for tile in ("8x8x64", "16x16x128", "8x16x256"):
+        for layout in launch.LAYOUTS:
+            for pass_, plan in (("forward", wgmma.plan_forward(g, dtype, True, layout, wgmma.TILES[tile])),
+                                ("grad_input", wgmma.plan_grad_input(g, dtype, layout, wgmma.TILES[tile]))):
+                c = _constants(plan.gemm)
+                assert plan.pack is None and c["WEIGHT_DIRECT"], (tile, pass_)
+                assert "pack_weight" not in [p.spec.function for p in plan.plans()]
+                halos = wgmma.smem_bytes(g, dtype, wgmma.TILES[tile], c["CK"], c["B_STAGES"], pass_) \
+                    - c["B_STAGES"] * c["CK"] * c["BN"] * 2
+                assert plan.gemm.smem_bytes == cdiv(halos, 1024) * 1024 + c["B_STAGES"] * c["CK"] * c["BN"] * 2
+
+
+def test_weights_the_halo_kernels_cannot_read_in_place_are_packed():
+    cl = _g((2, 64, 9, 11), (64, 136, 3, 5), stride=2, padding=1).with_weight_channels_last()
+    packed = {
+        "contiguous": wgmma.plan_forward(_g((2, 64, 9, 11), (64, 136, 3, 5), stride=2, padding=1), "bfloat16", True),
+        "TF32": wgmma.plan_forward(cl, "float32", True, precision="tf32"),
+        "TF32 grad_input": wgmma.plan_grad_input(cl, "float32", precision="tf32"),
+        "unaligned pointer": wgmma.plan_forward(cl, "bfloat16", True, weight_aligned=False),
+        "unaligned pointer, grad_input": wgmma.plan_grad_input(cl, "float16", weight_aligned=False),
+        # 40 output channels a group: an N tile of 64 with 24 past them is fine, but 20 are no whole 16-byte runs
+        "odd output channels": wgmma.plan_forward(_g((2, 64, 9, 11), (64, 20, 3, 3), stride=2)
+                                                  .with_weight_channels_last(), "float16", False),
+        # an N tile of 32: the forward's MN-major rows are 64 channels
+        "narrow N tile": wgmma.plan_forward(cl, "float16", False, "nhwc", wgmma.TILES["16x16x32"]),
+    }
+    for name, plan in packed.items():
+        assert plan.pack is not None and not _constants(plan.gemm)["WEIGHT_DIRECT"], name
+    # grad_input's K chunk of 32 channels reads in place too, into the pack's planes
+    narrow = wgmma.plan_grad_input(_g((2, 48, 9, 11), (48, 32, 3, 3), stride=2).with_weight_channels_last(),
+                                   "float16")
+    assert narrow.pack is None and _constants(narrow.gemm)["CK"] == 32
+
+
+def test_the_family_reads_a_weight_in_place_only_where_the_engine_found_it_aligned():
+    cl = _g((2, 64, 9, 11), (64, 136, 3, 5), stride=2, padding=1).with_weight_channels_last()
+    for aligned in (True, False):
+        plan = table.plan("forward", WGMMA, cl, "bfloat16", "nchw", "strict", True, aligned)
+        assert (plan.pack is None) == aligned
+    # the engine passes the weight's alignment with the activations'
+    recorder = Recorder(device.fake(0, arch="90"))
+    for w, packs in ((_W, False), (_W + 2, True)):
+        recorder.passes.clear()
+        engine.forward(cl, "bfloat16", _X, w, _B, _Y, recorder, "nhwc", "strict")
+        functions = [p.spec.function for _, p in recorder.passes[0].launches]
+        assert ("pack_weight" in functions) == packs, functions

@@ -264,6 +264,41 @@ GRAD_UNBATCHED_CASES = [pytest.param(Case(replace(UNBATCHED, bias=False), dtype,
                         for dtype in (torch.float16, torch.bfloat16) for wcl in (False, True)]
 
 
+
+# ----------------------------------------------------------- a channels_last weight read in place
+#
+# fp16 and bf16 kernels read a channels_last weight in place: the forward's B an MN-major operand in one, two or
+# four 64-channel column blocks, grad_input's K-major swizzled rows (a 64-channel chunk) or the pack's planes (a
+# narrower one).  Every option that reads it so, on a layer with 136 output channels (N tiles past them, a K chunk
+# past them for grad_input) and on a grouped one with 72 a group; dtypes and layouts in turn.
+IN_PLACE_LAYERS = {"wide": Layer(2, 64, 136, (3, 3), (2, 2), (1, 1), (1, 0), (1, 1), 1, True, (9, 13), ""),
+                   "grouped": Layer(2, 128, 144, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 2, True, (7, 9), "")}
+
+
+def _in_place_cases():
+    cases = []
+    for name, layer in IN_PLACE_LAYERS.items():
+        for pass_ in ("forward", GRAD):
+            layer_p = layer if pass_ == "forward" else replace(layer, bias=False)
+            g = Case(layer_p, torch.float16, False, weight_channels_last=True).geometry
+            for i, opts in enumerate(wgmma.options(g, pass_)):
+                dtype, channels_last = ROTATION[i % 4]
+                case = Case(layer_p, dtype, channels_last, Variant.make("wgmma", **opts), weight_channels_last=True,
+                            pass_=pass_)
+                try:
+                    plan = table.plan(pass_, case.variant, case.geometry, NAMES[dtype], case.layout, "strict",
+                                      layer_p.bias, True)
+                except ValueError:   # a tile whose halo does not fit
+                    continue
+                if plan.pack is None:
+                    cases.append(pytest.param(case, id=f"{name}-{pass_}-{case.variant.name}-{SHORT[dtype]}-"
+                                                       f"{case.layout}"))
+    return cases
+
+
+IN_PLACE_CASES = _in_place_cases()
+assert len(IN_PLACE_CASES) >= 12
+
 @pytest.fixture(scope="module", autouse=True)
 def precompiled(hopper, request):
     """Build the kernels of every selected case side by side (NVRTC runs without the GIL) rather than one
@@ -946,3 +981,33 @@ def test_float32_grad_weight_runs_wgmma_only_at_tf32(allow_tf32, hopper, monkeyp
         assert _rel(w.grad, ref) <= bound + 1e-6
     finally:
         tuning.clear()
+
+
+# ------------------------------------------------------------------ a channels_last weight read in place
+
+@pytest.mark.parametrize("case", IN_PLACE_CASES)
+def test_a_channels_last_weight_read_in_place_matches_float64(case, hopper):
+    plan = case.plan(hopper)
+    assert plan.pack is None and dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"]
+    if case.pass_ == GRAD:
+        _check_grad_input(case, hopper=hopper)
+    else:
+        _check(case, hopper=hopper)
+
+
+@pytest.mark.parametrize("pass_", ["forward", GRAD])
+def test_an_unaligned_channels_last_weight_is_packed(pass_, hopper):
+    """A channels_last weight that starts off a 16-byte boundary cannot be read in 16-byte copies: it is packed
+    (the engine plans the pass as unaligned), and the result is the same."""
+    layer = IN_PLACE_LAYERS["wide"] if pass_ == "forward" else replace(IN_PLACE_LAYERS["wide"], bias=False)
+    case = Case(layer, torch.bfloat16, True, weight_channels_last=True, pass_=pass_)
+    if pass_ == "forward":
+        x, w, b = _inputs(case, *_data(layer, torch.bfloat16, 3))
+        y, seen = _run_ours(case, x, _one_element_off(w), b, expect_function=None)
+        assert "pack_weight" in [plan.spec.function for _, plan in seen]
+        _compare(case, y, x, w, b)
+    else:
+        x, w, go = _grad_inputs(case, *_grad_data(layer, torch.bfloat16, 3))
+        gi, seen = _run_grad(case, go, x, _one_element_off(w), expect_function="pack_weight")
+        _compare_grad_input(case, gi, go, x, w)
+    assert {p for _, p in seen} == set(case.plan(hopper, aligned=False).plans())

@@ -274,8 +274,10 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
         raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
     if phases * split > GRID_YZ_LIMIT:
         raise ValueError(f"{phases} stride phases x {split} K ranges pass the grid's z limit of {GRID_YZ_LIMIT}")
+    in_place = mode == 1 and aligned and weight_in_place(g, dtype)
     constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0, A_VEC=a_vec, STAGES=stages, A_L1=A_CACHE_L1,
-                     SRC_CL=layout == "nhwc" or transpose, DST_CL=layout == "nhwc", SPLIT_K=split)
+                     SRC_CL=layout == "nhwc" or transpose, DST_CL=layout == "nhwc", SPLIT_K=split,
+                     WEIGHT_DIRECT=in_place)
     spec = KernelSpec.make("conv_transpose2d_igemm.cu", "conv_transpose2d_igemm", constants)
     grid = (cdiv(m, tile.bm), g.groups * cdiv(cg_n, tile.bn), phases * split)
     gemm = Plan(spec, grid, (32 * tile.warps_m * tile.warps_n, 1, 1), sizes, index_t,
@@ -289,7 +291,15 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
     # same products.
     to_cl = plan_to_channels_last(g.batch, src_channels, src_pixels, dtype,
                                   round_tf32=mma_kind(dtype, precision) == MMA_TF32) if transpose else None
-    return PackedGemm(plan_pack_weight(g, dtype, mode, tile), gemm, to_cl, reduce)
+    return PackedGemm(None if in_place else plan_pack_weight(g, dtype, mode, tile), gemm, to_cl, reduce)
+
+
+def weight_in_place(g: Geometry, dtype: str) -> bool:
+    """Whether grad_input's GEMM reads the weight in place rather than a packed copy: a channels_last weight in
+    fp16 or bf16 (its memory (C_in, kH, kW, C_out/groups) holds each input channel's and tap's output channels,
+    grad_input's K, as one run, as the pack would) whose output channels come in whole 16-byte runs.  The
+    weight pointer's alignment is the caller's to check (``aligned``)."""
+    return g.weight_channels_last and _itemsize(dtype) == 2 and g.out_per_group % 8 == 0
 
 
 @functools.lru_cache(maxsize=1024)
@@ -298,7 +308,8 @@ def plan_forward_gemm(g: Geometry, dtype: str, has_bias: bool, layout: str = "nc
                       split: Optional[int] = None, sm_count: int = 132) -> PackedGemm:
     """Forward as one implicit GEMM per stride phase (grid z).
 
-    ``aligned``: the activation pointers are 16-byte aligned (channels_last vector loads).
+    ``aligned``: the activation pointers (and a channels_last weight's, which grad_input may read in place) are
+    16-byte aligned (channels_last vector loads).
     ``stages``: cp.async pipeline depth (one of :data:`STAGE_CHOICES`; default
     :data:`DEFAULT_STAGES`); the element-gathering fallback always double-buffers.
     ``split``: K ranges, each block taking one and a fixed-order reduce adding their partials and the bias;

@@ -171,6 +171,8 @@ def carve(alloc: Allocator, sizes: Sequence[int]) -> Tuple[object, List[int]]:
     for size in sizes:
         offsets.append(total)
         total += aligned_size(size)
+    if total == 0:   # nothing to carve (a weight read in place, a whole GEMM): no allocator call
+        return None, [0] * len(offsets)
     keep, base = alloc(total)
     return keep, [base + o for o in offsets]
 

@@ -123,12 +123,12 @@ class PackedSourcesSplitK(PassPlan):
 
 @dataclass(frozen=True)
 class PackedGemm(PassPlan):
-    """The weight repacked into the GEMM's operand layout, optionally the source copied to
-    channels_last (shared through ``launcher.copies``), then the GEMM.  With a ``reduce`` the GEMM is
-    split over K: it writes its partials into scratch (launched as the "partial" stage) and the reduce
+    """The weight repacked into the GEMM's operand layout (or, with no ``pack``, read in place), optionally the
+    source copied to channels_last (shared through ``launcher.copies``), then the GEMM.  With a ``reduce`` the
+    GEMM is split over K: it writes its partials into scratch (launched as the "partial" stage) and the reduce
     adds them in order, and the bias, into the destination."""
 
-    pack: Plan
+    pack: Optional[Plan]
     gemm: Plan
     to_channels_last: Optional[Plan] = None
     reduce: Optional[Plan] = None
@@ -143,11 +143,17 @@ class PackedGemm(PassPlan):
             (src, weight, dst), bias = pointers, 0
         to_cl = self.to_channels_last
         own_copy = to_cl is not None and launcher.copies is None
-        keep, (packed, *rest) = launcher.scratch(
-            [self.pack.scratch_bytes] + ([self.gemm.scratch_bytes] if self.reduce is not None else [])
+        keep, rest = launcher.scratch(
+            ([self.pack.scratch_bytes] if self.pack is not None else [])
+            + ([self.gemm.scratch_bytes] if self.reduce is not None else [])
             + ([to_cl.scratch_bytes] if own_copy else []))
+        rest = list(rest)
+        if self.pack is not None:
+            packed = rest.pop(0)
+            launcher.launch("pack", self.pack, (weight, packed))
+        else:
+            packed = weight
         partials = rest.pop(0) if self.reduce is not None else None
-        launcher.launch("pack", self.pack, (weight, packed))
         if own_copy:
             launcher.launch("to_channels_last", to_cl, (src, rest[0]))
             src = rest[0]

@@ -5,7 +5,8 @@ halo tile: a block copies the source pixels its destination patch needs into sha
 memory once per channel chunk, and every tap's MMA reads that one tile from a shifted
 origin (``kernels/conv_transpose2d_wgmma.cu``).  grad_input's halo is stored split by
 stride phase, so each tap still reads contiguous rows.  The weight is repacked per tap as
-for the ``mma.sync`` GEMMs, and NCHW sources are copied into channels_last scratch first,
+for the ``mma.sync`` GEMMs, or in fp16 and bf16 a channels_last weight is read in place
+(:func:`weight_in_place`), and NCHW sources are copied into channels_last scratch first,
 as there.  grad_weight is the ``mma.sync`` family's split-K GEMM per tap with wgmma for
 its math (``kernels/conv_transpose2d_grad_weight_wgmma.cu``): pixel tiles land channel
 group by channel group, which makes both operands MN-major.  TF32 takes K-major operands only, so float32's
@@ -202,15 +203,33 @@ def halo_stages(g: Geometry, b_stages: int, pass_: str = "forward") -> int:
     return max(2, min(b_stages, cdiv(b_stages, fewest_taps(g, pass_)) + 1))
 
 
-def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, pass_: str = "forward") -> int:
+def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, pass_: str = "forward",
+               in_place: bool = False) -> int:
     """Dynamic shared memory of a plan: its halo and weight buffers.  A chunk of 128 bytes a pixel is a 128-byte
     row per halo pixel (the 128-byte swizzle); a narrower one, a plane per 16-byte channel group, each an odd
-    number of pixels."""
+    number of pixels.  A weight read ``in_place`` (:func:`weight_in_place`) has its buffers start on a whole
+    1024-byte swizzle period."""
     halo_h, halo_w = halo_extent(g, tile, pass_)
     groups = ck * _itemsize(dtype) // 16
     pixels = tile.images * phase_planes(g, pass_) * halo_h * halo_w
     halo = pixels * 128 if groups == 8 else groups * (pixels | 1) * 16
-    return halo_stages(g, b_stages, pass_) * halo + b_stages * groups * tile.bn * 16
+    halos = halo_stages(g, b_stages, pass_) * halo
+    if in_place:
+        halos = cdiv(halos, 1024) * 1024
+    return halos + b_stages * groups * tile.bn * 16
+
+
+def weight_in_place(g: Geometry, dtype: str, pass_: str, bn: int, ck: int) -> bool:
+    """Whether the halo-tile kernel reads the weight in place rather than a packed copy: a channels_last weight in
+    fp16 or bf16, whose output channels (contiguous per input channel and tap) come in whole 16-byte runs, in B
+    tiles of whole rounds of the producer's 128 16-byte copies, each thread at one place along the copied rows
+    (output channels: the forward's N, grad_input's K chunk); the forward's N side (an MN-major operand of
+    128-byte rows) in 64-channel blocks.  It saves the pack's launch and its pass over the weight.  The weight
+    pointer's alignment is the caller's to check."""
+    if not g.weight_channels_last or dtype not in _KINDS or g.out_per_group % 8 or ck * bn % 1024:
+        return False
+    forward = _mode(pass_) == 0
+    return 128 % ((bn if forward else ck) // 8) == 0 and (bn % 64 == 0 or not forward)
 
 
 def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> HaloTile:
@@ -324,7 +343,8 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "
 
 @functools.lru_cache(maxsize=1024)
 def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", tile: Optional[HaloTile] = None,
-                 stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict") -> PackedGemm:
+                 stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict",
+                 weight_aligned: bool = True) -> PackedGemm:
     """The forward as one halo-tile wgmma kernel per stride phase (grid z), after the weight repack
     and, for NCHW input, the channels_last copy.  float32 needs ``precision="tf32"``: it runs as TF32,
     rounded to nearest as the ``mma.sync`` kernels round (by the weight repack, the channels_last copy,
@@ -332,20 +352,22 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
 
     ``stages``: weight buffers (one of :data:`STAGE_CHOICES`; default :data:`B_STAGES`, fewer where
     shared memory runs out).  Blocks are persistent: about one per SM, each walking the tiles of its
-    channel tile and phase.
+    channel tile and phase.  ``weight_aligned``: the weight pointer is 16-byte aligned, so that a weight
+    :func:`weight_in_place` may be read so.
     """
-    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count, precision)
+    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count, precision, weight_aligned)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[HaloTile] = None,
-                    stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict") -> PackedGemm:
+                    stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict",
+                    weight_aligned: bool = True) -> PackedGemm:
     """grad_input (a strided conv2d of grad_output) as one halo-tile wgmma kernel; see :func:`plan_forward`."""
-    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count, precision)
+    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count, precision, weight_aligned)
 
 
 def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile: Optional[HaloTile],
-          stages: Optional[int], sm_count: int, precision: str) -> PackedGemm:
+          stages: Optional[int], sm_count: int, precision: str, weight_aligned: bool) -> PackedGemm:
     mode = _mode(pass_)
     kind = mma_kind(dtype, precision)
     if kind is None:
@@ -365,6 +387,10 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_)
     if smem > SMEM_LIMIT:
         raise ValueError(f"the halo of tile {tile.name} does not fit shared memory")
+    in_place = (weight_aligned and weight_in_place(g, dtype, pass_, tile.bn, ck)
+                and smem_bytes(g, dtype, tile, ck, b_stages, pass_, True) <= SMEM_LIMIT)
+    if in_place:
+        smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_, True)
     halo_h, halo_w = halo_extent(g, tile, pass_)
     src_channels, dst_channels = _channels(g, pass_)
     grid_h, grid_w = dst_grid(g, pass_)
@@ -384,7 +410,8 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     constants.update(MODE=mode, MMA_KIND=kind, TILE_IMAGES=tile.images, TILE_H=tile.tile_h,
                      TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
                      HALO_STAGES=halo_stages(g, b_stages, pass_), HALO_H=halo_h, HALO_W=halo_w,
-                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0, SRC_ROUNDED=rounded_copy)
+                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0, SRC_ROUNDED=rounded_copy,
+                     WEIGHT_DIRECT=in_place)
     spec = KernelSpec.make("conv_transpose2d_wgmma.cu", "conv_transpose2d_wgmma", constants, TARGET)
     if mode == 0:
         sizes = (g.batch,) + g.in_size + g.out_size
@@ -394,7 +421,8 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
         src_total, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
     main = Plan(spec, (blocks, g.groups * n_tiles, phases), (128 * (tile.warpgroups + 1), 1, 1), sizes, index_t,
                 smem_bytes=smem)
-    pack = gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck), round_tf32=kind == _TF32)
+    pack = None if in_place else gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck),
+                                                              round_tf32=kind == _TF32)
     to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype, round_tf32=rounded_copy) \
         if layout == "nchw" else None
     return PackedGemm(pack, main, to_cl)
@@ -769,8 +797,21 @@ def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
     return found
 
 
-# K ranges of the mma.sync GEMM's heuristic from which it runs ahead of the 16-bit halo-tile kernels.
+# K ranges of the mma.sync GEMM's heuristic from which it runs ahead of the 16-bit halo-tile kernels; and where
+# they read a channels_last weight in place, with no pack before them (pix2pix's 16 x 1024 x 4² and 8² in bf16 on an
+# H200: the forward of 4², split 8 ways, 45 µs against the GEMM's 49; grad_input of 8², split 4 ways, 61 against 83;
+# grad_input of 4², split 16 ways, 60 against 29).
 SPLIT_GEMM_LEADS = 4
+SPLIT_GEMM_LEADS_IN_PLACE = 16
+
+
+def _reads_in_place(g: Geometry, dtype: str, pass_: str) -> bool:
+    """Whether the pass's heuristic halo-tile plan reads the weight in place (:func:`weight_in_place`)."""
+    try:
+        plan = plan_forward(g, dtype, False) if _mode(pass_) == 0 else plan_grad_input(g, dtype)
+    except ValueError:
+        return False
+    return plan.pack is None
 
 
 class WgmmaFamily(Family):
@@ -791,12 +832,14 @@ class WgmmaFamily(Family):
         in one of two runs, pix2pix's 1 x 1 input (v14 notes); the tuner races the two.  The float32 (TF32)
         forward and grad_input lead as :func:`tf32_leads` says; fp16 and bf16 ones unless the GEMM would split K
         :data:`SPLIT_GEMM_LEADS` ways or more (a weight-bound grid, whose few halo tiles each read the weight whole:
-        on pix2pix's 1², 2² and 4² grids the split GEMM took 0.5-0.9x their time forward, 0.3-0.5x for grad_input)."""
+        on pix2pix's 1², 2² and 4² grids the split GEMM took 0.5-0.9x their time forward, 0.3-0.5x for grad_input),
+        or :data:`SPLIT_GEMM_LEADS_IN_PLACE` ways where they read the weight in place."""
         if pass_ == "grad_weight":
             return weight_phases(g)[0] >= 2
         if dtype == "float32":
             return tf32_leads(g, pass_)
-        return gemm.heuristic_splits(pass_, g, dtype, "strict") < SPLIT_GEMM_LEADS
+        limit = SPLIT_GEMM_LEADS_IN_PLACE if _reads_in_place(g, dtype, pass_) else SPLIT_GEMM_LEADS
+        return gemm.heuristic_splits(pass_, g, dtype, "strict") < limit
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
         if pass_ == "grad_weight":
@@ -824,9 +867,10 @@ class WgmmaFamily(Family):
             if forward:
                 return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False, sm_count=sm_count)
             return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False, sm_count=sm_count)
+        # ``aligned`` covers a channels_last weight's pointer too (the engine's), which the kernel may read in place
         if forward:
-            return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count, precision)
-        return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count, precision)
+            return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count, precision, aligned)
+        return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count, precision, aligned)
 
     def clear(self) -> None:
         plan_forward.cache_clear()

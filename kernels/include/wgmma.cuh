@@ -64,20 +64,20 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 // TF32 operands are fp32 words whose low 13 mantissa bits the tensor cores ignore, so callers
 // round them (cvt.rna) before they reach shared memory; they are K-major only.
 //
-// MN_MAJOR = 1 sets both transpose bits (16-bit types only): A and B are then stored
-// MN-major, a core matrix being 8 rows of K of 16 bytes of M or N, 16 bytes apart; the
-// stride byte offset steps along M or N and the leading byte offset along K.
+// MN_MAJOR = 1 sets A's transpose bit and B_MN_MAJOR B's (16-bit types only; B's follows A's unless
+// given): that operand is then stored MN-major, a core matrix being 8 rows of K of 16 bytes of M or N,
+// 16 bytes apart; the stride byte offset steps along M or N and the leading byte offset along K.
 template <int KIND, int N>
 struct Wgmma;
 
-template <int KIND, int N, int MN_MAJOR = 0>
+template <int KIND, int N, int MN_MAJOR = 0, int B_MN_MAJOR = MN_MAJOR>
 __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long long a, unsigned long long b,
                                             int accumulate) {
-    Wgmma<KIND, N>::template mma<MN_MAJOR>(d, a, b, accumulate);
+    Wgmma<KIND, N>::template mma<MN_MAJOR, B_MN_MAJOR>(d, a, b, accumulate);
 }
 
 // One wgmma.mma_async for each N, fp16, bf16 or TF32 inputs: N / 2 accumulator registers, then the
-// two descriptors, the accumulate flag and the transpose immediates (both MN_MAJOR; TF32 takes none).
+// two descriptors, the accumulate flag and the two transpose immediates (TF32 takes none).
 // Only the register lists and operand numbers differ between the shapes; the macros below spell them once.
 #define WGMMA_REGS_4 "%0, %1, %2, %3"
 #define WGMMA_REGS_8 WGMMA_REGS_4 ", %4, %5, %6, %7"
@@ -113,39 +113,40 @@ __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long lon
     "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
     "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
     "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-// REGS: the accumulators' operand list; A, B, P, T: the operand numbers of the descriptors, the
-// accumulate flag and MN_MAJOR (the registers' count and the three after it).
-#define WGMMA_INSTRUCTION(N, TYPE, REGS, A, B, P, T)                                                    \
+// REGS: the accumulators' operand list; A, B, P, T, TB: the operand numbers of the descriptors, the
+// accumulate flag, MN_MAJOR and B_MN_MAJOR (the registers' count and the four after it).
+#define WGMMA_INSTRUCTION(N, TYPE, REGS, A, B, P, T, TB)                                                \
     "{ .reg .pred p; setp.ne.b32 p, %" #P ", 0; wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." \
-    TYPE " {" REGS "}, %" #A ", %" #B ", p, 1, 1, %" #T ", %" #T "; }"
+    TYPE " {" REGS "}, %" #A ", %" #B ", p, 1, 1, %" #T ", %" #TB "; }"
 #define WGMMA_INSTRUCTION_TF32(N, REGS, A, B, P)                                                         \
     "{ .reg .pred p; setp.ne.b32 p, %" #P ", 0; wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {" \
     REGS "}, %" #A ", %" #B ", p, 1, 1; }"
-#define WGMMA_SHAPE(N, REGS, OUTS, A, B, P, T)                                                          \
+#define WGMMA_SHAPE(N, REGS, OUTS, A, B, P, T, TB)                                                        \
     template <int KIND>                                                                               \
     struct Wgmma<KIND, N> {                                                                           \
         static_assert(KIND == MMA_F16 || KIND == MMA_BF16 || KIND == MMA_TF32,                        \
                       "wgmma here takes fp16, bf16 or TF32 inputs");                                  \
-        template <int MN_MAJOR>                                                                       \
+        template <int MN_MAJOR, int B_MN_MAJOR>                                                       \
         static __device__ __forceinline__ void mma(float (&d)[N / 2], unsigned long long a,           \
                                                    unsigned long long b, int accumulate) {            \
             if constexpr (KIND == MMA_F16)                                                            \
-                asm volatile(WGMMA_INSTRUCTION(N, "f16", REGS, A, B, P, T)                            \
-                             : OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(MN_MAJOR));                \
+                asm volatile(WGMMA_INSTRUCTION(N, "f16", REGS, A, B, P, T, TB)                        \
+                             : OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(MN_MAJOR), "n"(B_MN_MAJOR)); \
             else if constexpr (KIND == MMA_BF16)                                                      \
-                asm volatile(WGMMA_INSTRUCTION(N, "bf16", REGS, A, B, P, T)                           \
-                             : OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(MN_MAJOR));                \
+                asm volatile(WGMMA_INSTRUCTION(N, "bf16", REGS, A, B, P, T, TB)                       \
+                             : OUTS : "l"(a), "l"(b), "r"(accumulate), "n"(MN_MAJOR), "n"(B_MN_MAJOR)); \
             else {                                                                                    \
-                static_assert(KIND != MMA_TF32 || MN_MAJOR == 0, "TF32 operands are K-major only");   \
+                static_assert(KIND != MMA_TF32 || (MN_MAJOR == 0 && B_MN_MAJOR == 0),                 \
+                              "TF32 operands are K-major only");                                      \
                 asm volatile(WGMMA_INSTRUCTION_TF32(N, REGS, A, B, P)                                 \
                              : OUTS : "l"(a), "l"(b), "r"(accumulate));                               \
             }                                                                                         \
         }                                                                                             \
     };
 
-WGMMA_SHAPE(8, WGMMA_REGS_4, WGMMA_OUTS_4, 4, 5, 6, 7)
-WGMMA_SHAPE(16, WGMMA_REGS_8, WGMMA_OUTS_8, 8, 9, 10, 11)
-WGMMA_SHAPE(32, WGMMA_REGS_16, WGMMA_OUTS_16, 16, 17, 18, 19)
-WGMMA_SHAPE(64, WGMMA_REGS_32, WGMMA_OUTS_32, 32, 33, 34, 35)
-WGMMA_SHAPE(128, WGMMA_REGS_64, WGMMA_OUTS_64, 64, 65, 66, 67)
-WGMMA_SHAPE(256, WGMMA_REGS_128, WGMMA_OUTS_128, 128, 129, 130, 131)
+WGMMA_SHAPE(8, WGMMA_REGS_4, WGMMA_OUTS_4, 4, 5, 6, 7, 8)
+WGMMA_SHAPE(16, WGMMA_REGS_8, WGMMA_OUTS_8, 8, 9, 10, 11, 12)
+WGMMA_SHAPE(32, WGMMA_REGS_16, WGMMA_OUTS_16, 16, 17, 18, 19, 20)
+WGMMA_SHAPE(64, WGMMA_REGS_32, WGMMA_OUTS_32, 32, 33, 34, 35, 36)
+WGMMA_SHAPE(128, WGMMA_REGS_64, WGMMA_OUTS_64, 64, 65, 66, 67, 68)
+WGMMA_SHAPE(256, WGMMA_REGS_128, WGMMA_OUTS_128, 128, 129, 130, 131, 132)
