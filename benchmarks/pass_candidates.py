@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> List[str]:
     for x_shape, out_channels, k, s, p in args.layers:
         kw = dict(stride=s, padding=p)
         w_shape = (x_shape[1], out_channels, k, k)
-        g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kw))
+        g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kw)).with_weight_channels_last(
+            args.weight_channels_last)
         name = f"{'x'.join(map(str, x_shape))}:{out_channels}:k{k}s{s}p{p}"
         for dtype in args.dtype:
             precision = "tf32" if dtype == "float32" else "strict"

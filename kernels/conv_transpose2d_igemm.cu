@@ -11,10 +11,11 @@
 //     grad_in row i reads grad_out rows SH*i + kh*DH - PH for every tap.
 // K runs tap-major, then channel chunks, so one K tile shares one tap and the
 // bounds test is per row, not per element.  The weight arrives repacked by
-// pack_weight.cu, so B tiles are plain 16-byte vector loads.  grad_input of a channels_last
-// 16-bit weight reads it in place (WEIGHT_DIRECT): its memory runs (C_in, KH, KW, C_out / GROUPS),
-// so for each input channel (N) and tap the output channels (K) are one contiguous run, as in the
-// pack, and only the strides and the zeros past the channels differ.
+// pack_weight.cu, so B tiles are plain 16-byte vector loads.  A channels_last 16-bit weight is
+// read in place (WEIGHT_DIRECT): its memory runs (C_in, KH, KW, C_out / GROUPS), so for each input
+// channel and tap the output channels are one contiguous run.  For grad_input that run is K, as in
+// the pack, and only the strides and the zeros past the channels differ; for the forward it is N,
+// so the B tile lands as BK rows of BN output channels and its fragments come by ldmatrix.trans.
 // When the source is channels_last with 16-byte aligned channel runs (A_VEC; NCHW
 // sources are transposed into that form first by to_channels_last.cu), both tiles
 // are cp.async copies into a STAGES-deep ring of shared buffers, so several tiles'
@@ -59,8 +60,14 @@ static_assert(A_VEC ? STAGES >= 2 : STAGES == 2, "the register-staged path doubl
 constexpr int STAGE_WORDS = (BM + BN) * ROW_WORDS;
 
 static_assert(A_WORDS >= 1 && A_VECS >= 1 && B_VECS >= 1, "every thread loads part of each tile");
-static_assert(!WEIGHT_DIRECT || (MODE == 1 && WEIGHT_CL && sizeof(scalar_t) == 2 && COUT_G % 8 == 0),
-              "a weight read in place: grad_input's, channels_last, 16 bits, whole 16-byte output channel runs");
+static_assert(!WEIGHT_DIRECT || (WEIGHT_CL && sizeof(scalar_t) == 2 && COUT_G % 8 == 0),
+              "a weight read in place: channels_last, 16 bits, whole 16-byte output channel runs");
+// The forward's B tile from a weight in place: BK rows of BN output channels, B_K_PITCH words apart (16-byte
+// aligned rows whose eight ldmatrix row addresses fall on distinct banks), within a stage's B part.
+constexpr bool B_K_ROWS = WEIGHT_DIRECT && MODE == 0;
+constexpr int B_K_PITCH = B_K_ROWS ? BN / 2 + 4 : 0;
+constexpr int B_ROW_VECS = BN / 8;   // 16-byte vectors along one such row
+static_assert(BK * B_K_PITCH <= BN * ROW_WORDS, "[K][N] B tiles fit the stage's B part");
 
 typedef TileMap<BM, A_ROWS_FASTEST, THREADS> AMap;
 
@@ -140,7 +147,12 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
     // has no padding, so its vectors past the group's channels are zeros.
     auto b_source = [&](int kt, int q, bool& ok) -> const scalar_t* {
         const int v = tid + q * THREADS;
-        if constexpr (WEIGHT_DIRECT) {
+        if constexpr (B_K_ROWS) {
+            const int k = (kt % CHUNKS) * BK + v / B_ROW_VECS, n = n0 + v % B_ROW_VECS * 8;
+            ok = k < CG_K && n < CG_N;
+            return ok ? packed_weight + weight_index(static_cast<index_t>(g) * CG_K + k, n, taps[kt / CHUNKS].w)
+                      : packed_weight;
+        } else if constexpr (WEIGHT_DIRECT) {
             const int n = n0 + v / VEC_PER_ROW, k = (kt % CHUNKS) * BK + (v % VEC_PER_ROW) * 4 * PER_WORD;
             ok = n < CG_N && k < CG_K;
             return ok ? packed_weight + weight_index(static_cast<index_t>(g) * CG_N + n, k, taps[kt / CHUNKS].w)
@@ -149,6 +161,16 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
             ok = true;
             return w_group + static_cast<index_t>(taps[kt / CHUNKS].w) * N_PAD * K_PAD + (kt % CHUNKS) * BK
                    + static_cast<index_t>(v / VEC_PER_ROW) * K_PAD + (v % VEC_PER_ROW) * 4 * PER_WORD;
+        }
+    };
+
+    // Where B vector q of a tile lands: its row of n and K words, or in a [K][N] tile its k row and n words.
+    auto b_slot = [&](unsigned* tile, int q) {
+        if constexpr (B_K_ROWS) {
+            const int v = tid + q * THREADS;
+            return tile + (v / B_ROW_VECS) * B_K_PITCH + (v % B_ROW_VECS) * 4;
+        } else {
+            return vector_slot(tile, q);
         }
     };
 
@@ -185,11 +207,11 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
             for (int q = 0; q < B_VECS; ++q) {
                 bool ok;
                 const scalar_t* p = b_source(kt, q, ok);
-                cp_async_16(smem_addr(vector_slot(b_tile(s), q)), p, ok);
+                cp_async_16(smem_addr(b_slot(b_tile(s), q)), p, ok);
             }
         };
         cp_async_pipeline<STAGES>(k_tiles, issue, [&](int cur) {
-            warp_tile_mma<KIND, MI, NI>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
+            warp_tile_mma<KIND, MI, NI, B_K_PITCH>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
             if constexpr (KIND == MMA_3XTF32) promote(total, acc);
         });
     } else {
@@ -225,7 +247,7 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
         auto store_tiles = [&](int s) {
             AMap::store(a_tile(s), tid, a_regs);
 #pragma unroll
-            for (int q = 0; q < B_VECS; ++q) *reinterpret_cast<uint4*>(vector_slot(b_tile(s), q)) = b_vecs[q];
+            for (int q = 0; q < B_VECS; ++q) *reinterpret_cast<uint4*>(b_slot(b_tile(s), q)) = b_vecs[q];
         };
         if (k_tiles > 0) {
             load_tiles(0);
@@ -235,7 +257,7 @@ conv_transpose2d_igemm(const scalar_t* __restrict__ src, const scalar_t* __restr
         for (int kt = 0; kt < k_tiles; ++kt) {
             const int cur = kt & 1;
             if (kt + 1 < k_tiles) load_tiles(kt + 1);
-            warp_tile_mma<KIND, MI, NI>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
+            warp_tile_mma<KIND, MI, NI, B_K_PITCH>(acc, a_tile(cur), b_tile(cur), warp_row, warp_col, lane);
             if constexpr (KIND == MMA_3XTF32) promote(total, acc);
             if (kt + 1 < k_tiles) store_tiles(cur ^ 1);
             __syncthreads();

@@ -218,15 +218,15 @@ def base_cases() -> List[Case]:
                           _kw(stride=2, padding=1), False, dtype, precision, layout="nhwc",
                           variants=(("grad_weight", "wgmma"),), weight_cl=True))
     # a 16-bit channels_last weight read in place: wgmma's forward (an MN-major B of two 64-channel column blocks,
-    # 72 output channels) and grad_input (64-channel swizzled rows, a second chunk of 8), and the GEMM's grad_input
-    # split over uneven K ranges; then grad_input's 32-channel chunk, in the pack's planes
+    # 72 output channels) and grad_input (64-channel swizzled rows, a second chunk of 8), and the GEMMs' ([K][N] B
+    # tiles for the forward) split over uneven K ranges; then grad_input's 32-channel chunk, in the pack's planes
     for dtype in ("float16", "bfloat16"):
         cases.append(Case(f"wgmma-weight-in-place-{dtype}-nhwc", (1, 64, 6, 6), (64, 72, 3, 3),
                           _kw(stride=2, padding=1), True, dtype, layout="nhwc", weight_cl=True,
                           variants=(("forward", "wgmma"), ("grad_input", "wgmma"))))
         cases.append(Case(f"gemm-weight-in-place-{dtype}-nhwc", (1, 64, 6, 6), (64, 72, 3, 3),
                           _kw(stride=2, padding=1), True, dtype, layout="nhwc", weight_cl=True,
-                          variants=(("grad_input", "gemm:k3"),)))
+                          variants=(("forward", "gemm:k3"), ("grad_input", "gemm:k3"))))
     cases.append(Case("wgmma-weight-in-place-planes-bfloat16-nhwc", (1, 48, 7, 9), (48, 32, 3, 3),
                       _kw(stride=2, padding=1), False, "bfloat16", layout="nhwc", weight_cl=True,
                       variants=(("grad_input", "wgmma"),)))

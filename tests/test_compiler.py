@@ -97,9 +97,15 @@ def _gemm_plans():
             seen.setdefault(plan.spec, f"tile-{tile.name}-{plan.spec.function}")
         vec = gemm.plan_grad_weight_gemm(g, "float16", 132, "nhwc", tile=tile)[0]
         seen.setdefault(vec.spec, f"tile-{tile.name}-vector-{vec.spec.function}")
-    # a channels_last weight: its packs (both modes) and grad_weight's stores
-    for plan in table.all_plans(g.with_weight_channels_last(), "bfloat16", False, "nhwc", families_named=("gemm",)):
-        seen.setdefault(plan.spec, f"gemm_dense_3x5-weight_cl-{plan.spec.function}-{plan.index_t}")
+    # a channels_last weight: read in place in 16 bits (both modes, every tile), packed in float32 (both modes), and
+    # grad_weight's stores
+    for dtype, precision in (("bfloat16", "strict"), ("float32", "strict")):
+        for plan in table.all_plans(g.with_weight_channels_last(), dtype, False, "nhwc", precision,
+                                    families_named=("gemm",)):
+            seen.setdefault(plan.spec, f"gemm_dense_3x5-weight_cl-{dtype}-{plan.spec.function}-{plan.index_t}")
+    for tile in gemm.TILES.values():
+        plan = gemm.plan_forward_gemm(g.with_weight_channels_last(), "float16", True, "nchw", tile=tile).gemm
+        seen.setdefault(plan.spec, f"tile-{tile.name}-weight_in_place-{plan.spec.function}")
     for stages in gemm.STAGE_CHOICES:
         for plan in (gemm.plan_forward_gemm(g, "float16", True, "nchw", stages=stages).gemm,
                      gemm.plan_grad_input_gemm(g, "float32", "nhwc", "tf32", stages=stages).gemm,
@@ -312,7 +318,7 @@ def test_variants_reach_every_template_and_both_index_widths():
     grad_weight = [dict(s.constants) for s in PLANS if s.template == "conv_transpose2d_grad_weight_igemm.cu"]
     assert {c["STAGES"] for c in grad_weight if c["VEC"]} == set(gemm.STAGE_CHOICES)
     assert {c["VEC"] for c in grad_weight} == {True, False}
-    assert {c["WEIGHT_DIRECT"] for c in gemms} == {True, False}
+    assert {(c["MODE"], c["WEIGHT_DIRECT"]) for c in gemms} == {(0, True), (0, False), (1, True), (1, False)}
     hopper = [dict(s.constants) for s in PLANS if s.template == WGMMA_TEMPLATE]
     in_place = {(c["MODE"], c["WEIGHT_DIRECT"]) for c in hopper}
     assert in_place == {(0, True), (0, False), (1, True), (1, False)}, in_place

@@ -157,13 +157,13 @@ def test_split_gemm_leads_weight_bound_grids_in_16_bits():
             assert table.eligible(pass_, OUTPUT_BOUND, dtype, "nhwc")[0].name == "wgmma"
 
 
-def test_halo_kernels_reading_the_weight_in_place_lead_gemms_split_fewer_than_16_ways():
-    """Without their pack the 16-bit halo-tile kernels lead until the GEMM splits 16 ways: pix2pix's 4² forward
-    (8 ways) and 8² grad_input (4), not its 4² grad_input (16)."""
+def test_halo_kernels_reading_the_weight_in_place_lead_grad_input_gemms_split_fewer_than_16_ways():
+    """Without its pack the 16-bit halo-tile grad_input leads until the GEMM splits 16 ways: pix2pix's 8²
+    grad_input (4 ways), not its 4² one (16).  Forwards keep the limit of 4: pix2pix's 4² (8 ways) takes the GEMM."""
     from cupyconv.plans import wgmma
 
     grid8 = _g((16, 1024, 8, 8), (1024, 512, 4, 4), stride=2, padding=1)
-    for g, pass_, splits, leader in ((WEIGHT_BOUND, "forward", 8, "wgmma"), (WEIGHT_BOUND, "grad_input", 16, "gemm"),
+    for g, pass_, splits, leader in ((WEIGHT_BOUND, "forward", 8, "gemm"), (WEIGHT_BOUND, "grad_input", 16, "gemm"),
                                      (grid8, "grad_input", 4, "wgmma")):
         assert gemm.heuristic_splits(pass_, g, "bfloat16", "strict") == splits
         assert table.candidates(pass_, g.with_weight_channels_last(), "bfloat16", "nhwc")[0].family == leader
@@ -178,18 +178,17 @@ CL_WEIGHT = WEIGHT_BOUND.with_weight_channels_last()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_grad_input_reads_a_channels_last_16_bit_weight_in_place(dtype):
-    """Its output channels, grad_input's K, are one run per input channel and tap, as in the pack: no pack runs."""
+def test_gemms_read_a_channels_last_16_bit_weight_in_place(dtype):
+    """Its output channels are one run per input channel and tap: grad_input's K, as in the pack, and the forward's
+    N, a [K][N] tile.  No pack runs."""
     for layout in launch.LAYOUTS:
-        plan = gemm.plan_grad_input_gemm(CL_WEIGHT, dtype, layout)
-        assert plan.pack is None and dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"]
-        assert "pack_weight" not in [p.spec.function for p in plan.plans()]
-        # the forward's K (input channels) strides over the taps there: it packs
-        forward = gemm.plan_forward_gemm(CL_WEIGHT, dtype, True, layout)
-        assert forward.pack is not None and not dict(forward.gemm.spec.constants)["WEIGHT_DIRECT"]
+        for plan in (gemm.plan_grad_input_gemm(CL_WEIGHT, dtype, layout),
+                     gemm.plan_forward_gemm(CL_WEIGHT, dtype, True, layout)):
+            assert plan.pack is None and dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"]
+            assert "pack_weight" not in [p.spec.function for p in plan.plans()]
 
 
-def test_grad_input_packs_weights_it_cannot_read_in_place():
+def test_gemms_pack_weights_they_cannot_read_in_place():
     cases = {
         "contiguous": (WEIGHT_BOUND, "bfloat16", True),
         "float32": (CL_WEIGHT, "float32", True),
@@ -199,8 +198,9 @@ def test_grad_input_packs_weights_it_cannot_read_in_place():
                                 "float16", True),
     }
     for name, (g, dtype, aligned) in cases.items():
-        plan = gemm.plan_grad_input_gemm(g, dtype, "nhwc", "tf32", aligned=aligned)
-        assert plan.pack is not None and not dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"], name
+        for plan in (gemm.plan_grad_input_gemm(g, dtype, "nhwc", "tf32", aligned=aligned),
+                     gemm.plan_forward_gemm(g, dtype, True, "nhwc", "tf32", aligned=aligned)):
+            assert plan.pack is not None and not dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"], name
 
 
 def test_a_pass_without_a_pack_launches_on_the_weight_and_allocates_no_scratch():

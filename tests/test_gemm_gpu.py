@@ -328,28 +328,39 @@ def test_to_channels_last_copy_rounds_tf32(batch, channels, pixels):
         gemm.plan_to_channels_last(batch, channels, pixels, "float16", round_tf32=True)
 
 
+# The split layers, and 20 input channels (no whole 16-byte runs: the forward gathers x through registers)
+IN_PLACE_LAYERS = SPLIT_LAYERS + [Layer(2, 20, 48, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1, True, (7, 9), "")]
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype,tol", [("float16", 3e-3), ("bfloat16", 2e-2)])
-@pytest.mark.parametrize("index", range(len(SPLIT_LAYERS)))
-def test_grad_input_reads_a_channels_last_weight_in_place(index, dtype, tol, layout):
-    """grad_input of a 16-bit channels_last weight reads it in place (no pack), whole or split, on every tile, with
-    input channels past a tile's N and output channels past a K tile zero: against float64."""
-    layer = SPLIT_LAYERS[index]
+@pytest.mark.parametrize("index", range(len(IN_PLACE_LAYERS)))
+def test_gemms_read_a_channels_last_weight_in_place(index, dtype, tol, layout):
+    """Forward (with its bias) and grad_input of a 16-bit channels_last weight read it in place (no pack), whole or
+    split, on every tile, with channels past a tile's N and past a K tile zero: against float64."""
+    layer = IN_PLACE_LAYERS[index]
     g = _geometry(layer).with_weight_channels_last()
     x, w, b, go = _data(layer, seed=index)
     tdtype = getattr(torch, dtype)
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    gos = go.to(tdtype).contiguous(memory_format=fmt)
-    ws = w.to(tdtype).contiguous(memory_format=torch.channels_last)
-    want = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)[1]
+    xs, gos = (t.to(tdtype).contiguous(memory_format=fmt) for t in (x, go))
+    ws, bs = w.to(tdtype).contiguous(memory_format=torch.channels_last), b.to(tdtype)
+    ref = _run(F.conv_transpose2d, x, w, b, go, layer, torch.float64, False)
     launcher = launch.Launcher(0, torch.cuda.current_stream().cuda_stream, _scratch)
     variants = [Variant("gemm"), Variant.make("gemm", split=1), Variant.make("gemm", split=3)]
     if index == 0:   # every tile on the first layer only: each is a kernel to build
         variants += [Variant.make("gemm", tile=tile) for tile in sorted(gemm.TILES)]
-    plans = {variant: table.plan("grad_input", variant, g, dtype, layout, "strict") for variant in variants}
+    plans = {(pass_, variant): table.plan(pass_, variant, g, dtype, layout, "strict", pass_ == "forward")
+             for pass_ in ("forward", "grad_input") for variant in variants}
     compiler.compile_many([p.spec for plan in plans.values() for p in plan.plans()], 0, workers=16)
-    for variant, plan in plans.items():
+    for (pass_, variant), plan in plans.items():
         assert plan.pack is None and dict(plan.gemm.spec.constants)["WEIGHT_DIRECT"]
-        gi = torch.full(x.shape, float("nan"), dtype=tdtype, device="cuda").contiguous(memory_format=fmt)
-        plan.run(launcher, (gos.data_ptr(), ws.data_ptr(), gi.data_ptr()))
-        assert _rel_err(gi, want) <= tol, f"{variant.name}: {_rel_err(gi, want):.2e}"
+        if pass_ == "forward":
+            got = torch.full(go.shape, float("nan"), dtype=tdtype, device="cuda").contiguous(memory_format=fmt)
+            plan.run(launcher, (xs.data_ptr(), ws.data_ptr(), bs.data_ptr(), got.data_ptr()))
+            want = ref[0]
+        else:
+            got = torch.full(x.shape, float("nan"), dtype=tdtype, device="cuda").contiguous(memory_format=fmt)
+            plan.run(launcher, (gos.data_ptr(), ws.data_ptr(), got.data_ptr()))
+            want = ref[1]
+        assert _rel_err(got, want) <= tol, f"{pass_} {variant.name}: {_rel_err(got, want):.2e}"

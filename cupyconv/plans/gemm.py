@@ -274,7 +274,7 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
         raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
     if phases * split > GRID_YZ_LIMIT:
         raise ValueError(f"{phases} stride phases x {split} K ranges pass the grid's z limit of {GRID_YZ_LIMIT}")
-    in_place = mode == 1 and aligned and weight_in_place(g, dtype)
+    in_place = aligned and weight_in_place(g, dtype)
     constants.update(MODE=mode, HAS_BIAS=bool(has_bias) and mode == 0, A_VEC=a_vec, STAGES=stages, A_L1=A_CACHE_L1,
                      SRC_CL=layout == "nhwc" or transpose, DST_CL=layout == "nhwc", SPLIT_K=split,
                      WEIGHT_DIRECT=in_place)
@@ -295,10 +295,11 @@ def _plan_gemm(g: Geometry, dtype: str, mode: int, has_bias: bool, layout: str, 
 
 
 def weight_in_place(g: Geometry, dtype: str) -> bool:
-    """Whether grad_input's GEMM reads the weight in place rather than a packed copy: a channels_last weight in
-    fp16 or bf16 (its memory (C_in, kH, kW, C_out/groups) holds each input channel's and tap's output channels,
-    grad_input's K, as one run, as the pack would) whose output channels come in whole 16-byte runs.  The
-    weight pointer's alignment is the caller's to check (``aligned``)."""
+    """Whether the forward and grad_input GEMMs read the weight in place rather than a packed copy: a
+    channels_last weight in fp16 or bf16 (its memory (C_in, kH, kW, C_out/groups) holds each input channel's and
+    tap's output channels as one run: grad_input's K, as the pack would lay it out, and the forward's N, a [K][N]
+    B tile read by ldmatrix.trans) whose output channels come in whole 16-byte runs.  The weight pointer's
+    alignment is the caller's to check (``aligned``)."""
     return g.weight_channels_last and _itemsize(dtype) == 2 and g.out_per_group % 8 == 0
 
 
@@ -308,7 +309,7 @@ def plan_forward_gemm(g: Geometry, dtype: str, has_bias: bool, layout: str = "nc
                       split: Optional[int] = None, sm_count: int = 132) -> PackedGemm:
     """Forward as one implicit GEMM per stride phase (grid z).
 
-    ``aligned``: the activation pointers (and a channels_last weight's, which grad_input may read in place) are
+    ``aligned``: the activation pointers (and a channels_last weight's, which 16-bit GEMMs read in place) are
     16-byte aligned (channels_last vector loads).
     ``stages``: cp.async pipeline depth (one of :data:`STAGE_CHOICES`; default
     :data:`DEFAULT_STAGES`); the element-gathering fallback always double-buffers.

@@ -797,10 +797,10 @@ def grad_weight_options(g: Geometry) -> List[Dict[str, object]]:
     return found
 
 
-# K ranges of the mma.sync GEMM's heuristic from which it runs ahead of the 16-bit halo-tile kernels; and where
-# they read a channels_last weight in place, with no pack before them (pix2pix's 16 x 1024 x 4² and 8² in bf16 on an
-# H200: the forward of 4², split 8 ways, 45 µs against the GEMM's 49; grad_input of 8², split 4 ways, 61 against 83;
-# grad_input of 4², split 16 ways, 60 against 29).
+# K ranges of the mma.sync GEMM's heuristic from which it runs ahead of the 16-bit halo-tile kernels; and for
+# grad_input where both read a channels_last weight in place (pix2pix's 16 x 1024 x 8² and 4² in bf16 on an H200:
+# split 4 ways, 61 µs against the GEMM's 83; split 16 ways, 60 against 29).  The forwards stay at 4 in place too
+# (4², split 8 ways: the GEMM 31 µs, the halo-tile kernel 45).
 SPLIT_GEMM_LEADS = 4
 SPLIT_GEMM_LEADS_IN_PLACE = 16
 
@@ -833,12 +833,13 @@ class WgmmaFamily(Family):
         forward and grad_input lead as :func:`tf32_leads` says; fp16 and bf16 ones unless the GEMM would split K
         :data:`SPLIT_GEMM_LEADS` ways or more (a weight-bound grid, whose few halo tiles each read the weight whole:
         on pix2pix's 1², 2² and 4² grids the split GEMM took 0.5-0.9x their time forward, 0.3-0.5x for grad_input),
-        or :data:`SPLIT_GEMM_LEADS_IN_PLACE` ways where they read the weight in place."""
+        or for grad_input :data:`SPLIT_GEMM_LEADS_IN_PLACE` ways where they read the weight in place."""
         if pass_ == "grad_weight":
             return weight_phases(g)[0] >= 2
         if dtype == "float32":
             return tf32_leads(g, pass_)
-        limit = SPLIT_GEMM_LEADS_IN_PLACE if _reads_in_place(g, dtype, pass_) else SPLIT_GEMM_LEADS
+        in_place = pass_ == "grad_input" and _reads_in_place(g, dtype, pass_)
+        limit = SPLIT_GEMM_LEADS_IN_PLACE if in_place else SPLIT_GEMM_LEADS
         return gemm.heuristic_splits(pass_, g, dtype, "strict") < limit
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:

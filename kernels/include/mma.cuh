@@ -27,6 +27,10 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
 
 __device__ __forceinline__ unsigned to_tf32(unsigned bits) {
     unsigned r;
@@ -82,11 +86,14 @@ __device__ __forceinline__ void mma_16x8<MMA_TF32>(float (&c)[4], const unsigned
 }
 
 // One warp's share of a block tile: MI x NI mma tiles of 16 x 8 fed from [rows][K]
-// shared-memory tiles, for the 64 bytes of K of one stage.
-template <int KIND, int MI, int NI>
+// shared-memory tiles, for the 64 bytes of K of one stage.  With B_K_PITCH (words, 16-bit
+// kinds only) the B tile is [K][N] instead, B_K_PITCH words from one k row to the next, and
+// its fragments come through ldmatrix.trans (a channels_last weight's output channels run along N).
+template <int KIND, int MI, int NI, int B_K_PITCH = 0>
 __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const unsigned* a_tile,
                                               const unsigned* b_tile, int warp_row, int warp_col, int lane) {
     static_assert(NI % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+    static_assert(B_K_PITCH == 0 || KIND == MMA_F16 || KIND == MMA_BF16, "[K][N] B tiles hold 16-bit operands");
 #pragma unroll
     for (int ks = 0; ks < TILE_K_WORDS / KSTEP_WORDS; ++ks) {
         unsigned a[MI][4], b[NI][2];
@@ -97,9 +104,15 @@ __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const uns
         }
 #pragma unroll
         for (int ni = 0; ni < NI; ni += 2) {
-            const int row = warp_col + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
+            // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
             unsigned r[4];
-            ldmatrix_x4(r, smem_addr(b_tile + row * ROW_WORDS + ks * KSTEP_WORDS + ((lane >> 3) & 1) * 4));
+            if constexpr (B_K_PITCH > 0) {
+                const int k = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, n = warp_col + ni * 8 + (lane >> 4) * 8;
+                ldmatrix_x4_trans(r, smem_addr(b_tile + k * B_K_PITCH + n / 2));
+            } else {
+                const int row = warp_col + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
+                ldmatrix_x4(r, smem_addr(b_tile + row * ROW_WORDS + ks * KSTEP_WORDS + ((lane >> 3) & 1) * 4));
+            }
             b[ni][0] = r[0]; b[ni][1] = r[1]; b[ni + 1][0] = r[2]; b[ni + 1][1] = r[3];
         }
         if constexpr (KIND == MMA_F16 || KIND == MMA_BF16) {
@@ -150,11 +163,6 @@ __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const uns
                 for (int ni = 0; ni < NI; ++ni) mma_16x8<MMA_TF32>(acc[mi][ni], a_big[mi], b_big[ni]);
         }
     }
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
 // The same warp tile product for 16-bit operands stored K-major: [K][rows] tiles of
