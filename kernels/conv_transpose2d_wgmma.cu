@@ -28,8 +28,8 @@
 // weight.
 //
 // The block is persistent over the tiles of its (channel tile, phase) and split by role:
-// the last warpgroup produces (cp.async for the halos, a bulk copy per weight tile, each
-// completing on a "full" mbarrier), the others consume (wgmma, one step in flight, then an
+// the last warpgroup produces (cp.async for the halos, a bulk copy per packed weight tile or
+// cp.async for one read in place, each completing on a "full" mbarrier), the others consume (wgmma, one step in flight, then an
 // arrival on the "empty" mbarrier that lets the producer refill the buffer).  The producer
 // runs ahead across tiles, so the next tile's halo and weights land while this tile's
 // MMAs and stores run.  The source is channels_last with 16-byte channel groups (an NCHW

@@ -805,13 +805,12 @@ SPLIT_GEMM_LEADS = 4
 SPLIT_GEMM_LEADS_IN_PLACE = 16
 
 
-def _reads_in_place(g: Geometry, dtype: str, pass_: str) -> bool:
-    """Whether the pass's heuristic halo-tile plan reads the weight in place (:func:`weight_in_place`)."""
+def _grad_input_in_place(g: Geometry, dtype: str) -> bool:
+    """Whether the heuristic halo-tile grad_input reads the weight in place (:func:`weight_in_place`)."""
     try:
-        plan = plan_forward(g, dtype, False) if _mode(pass_) == 0 else plan_grad_input(g, dtype)
+        return plan_grad_input(g, dtype).pack is None
     except ValueError:
         return False
-    return plan.pack is None
 
 
 class WgmmaFamily(Family):
@@ -838,7 +837,7 @@ class WgmmaFamily(Family):
             return weight_phases(g)[0] >= 2
         if dtype == "float32":
             return tf32_leads(g, pass_)
-        in_place = pass_ == "grad_input" and _reads_in_place(g, dtype, pass_)
+        in_place = pass_ == "grad_input" and _grad_input_in_place(g, dtype)
         limit = SPLIT_GEMM_LEADS_IN_PLACE if in_place else SPLIT_GEMM_LEADS
         return gemm.heuristic_splits(pass_, g, dtype, "strict") < limit
 
