@@ -98,8 +98,6 @@ def plan_reduce_with_bias(dtype: str, elements: int, chunks: int, channels: int,
     return Plan(spec, grid, (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks, channels, channel_stride), index_t)
 
 
-
-
 class ReductionFamily(Family):
     name = "reduction"
     passes = ("grad_bias",)

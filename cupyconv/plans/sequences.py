@@ -147,7 +147,6 @@ class PackedGemm(PassPlan):
             ([self.pack.scratch_bytes] if self.pack is not None else [])
             + ([self.gemm.scratch_bytes] if self.reduce is not None else [])
             + ([to_cl.scratch_bytes] if own_copy else []))
-        rest = list(rest)
         if self.pack is not None:
             packed = rest.pop(0)
             launcher.launch("pack", self.pack, (weight, packed))

@@ -220,13 +220,12 @@ def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, 
 
 
 def weight_in_place(g: Geometry, dtype: str, pass_: str, bn: int, ck: int) -> bool:
-    """Whether the halo-tile kernel reads the weight in place rather than a packed copy: a channels_last weight in
-    fp16 or bf16, whose output channels (contiguous per input channel and tap) come in whole 16-byte runs, in B
-    tiles of whole rounds of the producer's 128 16-byte copies, each thread at one place along the copied rows
-    (output channels: the forward's N, grad_input's K chunk); the forward's N side (an MN-major operand of
-    128-byte rows) in 64-channel blocks.  It saves the pack's launch and its pass over the weight.  The weight
-    pointer's alignment is the caller's to check."""
-    if not g.weight_channels_last or dtype not in _KINDS or g.out_per_group % 8 or ck * bn % 1024:
+    """Whether the halo-tile kernel reads the weight in place rather than a packed copy: a weight the GEMMs would
+    (:func:`.gemm.weight_in_place`), in B tiles of whole rounds of the producer's 128 16-byte copies, each thread
+    at one place along the copied rows (output channels: the forward's N, grad_input's K chunk); the forward's N
+    side (an MN-major operand of 128-byte rows) in 64-channel blocks.  It saves the pack's launch and its pass
+    over the weight.  The weight pointer's alignment is the caller's to check."""
+    if not gemm.weight_in_place(g, dtype) or ck * bn % 1024:
         return False
     forward = _mode(pass_) == 0
     return 128 % ((bn if forward else ck) // 8) == 0 and (bn % 64 == 0 or not forward)
@@ -387,10 +386,11 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_)
     if smem > SMEM_LIMIT:
         raise ValueError(f"the halo of tile {tile.name} does not fit shared memory")
-    in_place = (weight_aligned and weight_in_place(g, dtype, pass_, tile.bn, ck)
-                and smem_bytes(g, dtype, tile, ck, b_stages, pass_, True) <= SMEM_LIMIT)
-    if in_place:
-        smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_, True)
+    in_place = False
+    if weight_aligned and weight_in_place(g, dtype, pass_, tile.bn, ck):
+        padded = smem_bytes(g, dtype, tile, ck, b_stages, pass_, True)
+        in_place = padded <= SMEM_LIMIT
+        smem = padded if in_place else smem
     halo_h, halo_w = halo_extent(g, tile, pass_)
     src_channels, dst_channels = _channels(g, pass_)
     grid_h, grid_w = dst_grid(g, pass_)
