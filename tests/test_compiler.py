@@ -12,7 +12,7 @@ import pytest
 
 from cupyconv.core import dtypes
 from cupyconv.jit import compiler
-from cupyconv.plans import direct, gemm, launch, reduction, table, wgmma
+from cupyconv.plans import direct, gemm, launch, reduction, scatter_gemm, table, wgmma
 from cupyconv.jit.compiler import KernelCompileError, KernelSpec, compile_ptx
 from cupyconv.core.geometry import ConvParams, geometry
 
@@ -25,7 +25,8 @@ TARGET_ARCHS = {"sm_90a": "compute_90a"}
 WGMMA_TEMPLATE = "conv_transpose2d_wgmma.cu"
 WGMMA_GRAD_WEIGHT_TEMPLATE = "conv_transpose2d_grad_weight_wgmma.cu"
 WGMMA_TF32_WEIGHT_TEMPLATE = "conv_transpose2d_grad_weight_wgmma_tf32.cu"
-HOPPER_TEMPLATES = (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE, WGMMA_TF32_WEIGHT_TEMPLATE)
+SCATTER_GEMM_TEMPLATE = "conv_transpose2d_scatter_gemm.cu"
+HOPPER_TEMPLATES = (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE, WGMMA_TF32_WEIGHT_TEMPLATE, SCATTER_GEMM_TEMPLATE)
 DTYPES = dtypes.NAMES
 
 # Layers chosen to reach every tiling branch of the planners: one or many stride phases,
@@ -293,9 +294,20 @@ def _wgmma_plans():
         add(f"4x4_stride2-grad_weight-tf32-stages-{stages}",
             wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS["4x4_stride2"], 132, "nhwc",
                                         wgmma.TF32_WEIGHT_TILES["64x64x4"], stages))
+    # the scatter GEMM: every tile, both dtypes, both layouts, both weight layouts (a contiguous one copied into
+    # channels_last order), bias or none
+    for i, (name, tile) in enumerate(scatter_gemm.TILES.items()):
+        for j, (dtype, layout, bias) in enumerate(WGMMA_CASES):
+            g = SCATTER_LAYERS["k2s2"].with_weight_channels_last(bool((i + j) % 2))
+            add(f"scatter_gemm-{name}-{dtype}-{layout}-{'bias' if bias else 'nobias'}-w{'cl' if (i + j) % 2 else ''}",
+                scatter_gemm.plan_forward(g, dtype, bias, layout, tile))
+    add("scatter_gemm-one_pixel", scatter_gemm.plan_forward(SCATTER_LAYERS["one_pixel_k4s2p1"], "bfloat16", True, "nhwc"))
     return seen
 
 
+# Layers whose output pixels each receive one tap (the scatter GEMM's)
+SCATTER_LAYERS = {"k2s2": _layer((2, 64, 7, 9), (64, 48, 2, 2), stride=2),
+                  "one_pixel_k4s2p1": _layer((3, 128, 1, 1), (128, 64, 4, 4), stride=2, padding=1)}
 WGMMA_PLANS = _wgmma_plans()
 PLANS = {**_plans(), **_gemm_plans(), **WGMMA_PLANS}
 
@@ -322,6 +334,9 @@ def test_variants_reach_every_template_and_both_index_widths():
     hopper = [dict(s.constants) for s in PLANS if s.template == WGMMA_TEMPLATE]
     in_place = {(c["MODE"], c["WEIGHT_DIRECT"]) for c in hopper}
     assert in_place == {(0, True), (0, False), (1, True), (1, False)}, in_place
+    scatter = [dict(s.constants) for s in PLANS if s.template == SCATTER_GEMM_TEMPLATE]
+    assert {(c["MB"], c["BN"]) for c in scatter} == {(t.mb, t.bn) for t in scatter_gemm.TILES.values()}
+    assert {(c["DST_CL"], c["HAS_BIAS"], c["MMA_KIND"]) for c in scatter} >= {(True, True, 1), (False, True, 0), (True, False, 0)}
     assert {s.target for s in PLANS if s.template in HOPPER_TEMPLATES} == {wgmma.TARGET}
     assert {s.target for s in PLANS if s.template not in HOPPER_TEMPLATES} == {""}
     weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]
@@ -665,6 +680,27 @@ def test_grad_weight_kernels_writing_a_channels_last_weight_build_without_spilli
         assert found and found.groups() == ("0", "0", "0"), log
 
 
+def _scatter_plan(tile, dtype):
+    return scatter_gemm.plan_forward(SCATTER_LAYERS["k2s2"].with_weight_channels_last(), dtype, True, "nhwc",
+                                     scatter_gemm.TILES[tile])
+
+
+@pytest.mark.parametrize("tile", sorted(scatter_gemm.TILES))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_scatter_gemm_kernels_build_for_sm_90a_without_spilling(tile, dtype, ptxas_logs):
+    """Each tile's accumulators (up to 128 a consumer thread) and its shared-memory ring fit, with no stack frame and
+    no serialised warpgroup MMAs; A is K-major and B MN-major (transpose immediates 0, 1)."""
+    main = _scatter_plan(tile, dtype).gemm
+    log = ptxas_logs(main.spec)
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found and found.groups() == ("0", "0", "0"), log
+    assert "serialized" not in log and "Performance Loss" not in log, log
+    static = re.search(r"(\d+) bytes smem", log)
+    assert main.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
+    ptx = compile_ptx(main.spec.source(), main.spec.function, "compute_90a", main.spec.options[:1])
+    assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {("0", "1")}
+
+
 def test_the_wgmma_transpose_immediates_follow_the_operand_majors():
     """The forward and grad_input read K-major operands (transpose immediates 0, 0); grad_weight reads both
     MN-major (1, 1)."""
@@ -691,6 +727,8 @@ _PTXAS_SPECS = {
         lambda layer, tile, layout: [_tf32_weight_split(layer, tile, layout).partial.spec],
     "test_grad_weight_kernels_writing_a_channels_last_weight_build_without_spilling":
         lambda layer: [split.partial.spec for split in _channels_last_weight_splits(layer)],
+    "test_scatter_gemm_kernels_build_for_sm_90a_without_spilling":
+        lambda tile, dtype: [_scatter_plan(tile, dtype).gemm.spec],
 }
 
 

@@ -20,6 +20,7 @@ DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu", "to_image_quads.cu"}
 LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_large_kernel_grad_input.cu",
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
 WGMMA = {"conv_transpose2d_wgmma.cu"}
+SCATTER_GEMM = {"conv_transpose2d_scatter_gemm.cu"}
 WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
 WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its tile follows its tap count, not a setting
@@ -31,7 +32,7 @@ LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CI
 
 def test_every_template_is_found():
     assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
-                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED)
+                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED | SCATTER_GEMM)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
@@ -84,6 +85,15 @@ def test_wgmma_templates_inline_the_mma_headers(name):
     assert "wgmma_async" in text and "smem_descriptor" in text and "MMA_F16" in text   # wgmma.cuh, mma.cuh
     tile = {"MMA_KIND", "TILE_IMAGES", "TILE_H", "TILE_W", "WARPGROUPS", "BN", "CK", "HALO_H", "HALO_W"}
     assert {"SCALAR_T", "INDEX_T", "DST_CL", "HAS_BIAS"} | LAYER | tile <= templates.placeholders(name)
+
+
+def test_the_scatter_gemm_template_inlines_the_mma_headers():
+    name, = SCATTER_GEMM
+    text = templates.expanded(name)
+    assert "#include" not in text
+    assert "wgmma_async" in text and "smem_descriptor_swizzle_128b" in text and "cp_async_arrive" in text
+    tile = {"MMA_KIND", "MB", "BN", "STAGES"}
+    assert {"SCALAR_T", "INDEX_T", "DST_CL", "HAS_BIAS"} | LAYER | tile == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))

@@ -11,7 +11,7 @@ import pytest
 from cupyconv import bench, engine, tuning
 from cupyconv.core import device
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import gemm, launch, table, wgmma
+from cupyconv.plans import gemm, launch, scatter_gemm, table, wgmma
 from cupyconv.plans.launch import Recorder, cdiv, numel
 from cupyconv.tuning.variants import GEMM, Variant
 
@@ -278,9 +278,12 @@ def test_thin_destinations_take_narrow_n_tiles_and_wide_patches():
 def test_the_suite_layers_are_eligible(name, dtype):
     g = _suite_layer(name)
     assert wgmma.eligible(g, dtype)
+    # unet_up2x2's output pixels each receive one tap: the scatter GEMM runs its forward ahead of the halo tiles
+    first = scatter_gemm.FAMILY if scatter_gemm.one_tap(g) else wgmma.FAMILY
     for layout in launch.LAYOUTS:
-        assert table.eligible("forward", g, dtype, layout)[0] is wgmma.FAMILY
-        assert table.candidates("forward", g, dtype, layout)[0] == WGMMA
+        assert table.eligible("forward", g, dtype, layout)[0] is first
+        assert table.candidates("forward", g, dtype, layout)[0] == Variant(first.name)
+        assert WGMMA in table.candidates("forward", g, dtype, layout)
     # the depthwise layer of the suite is not
     assert not wgmma.eligible(_suite_layer("depthwise_up"), dtype)
 
@@ -462,9 +465,12 @@ def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
         for layout in launch.LAYOUTS:
             for pass_ in ("forward", "grad_input"):
                 cands = table.candidates(pass_, g, "float16", layout)
-                assert cands[0] == WGMMA, (name, pass_)
+                # a forward whose output pixels each receive one tap leads with the scatter GEMM
+                scatter = pass_ == "forward" and scatter_gemm.one_tap(g)
+                assert cands[0] == (Variant("scatter_gemm") if scatter else WGMMA), (name, pass_)
+                assert scatter == (pass_ == "forward" and name == "unet_up2x2")
                 families = [v.family for v in cands]
-                order = ["wgmma", "gemm", "direct", "tiled"]
+                order = ["scatter_gemm", "wgmma", "gemm", "direct", "tiled"]
                 assert "gemm" in families and families == sorted(families, key=order.index)
                 assert families.count("wgmma") <= wgmma.FAMILY.max_variants
             # grad_weight: the wgmma kernel leads where a stride phase has two taps or more, else the mma.sync

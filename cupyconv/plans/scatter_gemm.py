@@ -1,0 +1,160 @@
+"""The forward of a layer whose output pixels each receive exactly one tap, as one Hopper wgmma GEMM with a
+scattering epilogue (``kernels/conv_transpose2d_scatter_gemm.cu``).
+
+Such a layer (kernel == stride, U-Net's 2 x 2 stride-2 upsampling; a 1 x 1 input, a generator's first layer;
+1 x 1 kernels) is a plain GEMM: input pixels x input channels times input channels x (tap, output channel),
+each product element landing on one output pixel.  The halo-tile kernels run it per stride phase, reading the
+input once per phase and storing each tile while their tensor cores wait; this kernel reads each input pixel
+once for all taps, and two consumer warpgroups take turns, one storing while the other multiplies.  fp16 and
+bf16 on exactly sm_90 (B is MN-major, which TF32 cannot read); one group.  A contiguous weight is copied into
+channels_last order first, an NCHW input into channels_last scratch.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from ..core.device import ASSUMED, WGMMA, Device
+from ..core.geometry import Geometry
+from ..jit.compiler import KernelSpec
+from ..tuning.variants import Variant
+from . import gemm, wgmma
+from .family import Family
+from .launch import Plan, cdiv, index_type, layer_constants, numel
+from .sequences import PackedGemm, PassPlan
+
+ROW_BYTES = 128   # a step's row: 64 channels of a pixel (A) or 64 columns of an input channel (B)
+
+
+@dataclass(frozen=True)
+class ScatterTile:
+    """A tile of ``64 * mb`` input pixels x ``bn`` columns of (tap, output channel), held whole in one consumer
+    warpgroup's accumulators (``mb * bn / 2`` registers a thread)."""
+
+    mb: int
+    bn: int
+
+    @property
+    def name(self) -> str:
+        return f"{64 * self.mb}x{self.bn}"
+
+    def stage_bytes(self) -> int:
+        return ROW_BYTES * (64 * self.mb + self.bn)   # A: a row a pixel; B: a row a channel of 64-column blocks
+
+
+TILES: Dict[str, ScatterTile] = {t.name: t for t in (ScatterTile(2, 128), ScatterTile(1, 256), ScatterTile(1, 128),
+                                                     ScatterTile(2, 64))}
+HEURISTIC = TILES["128x128"]
+MAX_STAGES = 8
+LEAD_WAVES = 2   # heuristic tiles an SM from which the family leads (ScatterGemmFamily.leads)
+
+
+def one_tap(g: Geometry) -> bool:
+    """Whether every output pixel receives exactly one tap: along each axis the taps of neighbouring input pixels
+    neither overlap nor leave gaps (kernel == stride, or a single input pixel), they are not dilated apart, and
+    output padding stays inside the cropped border (so no output pixel goes without a tap)."""
+    p = g.params
+    for axis in range(2):
+        k, s, d = g.kernel[axis], p.stride[axis], p.dilation[axis]
+        if not (d == 1 or k == 1) or p.output_padding[axis] > p.padding[axis]:
+            return False
+        if k != s and g.in_size[axis] != 1:
+            return False
+    return True
+
+
+def eligible(g: Geometry, dtype: str) -> bool:
+    """fp16 or bf16, one group, :func:`one_tap`, input channels and (tap, output channel) columns in whole 16-byte
+    runs and an even number of output channels, within the tensor-core kernels' limits."""
+    return (dtype in ("float16", "bfloat16") and g.groups == 1 and one_tap(g) and g.in_channels % 8 == 0
+            and g.out_channels % 8 == 0 and gemm.gemm_fits(g, dtype))
+
+
+def stages_for(tile: ScatterTile) -> int:
+    """The deepest ring of steps (A and B tiles) that fits shared memory."""
+    return min(MAX_STAGES, wgmma.SMEM_LIMIT // tile.stage_bytes())
+
+
+def tile_count(g: Geometry, tile: ScatterTile) -> int:
+    pixels = g.batch * g.in_size[0] * g.in_size[1]
+    return cdiv(pixels, 64 * tile.mb) * cdiv(g.kernel[0] * g.kernel[1] * g.out_channels, tile.bn)
+
+
+def options(g: Geometry) -> List[Dict[str, object]]:
+    """The heuristic, then the other tiles whose columns are not mostly padding."""
+    columns = g.kernel[0] * g.kernel[1] * g.out_channels
+    found: List[Dict[str, object]] = [{}]
+    for tile in TILES.values():
+        if tile != HEURISTIC and not (tile.bn > 64 and columns <= tile.bn // 2):
+            found.append({"tile": tile.name})
+    return found
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", tile: Optional[ScatterTile] = None,
+                 sm_count: int = 132) -> PackedGemm:
+    """The forward as one GEMM of persistent blocks (about one per SM), after the weight's copy into channels_last
+    order where it is contiguous and the input's into channels_last scratch where it is NCHW."""
+    if not eligible(g, dtype):
+        raise ValueError("the scatter GEMM runs fp16 and bf16 layers of one group whose output pixels each receive "
+                         "one tap, with input and output channels in multiples of 8")
+    tile = tile or HEURISTIC
+    columns = g.kernel[0] * g.kernel[1] * g.out_channels
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns)
+    constants = layer_constants(g.with_weight_channels_last(), dtype, index_t)
+    constants.update(MMA_KIND=wgmma.mma_kind(dtype), MB=tile.mb, BN=tile.bn, STAGES=stages_for(tile),
+                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias))
+    spec = KernelSpec.make("conv_transpose2d_scatter_gemm.cu", "conv_transpose2d_scatter_gemm", constants,
+                           wgmma.TARGET)
+    blocks = max(1, min(tile_count(g, tile), sm_count))
+    sizes = (g.batch,) + g.in_size + g.out_size
+    main = Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages_for(tile) * tile.stage_bytes())
+    # (C_in, C_out, kH, kW) -> (C_in, kH, kW, C_out): the activation copy's NCHW -> NHWC with C_in as the batch
+    to_weight_order = None if g.weight_channels_last else \
+        gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype)
+    to_cl = gemm.plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype) \
+        if layout == "nchw" else None
+    return PackedGemm(to_weight_order, main, to_cl)
+
+
+class ScatterGemmFamily(Family):
+    name = "scatter_gemm"
+    passes = ("forward",)
+    max_variants = 4
+
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
+                 precision: str = "strict") -> bool:
+        """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
+        return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
+                and _eligible(g, dtype))
+
+    def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:
+        """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more, so that each consumer warpgroup
+        stores one tile while the other multiplies the next.  On an H100 (NOTES v25) it then beat the halo-tile
+        kernel on U-Net's upsampling layers by up to 1.7x; on fewer tiles (a 16 x 16 grid of 1024 channels, a 1 x 1
+        input) the halo-tile kernel or the split mma.sync GEMM ran as fast or faster, so there it races them."""
+        return tile_count(g, HEURISTIC) >= LEAD_WAVES * ASSUMED.sm_count
+
+    def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
+        return [Variant.make(self.name, **opts) for opts in options(g)]
+
+    def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
+             has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        if not aligned:
+            # Its copies need 16-byte aligned channel runs: channels_last activations, a weight read in place.
+            return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False, sm_count=sm_count)
+        name = variant.kwargs.get("tile")
+        return plan_forward(g, dtype, has_bias, layout, TILES[name] if name else None, sm_count)
+
+    def clear(self) -> None:
+        plan_forward.cache_clear()
+        _eligible.cache_clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def _eligible(g: Geometry, dtype: str) -> bool:
+    return eligible(g, dtype)
+
+
+FAMILY = ScatterGemmFamily()

@@ -1,0 +1,131 @@
+"""The scatter GEMM's planner (no GPU): which layers it takes, what it launches, and where the table puts it."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cupyconv.core.device import ASSUMED, MMA_SYNC
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import gemm, scatter_gemm, table
+from cupyconv.tuning import Variant
+
+
+def _layer(x_shape, w_shape, **kwargs):
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+UNET_UP = _layer((8, 256, 64, 64), (256, 128, 2, 2), stride=2)
+ONE_PIXEL = _layer((16, 512, 1, 1), (512, 512, 4, 4), stride=2, padding=1)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,kwargs,one", [
+    ((2, 8, 5, 7), (8, 8, 2, 2), dict(stride=2), True),
+    ((2, 8, 5, 7), (8, 8, 2, 3), dict(stride=(2, 3), padding=1, output_padding=(1, 0)), True),
+    ((2, 8, 5, 7), (8, 8, 1, 1), dict(), True),                                    # pointwise
+    ((2, 8, 1, 1), (8, 8, 4, 4), dict(stride=2, padding=1), True),                 # one input pixel, cropped taps
+    ((2, 8, 1, 1), (8, 8, 4, 4), dict(), True),                                    # a generator's first layer
+    ((2, 8, 5, 7), (8, 8, 4, 4), dict(stride=2, padding=1), False),                # taps overlap
+    ((2, 8, 5, 7), (8, 8, 2, 2), dict(stride=3), False),                           # gaps between taps
+    ((2, 8, 5, 7), (8, 8, 2, 2), dict(stride=2, output_padding=1), False),         # padding rows with no tap
+    ((2, 8, 5, 7), (8, 8, 2, 2), dict(stride=4, dilation=2), False),               # dilated apart
+    ((2, 8, 1, 1), (8, 8, 3, 3), dict(dilation=2), False),                         # one pixel, dilated: gaps
+])
+def test_one_tap_means_every_output_pixel_receives_exactly_one_tap(x_shape, w_shape, kwargs, one):
+    g = _layer(x_shape, w_shape, **kwargs)
+    assert scatter_gemm.one_tap(g) is one
+    # the definition itself, counted: each output position along each axis receives this many taps
+    p = g.params
+    counts = []
+    for axis in range(2):
+        hits = [0] * g.out_size[axis]
+        for i in range(g.in_size[axis]):
+            for k in range(g.kernel[axis]):
+                o = i * p.stride[axis] + k * p.dilation[axis] - p.padding[axis]
+                if 0 <= o < g.out_size[axis]:
+                    hits[o] += 1
+        counts.append(set(hits))
+    assert (counts == [{1}, {1}]) is one
+
+
+def test_eligibility():
+    assert scatter_gemm.eligible(UNET_UP, "float16") and scatter_gemm.eligible(UNET_UP, "bfloat16")
+    assert not scatter_gemm.eligible(UNET_UP, "float32"), "B is MN-major: no TF32"
+    assert not scatter_gemm.eligible(UNET_UP, "float64")
+    grouped = _layer((2, 64, 5, 7), (64, 16, 2, 2), stride=2, groups=2)
+    assert not scatter_gemm.eligible(grouped, "float16")
+    odd_in = _layer((2, 100, 1, 1), (100, 512, 4, 4))   # DCGAN's 100 noise channels: no 16-byte runs
+    assert not scatter_gemm.eligible(odd_in, "float16")
+    odd_out = _layer((2, 64, 5, 7), (64, 12, 2, 2), stride=2)
+    assert not scatter_gemm.eligible(odd_out, "float16")
+
+
+@pytest.mark.parametrize("weight_cl", [False, True], ids=["w", "w_cl"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_plan_copies_only_what_is_not_channels_last(layout, weight_cl):
+    g = UNET_UP.with_weight_channels_last(weight_cl)
+    packed = scatter_gemm.plan_forward(g, "bfloat16", True, layout)
+    functions = [p.spec.function for p in packed.plans()]
+    assert functions[-1] == "conv_transpose2d_scatter_gemm"
+    assert (packed.pack is None) is weight_cl
+    assert (packed.to_channels_last is None) is (layout == "nhwc")
+    if not weight_cl:
+        # the weight (C_in, C_out, kH, kW) is copied as a batch of C_in images of C_out channels over kH x kW pixels
+        assert packed.pack.scalars == (256, 128, 4) and packed.pack.scratch_bytes == 256 * 128 * 4 * 2
+    constants = dict(packed.gemm.spec.constants)
+    assert constants["WEIGHT_CL"] is True and constants["DST_CL"] is (layout == "nhwc") and constants["HAS_BIAS"]
+    assert packed.gemm.spec.target == "sm_90a" and packed.gemm.block == (384, 1, 1)
+    assert packed.gemm.grid == (132, 1, 1), "persistent: a block an SM"
+    assert packed.gemm.scalars == (8, 64, 64, 128, 128)
+
+
+@pytest.mark.parametrize("name", sorted(scatter_gemm.TILES))
+def test_every_tile_fits_shared_memory_and_registers(name):
+    tile = scatter_gemm.TILES[name]
+    stages = scatter_gemm.stages_for(tile)
+    assert stages >= 4 and stages * tile.stage_bytes() <= scatter_gemm.wgmma.SMEM_LIMIT
+    assert tile.mb * tile.bn // 2 <= 128, "a consumer thread's accumulators"
+    plan = scatter_gemm.plan_forward(UNET_UP, "float16", False, "nhwc", tile).gemm
+    assert plan.smem_bytes == stages * tile.stage_bytes()
+    assert dict(plan.spec.constants)["STAGES"] == stages
+
+
+def test_small_layers_launch_a_block_a_tile():
+    g = _layer((1, 64, 3, 3), (64, 64, 2, 2), stride=2)   # 9 pixels, 256 columns: two 128 x 128 tiles
+    assert scatter_gemm.tile_count(g, scatter_gemm.HEURISTIC) == 2
+    assert scatter_gemm.plan_forward(g, "float16", False, "nhwc").gemm.grid == (2, 1, 1)
+
+
+def test_options_skip_tiles_that_would_be_mostly_padding():
+    narrow = _layer((2, 64, 5, 7), (64, 8, 1, 1))   # 8 columns
+    assert scatter_gemm.options(narrow) == [{}, {"tile": "128x64"}]
+    assert len(scatter_gemm.options(UNET_UP)) == len(scatter_gemm.TILES)
+
+
+def test_the_table_leads_with_it_on_hopper_where_tiles_are_many_and_races_the_others():
+    for g in (UNET_UP, UNET_UP.with_weight_channels_last()):
+        for dtype in ("float16", "bfloat16"):
+            assert table.candidates("forward", g, dtype, "nhwc")[0] == Variant("scatter_gemm")
+    assert any(v.family == "wgmma" for v in table.candidates("forward", UNET_UP, "float16", "nhwc"))
+    # a 1 x 1 input of 16 images makes 64 tiles: the split GEMM leads, the scatter GEMM races it
+    assert scatter_gemm.tile_count(ONE_PIXEL, scatter_gemm.HEURISTIC) < 2 * ASSUMED.sm_count
+    cands = table.candidates("forward", ONE_PIXEL, "bfloat16", "nhwc")
+    assert cands[0].family == "gemm" and any(v.family == "scatter_gemm" for v in cands)
+    # float32 keeps the other families; so do other GPUs (sm_90a code only) and layers with overlapping taps
+    assert all(v.family != "scatter_gemm" for v in table.candidates("forward", UNET_UP, "float32", "nhwc", "tf32"))
+    ampere = dataclasses.replace(ASSUMED, arch="80", tensor_cores=MMA_SYNC)
+    assert all(f.name != "scatter_gemm" for f in table.eligible("forward", UNET_UP, "float16", "nhwc", ampere))
+    overlapping = _layer((8, 256, 16, 16), (256, 128, 4, 4), stride=2, padding=1)
+    assert all(v.family != "scatter_gemm" for v in table.candidates("forward", overlapping, "float16", "nhwc"))
+    # the backward passes are other families'
+    assert all(f.name != "scatter_gemm" for f in table.eligible("grad_input", UNET_UP, "float16", "nhwc"))
+
+
+def test_unaligned_pointers_take_the_gemm(monkeypatch):
+    planned = table.plan("forward", Variant("scatter_gemm"), UNET_UP.with_weight_channels_last(), "bfloat16",
+                         "nhwc", "strict", True, False)
+    assert [p.spec.function for p in planned.plans()] == \
+        [p.spec.function for p in gemm.plan_forward_gemm(UNET_UP.with_weight_channels_last(), "bfloat16", True,
+                                                         "nhwc", "strict", aligned=False).plans()]
+    monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
+    assert not scatter_gemm.FAMILY.eligible("forward", UNET_UP, "float16", "nhwc", ASSUMED)

@@ -1,0 +1,153 @@
+"""The scatter GEMM forward (one tap an output pixel, as one wgmma GEMM) on an sm_90 GPU, against float64.
+
+Each case pins the forward to a ``scatter_gemm`` variant and checks, through ``launch.watch()``, that
+``conv_transpose2d_scatter_gemm`` ran and nothing it did not plan; the checks are test_wgmma_gpu's: finite
+outputs (free blocks of the output's size are NaN-filled first), every element within a bound of float64, and
+no worse than twice torch's own error on the same inputs.  Skipped (with the reason) on GPUs other than sm_90.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
+]
+
+from cupyconv.core import device as core_device  # noqa: E402
+from cupyconv.jit import compiler  # noqa: E402
+from cupyconv import tuning  # noqa: E402
+from cupyconv.plans import scatter_gemm, table  # noqa: E402
+from cupyconv.tuning import Variant  # noqa: E402
+
+from layers import Layer  # noqa: E402
+from test_wgmma_gpu import SHORT, Case, _compare, _data, _inputs, _run_ours  # noqa: E402
+
+FUNCTION = "conv_transpose2d_scatter_gemm"
+SCATTER = Variant("scatter_gemm")
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    dev = core_device.get(torch.cuda.current_device())
+    if dev.arch != "90":
+        pytest.skip(f"the scatter GEMM is sm_90a code, for sm_90 GPUs only; this GPU ({dev.name}) is sm_{dev.arch}")
+    return dev
+
+
+# (batch, C_in, C_out, kernel, stride, padding, output_padding, bias, size)
+LAYERS = {
+    # U-Net's upsampling at small channel counts: 7 x 9 input pixels, so the last pixel tile is mostly empty
+    "k2s2": Layer(3, 64, 48, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, True, (7, 9), ""),
+    # 136 input channels: a last step of 8 channels; 4 x 72 = 288 columns: a last column tile of 32
+    "k2s2_wide": Layer(2, 136, 72, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, False, (5, 11), ""),
+    # asymmetric kernel == stride, a cropped border and output padding inside it
+    "k2x3_s2x3_crop": Layer(2, 32, 40, (2, 3), (2, 3), (1, 1), (1, 0), (1, 1), 1, True, (6, 5), ""),
+    "k3s3_p1_op1": Layer(2, 48, 16, (3, 3), (3, 3), (1, 1), (1, 1), (1, 1), 1, True, (4, 7), ""),
+    # one input pixel: pix2pix's innermost layer (its taps cropped to a 2 x 2 output), a generator's first layer
+    "one_pixel_k4s2p1": Layer(5, 128, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (1, 1), ""),
+    "one_pixel_k4s1": Layer(7, 64, 32, (4, 4), (1, 1), (0, 0), (0, 0), (1, 1), 1, False, (1, 1), ""),
+    # a 1 x 1 kernel (a pointwise layer), stride 1
+    "pointwise": Layer(2, 40, 24, (1, 1), (1, 1), (0, 0), (0, 0), (1, 1), 1, True, (9, 13), ""),
+}
+COMBOS = [(torch.float16, False, False), (torch.bfloat16, True, True), (torch.float16, True, False),
+          (torch.bfloat16, False, True)]   # (dtype, x channels_last, weight channels_last)
+CASES = [pytest.param(Case(layer, dtype, cl, SCATTER, weight_channels_last=wcl),
+                      id=f"{name}-{SHORT[dtype]}-{'nhwc' if cl else 'nchw'}-{'wcl' if wcl else 'w'}")
+         for name, layer in LAYERS.items() for dtype, cl, wcl in COMBOS]
+
+# Every tile, on a layer whose pixels and columns both end mid-tile.
+TILE_LAYER = Layer(3, 72, 40, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, True, (7, 9), "")
+TILE_CASES = [pytest.param(Case(TILE_LAYER, dtype, dtype == torch.bfloat16, Variant.make("scatter_gemm", tile=name),
+                                weight_channels_last=True), id=f"{name}-{SHORT[dtype]}")
+              for name in scatter_gemm.TILES for dtype in (torch.float16, torch.bfloat16)]
+
+# Persistent blocks walking several tiles each, both consumers in turn, with more steps a tile (1024 input
+# channels: 16) than the ring has buffers.
+DEEP = Layer(4, 1024, 64, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, True, (96, 96), "")
+DEEP_CASES = [pytest.param(Case(DEEP, dtype, True, Variant.make("scatter_gemm", tile=tile), weight_channels_last=True),
+                           id=f"{tile}-{SHORT[dtype]}")
+              for tile, dtype in (("128x128", torch.float16), ("64x256", torch.bfloat16))]
+
+UNBATCHED = replace(LAYERS["k2s2"], batch=None)
+# enough tiles for the family to lead untuned (ScatterGemmFamily.leads)
+LEADING = Layer(8, 64, 48, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, True, (48, 64), "")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled(hopper):
+    """Build every case's kernels side by side rather than one by one at each first call."""
+    cases = [p.values[0] for p in CASES + TILE_CASES + DEEP_CASES]
+    specs = [p.spec for case in cases for p in case.plan(hopper).plans()]
+    compiler.compile_many(specs, hopper.index, workers=16)
+
+
+def _check(case: Case, hopper, seed=0):
+    assert scatter_gemm.eligible(case.geometry, {torch.float16: "float16", torch.bfloat16: "bfloat16"}[case.dtype])
+    x, w, b = _inputs(case, *_data(case.layer, case.dtype, seed))
+    y, seen = _run_ours(case, x, w, b, expect_function=FUNCTION)
+    assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
+    _compare(case, y, x, w, b)
+    return y
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_tap_layers_match_float64(case, hopper):
+    _check(case, hopper)
+
+
+@pytest.mark.parametrize("case", TILE_CASES)
+def test_every_tile(case, hopper):
+    _check(case, hopper)
+
+
+@pytest.mark.parametrize("case", DEEP_CASES)
+def test_blocks_walk_many_tiles_in_turn(case, hopper):
+    plan = case.plan(hopper).gemm
+    tiles = scatter_gemm.tile_count(case.geometry, scatter_gemm.TILES[case.variant.kwargs["tile"]])
+    assert tiles >= 4 * plan.grid[0], "each consumer warpgroup takes two tiles or more"
+    assert dict(plan.spec.constants)["STAGES"] < 16, "a tile's steps lap the ring"
+    _check(case, hopper)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unbatched_input(dtype, hopper):
+    y = _check(Case(UNBATCHED, dtype, False, SCATTER, weight_channels_last=True), hopper)
+    assert y.dim() == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unaligned_channels_last_input_runs_the_gemm(dtype, hopper):
+    """An input view starting one element off a 16-byte boundary cannot feed the copies: the pinned variant plans
+    the mma.sync GEMM instead, which gives the right answer."""
+    layer = LAYERS["k2s2"]
+    case = Case(layer, dtype, True, SCATTER, weight_channels_last=True)
+    x, w, b = _inputs(case, *_data(layer, dtype, 1))
+    n, c, h, wd = x.shape
+    base = torch.empty(n * c * h * wd + 1, dtype=dtype, device="cuda")
+    shifted = base[1:].view(n, h, wd, c).permute(0, 3, 1, 2)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 != 0 and shifted.is_contiguous(memory_format=torch.channels_last)
+    y, seen = _run_ours(case, shifted, w, b, expect_function=None)
+    assert FUNCTION not in [p.spec.function for _, p in seen]
+    _compare(case, y, shifted, w, b)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_the_heuristic_runs_the_scatter_gemm_on_sm_90(channels_last, hopper, monkeypatch):
+    """Untuned, a U-Net upsampling layer's forward runs the scatter GEMM."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    try:
+        case = Case(LEADING, torch.bfloat16, channels_last, SCATTER, weight_channels_last=channels_last)
+        assert table.candidates("forward", case.geometry, "bfloat16", case.layout, "strict", hopper)[0] == SCATTER
+        x, w, b = _inputs(case, *_data(case.layer, torch.bfloat16, 2))
+        x.requires_grad_()
+        y, seen = _run_ours(case, x, w, b, expect_function=FUNCTION, pin=False)
+        _compare(case, y.detach(), x.detach(), w, b)
+    finally:
+        tuning.clear()
