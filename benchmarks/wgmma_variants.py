@@ -91,21 +91,25 @@ def _relative(value, reference):
 
 
 def sass() -> None:
+    """Each dense layer's heuristic kernels, with a contiguous weight (packed) and a channels_last one (read in
+    place where :func:`wgmma.weight_in_place` allows)."""
     out = os.environ.get("OUT", "/tmp")
     for name, (xs, ws, kw) in SUITE.items():
-        g = geometry(xs, ws, None, ConvParams.from_args(**kw))
-        for pass_, spec in (("forward", wgmma.plan_forward(g, "float16", True, "nhwc").gemm.spec),
-                            ("grad_input", wgmma.plan_grad_input(g, "float16", "nhwc").gemm.spec),
-                            ("grad_weight", wgmma.plan_grad_weight(g, "float16", 132, "nhwc").partial.spec)):
-            source, cubin = f"{out}/{name}_{pass_}.cu", f"{out}/{name}_{pass_}.cubin"
-            with open(source, "w") as f:
-                f.write(spec.source())
-            built = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                                    "-Xptxas=-v", "-o", cubin, source], capture_output=True, text=True)
-            report = [line.strip() for line in built.stderr.splitlines() if "registers" in line or "spill" in line]
-            text = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
-            print(f"SASS {name:<12} {pass_:<10} HGMMA {text.count('HGMMA')} LDL {text.count('LDL')} "
-                  f"STL {text.count('STL')} {report}")
+        contiguous = geometry(xs, ws, None, ConvParams.from_args(**kw))
+        for weight, g in (("w", contiguous), ("w_cl", contiguous.with_weight_channels_last())):
+            for pass_, spec in (("forward", wgmma.plan_forward(g, "float16", True, "nhwc").gemm.spec),
+                                ("grad_input", wgmma.plan_grad_input(g, "float16", "nhwc").gemm.spec),
+                                ("grad_weight", wgmma.plan_grad_weight(g, "float16", 132, "nhwc").partial.spec)):
+                source, cubin = f"{out}/{name}_{weight}_{pass_}.cu", f"{out}/{name}_{weight}_{pass_}.cubin"
+                with open(source, "w") as f:
+                    f.write(spec.source())
+                built = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                                        "-Xptxas=-v", "-o", cubin, source], capture_output=True, text=True)
+                report = [line.strip() for line in built.stderr.splitlines() if "registers" in line or "spill" in line]
+                text = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+                in_place = dict(spec.constants).get("WEIGHT_DIRECT", False)
+                print(f"SASS {name:<14} {weight:<4} {pass_:<11} in place {str(in_place):<5} HGMMA {text.count('HGMMA')} "
+                      f"LDL {text.count('LDL')} STL {text.count('STL')} {report}")
 
 
 def _random_layers(count, seed):
