@@ -40,7 +40,8 @@ class ScatterTile:
         return f"{64 * self.mb}x{self.bn}"
 
     def stage_bytes(self) -> int:
-        return ROW_BYTES * (64 * self.mb + self.bn)   # A: a row a pixel; B: a row a channel of 64-column blocks
+        # A: one row a pixel; B: 64 rows (channels) of each 64-column block, BN x 128 bytes in all
+        return ROW_BYTES * (64 * self.mb + self.bn)
 
 
 TILES: Dict[str, ScatterTile] = {t.name: t for t in (ScatterTile(2, 128), ScatterTile(1, 256), ScatterTile(1, 128),
