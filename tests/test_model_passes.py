@@ -2,10 +2,6 @@
 device)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,17 +9,13 @@ torch = pytest.importorskip("torch")
 from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
 from cupyconv.plans import scatter_gemm  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "model_passes.py"
+import script_modules  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("cupyconv_model_passes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with script_modules.loaded("benchmarks/model_passes.py") as module:
+        yield module
 
 
 def test_arguments(tool):

@@ -1,26 +1,21 @@
 """scripts/sanitize.py without a GPU: its plan, its arguments and how it reads compute-sanitizer."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "sanitize.py"
+import script_modules
+
+SCRIPT = script_modules.ROOT / "scripts" / "sanitize.py"
 
 
 @pytest.fixture(scope="module")
 def san():
-    spec = importlib.util.spec_from_file_location("cupyconv_sanitize_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with script_modules.loaded("scripts/sanitize.py") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from cupyconv.plans import scatter_gemm, table  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
 from layers import Layer  # noqa: E402
-from test_wgmma_gpu import SHORT, Case, _compare, _data, _inputs, _run_ours  # noqa: E402
+from test_wgmma_gpu import SHORT, Case, _compare, _data, _inputs, _one_element_off, _run_ours  # noqa: E402
 
 FUNCTION = "conv_transpose2d_scatter_gemm"
 SCATTER = Variant("scatter_gemm")
@@ -124,17 +124,12 @@ def test_unbatched_input(dtype, hopper):
 def test_unaligned_channels_last_input_runs_the_gemm(dtype, hopper):
     """An input view starting one element off a 16-byte boundary cannot feed the copies: the pinned variant plans
     the mma.sync GEMM instead, which gives the right answer."""
-    layer = LAYERS["k2s2"]
-    case = Case(layer, dtype, True, SCATTER, weight_channels_last=True)
-    x, w, b = _inputs(case, *_data(layer, dtype, 1))
-    n, c, h, wd = x.shape
-    base = torch.empty(n * c * h * wd + 1, dtype=dtype, device="cuda")
-    shifted = base[1:].view(n, h, wd, c).permute(0, 3, 1, 2)
-    shifted.copy_(x)
-    assert shifted.data_ptr() % 16 != 0 and shifted.is_contiguous(memory_format=torch.channels_last)
-    y, seen = _run_ours(case, shifted, w, b, expect_function=None)
-    assert FUNCTION not in [p.spec.function for _, p in seen]
-    _compare(case, y, shifted, w, b)
+    case = Case(LAYERS["k2s2"], dtype, True, SCATTER, weight_channels_last=True)
+    x, w, b = _inputs(case, *_data(case.layer, dtype, 1))
+    y, seen = _run_ours(case, _one_element_off(x), w, b, expect_function="conv_transpose2d_igemm")
+    assert FUNCTION not in {plan.spec.function for _, plan in seen}
+    assert {p for _, p in seen} == set(case.plan(hopper, aligned=False).plans())
+    _compare(case, y, x, w, b)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])

@@ -77,17 +77,21 @@ def stages_for(tile: ScatterTile) -> int:
     return min(MAX_STAGES, wgmma.SMEM_LIMIT // tile.stage_bytes())
 
 
+def columns(g: Geometry) -> int:
+    """The GEMM's N: (tap, output channel) pairs."""
+    return g.kernel[0] * g.kernel[1] * g.out_channels
+
+
 def tile_count(g: Geometry, tile: ScatterTile) -> int:
     pixels = g.batch * g.in_size[0] * g.in_size[1]
-    return cdiv(pixels, 64 * tile.mb) * cdiv(g.kernel[0] * g.kernel[1] * g.out_channels, tile.bn)
+    return cdiv(pixels, 64 * tile.mb) * cdiv(columns(g), tile.bn)
 
 
 def options(g: Geometry) -> List[Dict[str, object]]:
     """The heuristic, then the other tiles whose columns are not mostly padding."""
-    columns = g.kernel[0] * g.kernel[1] * g.out_channels
     found: List[Dict[str, object]] = [{}]
     for tile in TILES.values():
-        if tile != HEURISTIC and not (tile.bn > 64 and columns <= tile.bn // 2):
+        if tile != HEURISTIC and not (tile.bn > 64 and columns(g) <= tile.bn // 2):
             found.append({"tile": tile.name})
     return found
 
@@ -101,16 +105,16 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
         raise ValueError("the scatter GEMM runs fp16 and bf16 layers of one group whose output pixels each receive "
                          "one tap, with input and output channels in multiples of 8")
     tile = tile or HEURISTIC
-    columns = g.kernel[0] * g.kernel[1] * g.out_channels
-    index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns)
+    stages = stages_for(tile)
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns(g))
     constants = layer_constants(g.with_weight_channels_last(), dtype, index_t)
-    constants.update(MMA_KIND=wgmma.mma_kind(dtype), MB=tile.mb, BN=tile.bn, STAGES=stages_for(tile),
+    constants.update(MMA_KIND=wgmma.mma_kind(dtype), MB=tile.mb, BN=tile.bn, STAGES=stages,
                      DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias))
     spec = KernelSpec.make("conv_transpose2d_scatter_gemm.cu", "conv_transpose2d_scatter_gemm", constants,
                            wgmma.TARGET)
     blocks = max(1, min(tile_count(g, tile), sm_count))
     sizes = (g.batch,) + g.in_size + g.out_size
-    main = Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages_for(tile) * tile.stage_bytes())
+    main = Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes())
     # (C_in, C_out, kH, kW) -> (C_in, kH, kW, C_out): the activation copy's NCHW -> NHWC with C_in as the batch
     to_weight_order = None if g.weight_channels_last else \
         gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype)
