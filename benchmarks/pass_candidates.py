@@ -4,7 +4,7 @@
     python benchmarks/pass_candidates.py 16x1024x4x4:512:k4s2p1 --layout nhwc --weight-channels-last
 
 A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP`` (a square kernel, stride and padding).  For each
-dtype, layout and pass (forward, grad_input) it prints cuDNN's time (``cudnn.benchmark`` on, TF32 allowed for
+dtype, layout and pass (forward, grad_input, grad_weight) it prints cuDNN's time (``cudnn.benchmark`` on, TF32 allowed for
 float32), the heuristic candidate's, and every candidate the pass table lists, fastest first, then the
 fastest one's kernels.  Times are the GPU time of every kernel the pass launches (``torch.profiler``), averaged
 over five calls after three warm-ups.  float32 runs at TF32 precision, as under torch's defaults.  Needs a GPU.
@@ -25,9 +25,13 @@ LAYERS = {
     "pix2pix_8": ((16, 1024, 8, 8), 512, 4, 2, 1),
     "dcgan_4": ((128, 512, 4, 4), 256, 4, 2, 1),
     "dcgan_8": ((128, 256, 8, 8), 128, 4, 2, 1),
+    # the RGB output layers
+    "pix2pix_128": ((16, 128, 128, 128), 3, 4, 2, 1),
+    "dcgan_32": ((128, 64, 32, 32), 3, 4, 2, 1),
 }
 _SPEC = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+):(\d+):k(\d+)s(\d+)p(\d+)")
-PASSES = ("forward", "grad_input")
+PASSES = ("forward", "grad_input", "grad_weight")
+GRADIENTS = ("grad_input", "grad_weight")
 WARMUP, CALLS = 3, 5
 
 
@@ -82,9 +86,11 @@ def _calls(pass_: str, x, w, b, go, kw: dict):
     if pass_ == "forward":
         return (lambda: F.conv_transpose2d(x, w, b, **kw)), (lambda: ct.conv_transpose2d(x, w, b, **kw))
     stride, padding = [kw["stride"]] * 2, [kw["padding"]] * 2
+    which = GRADIENTS.index(pass_)
+    mask = [which == 0, which == 1, False]
     theirs = (lambda: torch.ops.aten.convolution_backward(go, x, w, None, stride, padding, [1, 1], True, [0, 0], 1,
-                                                          [True, False, False])[0])
-    ours = (lambda: torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, stride, padding, [0, 0], 1, [1, 1], 0))
+                                                          mask)[which])
+    ours = (lambda: torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, stride, padding, [0, 0], 1, [1, 1], which))
     return theirs, ours
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 import cupyconv.torch as ct
 from cupyconv.cuda_timing import cuda_time_ms
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import launch, wgmma
+from cupyconv.plans import launch, scatter_gemm, wgmma
 from cupyconv.tuning import Variant, pinned
 
 SUITE = {
@@ -90,26 +91,38 @@ def _relative(value, reference):
     return float((value.double() - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
+def _pass_specs(g):
+    """(pass, kernel spec) of each heuristic Hopper kernel the layer runs: the scatter GEMM's forward too where
+    every output pixel receives one tap."""
+    specs = [("forward", wgmma.plan_forward(g, "float16", True, "nhwc").gemm.spec),
+             ("grad_input", wgmma.plan_grad_input(g, "float16", "nhwc").gemm.spec),
+             ("grad_weight", wgmma.plan_grad_weight(g, "float16", 132, "nhwc").partial.spec)]
+    if scatter_gemm.eligible(g, "float16"):
+        for tile in scatter_gemm.TILES.values():
+            specs.append((f"scatter_{tile.name}", scatter_gemm.plan_forward(g, "float16", True, "nhwc", tile).gemm.spec))
+    return specs
+
+
 def sass() -> None:
     """Each dense layer's heuristic kernels, with a contiguous weight (packed) and a channels_last one (read in
-    place where :func:`wgmma.weight_in_place` allows)."""
-    out = os.environ.get("OUT", "/tmp")
-    for name, (xs, ws, kw) in SUITE.items():
-        contiguous = geometry(xs, ws, None, ConvParams.from_args(**kw))
-        for weight, g in (("w", contiguous), ("w_cl", contiguous.with_weight_channels_last())):
-            for pass_, spec in (("forward", wgmma.plan_forward(g, "float16", True, "nhwc").gemm.spec),
-                                ("grad_input", wgmma.plan_grad_input(g, "float16", "nhwc").gemm.spec),
-                                ("grad_weight", wgmma.plan_grad_weight(g, "float16", 132, "nhwc").partial.spec)):
-                source, cubin = f"{out}/{name}_{weight}_{pass_}.cu", f"{out}/{name}_{weight}_{pass_}.cubin"
-                with open(source, "w") as f:
-                    f.write(spec.source())
-                built = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                                        "-Xptxas=-v", "-o", cubin, source], capture_output=True, text=True)
-                report = [line.strip() for line in built.stderr.splitlines() if "registers" in line or "spill" in line]
-                text = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
-                in_place = dict(spec.constants).get("WEIGHT_DIRECT", False)
-                print(f"SASS {name:<14} {weight:<4} {pass_:<11} in place {str(in_place):<5} HGMMA {text.count('HGMMA')} "
-                      f"LDL {text.count('LDL')} STL {text.count('STL')} {report}")
+    place where :func:`wgmma.weight_in_place` allows).  Sources and cubins go to a scratch folder."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, (xs, ws, kw) in SUITE.items():
+            contiguous = geometry(xs, ws, None, ConvParams.from_args(**kw))
+            for weight, g in (("w", contiguous), ("w_cl", contiguous.with_weight_channels_last())):
+                for pass_, spec in _pass_specs(g):
+                    source = os.path.join(scratch, f"{name}_{weight}_{pass_}.cu")
+                    cubin = source[:-3] + ".cubin"
+                    with open(source, "w") as f:
+                        f.write(spec.source())
+                    built = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                                            "-Xptxas=-v", "-o", cubin, source], capture_output=True, text=True)
+                    report = [line.strip() for line in built.stderr.splitlines()
+                              if "registers" in line or "spill" in line]
+                    text = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+                    in_place = dict(spec.constants).get("WEIGHT_DIRECT", False)
+                    print(f"SASS {name:<14} {weight:<4} {pass_:<17} in place {str(in_place):<5} "
+                          f"HGMMA {text.count('HGMMA')} LDL {text.count('LDL')} STL {text.count('STL')} {report}")
 
 
 def _random_layers(count, seed):

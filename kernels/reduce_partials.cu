@@ -35,3 +35,29 @@ reduce_partials_bias(const acc_t* __restrict__ partial, const scalar_t* __restri
         store(out + e, s);
     }
 }
+
+// Few elements and many chunks (a thin layer's grad_weight, split over hundreds of pixel ranges): one thread an
+// element would leave most of the GPU idle, each thread walking every chunk in turn.  Here a block takes 32
+// elements, its warp w adds chunks w, w + WARPS, ... in order, and the first warp adds the warps' sums in order:
+// still a fixed order, so the result is bitwise reproducible.
+constexpr int WARPS = BLOCK / 32;
+
+extern "C" __global__ void __launch_bounds__(BLOCK)
+reduce_partials_wide(const acc_t* __restrict__ partial, scalar_t* __restrict__ out, index_t elements, index_t chunks) {
+    __shared__ acc_t sums[WARPS][32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const index_t e = static_cast<index_t>(blockIdx.x) * 32 + lane;
+    acc_t s = acc_t(0);
+    if (e < elements) {
+#pragma unroll 4
+        for (index_t c = warp; c < chunks; c += WARPS) s += partial[c * elements + e];
+    }
+    sums[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && e < elements) {
+        acc_t total = acc_t(0);
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += sums[w][lane];
+        store(out + e, total);
+    }
+}

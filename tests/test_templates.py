@@ -25,6 +25,7 @@ WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
 WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its tile follows its tap count, not a setting
 TILED = {"conv_transpose2d_forward_tiled.cu"}
+EXPANDED_TAPS = {"conv_transpose2d_grad_input_expanded_taps.cu", "conv_transpose2d_grad_weight_expanded_taps.cu"}
 # the constants of kernels/include/layer.cuh: every layer template takes them
 LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G",
                    "WEIGHT_CL"})
@@ -32,7 +33,8 @@ LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CI
 
 def test_every_template_is_found():
     assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
-                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED | SCATTER_GEMM)
+                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED | SCATTER_GEMM
+                                               | EXPANDED_TAPS)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
@@ -94,6 +96,15 @@ def test_the_scatter_gemm_template_inlines_the_mma_headers():
     assert "wgmma_async" in text and "smem_descriptor_swizzle_128b" in text and "cp_async_arrive" in text
     tile = {"MMA_KIND", "MB", "BN", "STAGES"}
     assert {"SCALAR_T", "INDEX_T", "DST_CL", "HAS_BIAS"} | LAYER | tile == templates.placeholders(name)
+
+
+@pytest.mark.parametrize("name", sorted(EXPANDED_TAPS))
+def test_the_expanded_taps_templates_inline_the_mma_and_expansion_headers(name):
+    text = templates.expanded(name)
+    assert "#include" not in text
+    assert "ldmatrix_x4_trans" in text and "struct ExpandedTapsRuns" in text and "weight_index" in text
+    tile = {"MMA_KIND", "TP"} | ({"BM", "STAGES", "SINGLE_CHUNK"} if "grad_weight" in name else {"BN"})
+    assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))

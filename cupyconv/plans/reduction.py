@@ -88,6 +88,15 @@ def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
 
 
 @functools.lru_cache(maxsize=1024)
+def plan_wide_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
+    """The reduce for few elements over many chunks: a block of 32 elements whose warps each add every
+    ``BLOCK / 32``-th chunk, in a fixed order."""
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK)
+    spec = KernelSpec.make("reduce_partials.cu", "reduce_partials_wide", constants)
+    return Plan(spec, (cdiv(elements, 32), 1, 1), (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks), index_t)
+
+
+@functools.lru_cache(maxsize=1024)
 def plan_reduce_with_bias(dtype: str, elements: int, chunks: int, channels: int, channel_stride: int,
                           index_t: str) -> Plan:
     """The reduce of a split GEMM's partials in the destination's layout: the chunks in order, then the bias of
