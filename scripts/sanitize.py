@@ -252,6 +252,14 @@ def base_cases() -> List[Case]:
                           variants=(("forward", "scatter_gemm"),)))
     cases.append(Case("scatter-gemm-persistent-bfloat16-nhwc", (1, 8, 16, 32), (8, 320, 4, 4), _kw(stride=4), False,
                       "bfloat16", layout="nhwc", weight_cl=True, variants=(("forward", "scatter_gemm:64x128"),)))
+    # the expanded-taps gradients (three output channels): two pixel ranges and their wide reduce; then a
+    # channels_last weight, a 3 x 3 kernel with output padding and the three-deep ring
+    cases.append(Case("expanded-taps-float16-nhwc", (2, 32, 6, 7), (32, 3, 4, 4), _kw(stride=2, padding=1), True,
+                      "float16", layout="nhwc",
+                      variants=(("grad_input", "expanded_taps"), ("grad_weight", "expanded_taps"))))
+    cases.append(Case("expanded-taps-bfloat16-nhwc-weight_cl", (1, 16, 9, 9), (16, 5, 3, 3),
+                      _kw(stride=2, padding=1, output_padding=1), False, "bfloat16", layout="nhwc", weight_cl=True,
+                      variants=(("grad_input", "expanded_taps"), ("grad_weight", "expanded_taps:s3"))))
     return cases
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from cupyconv.core import dtypes
 from cupyconv.jit import compiler
-from cupyconv.plans import direct, gemm, launch, reduction, scatter_gemm, table, wgmma
+from cupyconv.plans import direct, expanded_taps, gemm, launch, reduction, scatter_gemm, table, wgmma
 from cupyconv.jit.compiler import KernelCompileError, KernelSpec, compile_ptx
 from cupyconv.core.geometry import ConvParams, geometry
 
@@ -308,8 +308,33 @@ def _wgmma_plans():
 # Layers whose output pixels each receive one tap (the scatter GEMM's)
 SCATTER_LAYERS = {"k2s2": _layer((2, 64, 7, 9), (64, 48, 2, 2), stride=2),
                   "one_pixel_k4s2p1": _layer((3, 128, 1, 1), (128, 64, 4, 4), stride=2, padding=1)}
+# Layers with few output channels (the expanded-taps kernels'): an RGB output layer; a dilated asymmetric kernel
+# whose runs of taps make the most values a thread prefetches; 112 expanded columns (64-channel weight blocks) over
+# 256 input channels; one output channel over 32 input channels; a small layer of one pixel range
+EXPANDED_TAPS_LAYERS = {
+    "rgb": _layer((2, 128, 13, 17), (128, 3, 4, 4), stride=2, padding=1),
+    "asym_dilated": _layer((2, 24, 7, 9), (24, 5, 3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1)),
+    "wide": _layer((8, 256, 16, 16), (256, 7, 4, 4), stride=2).with_weight_channels_last(),
+    "mask": _layer((2, 32, 11, 7), (32, 1, 4, 4), stride=2, padding=1),
+    "small": _layer((1, 64, 4, 4), (64, 3, 4, 4), stride=2, padding=1).with_weight_channels_last(),
+}
+
+
+def _expanded_taps_plans():
+    seen = {}
+    for i, (name, g) in enumerate(EXPANDED_TAPS_LAYERS.items()):
+        dtype = ("float16", "bfloat16")[i % 2]
+        stages = expanded_taps.STAGE_CHOICES[i % len(expanded_taps.STAGE_CHOICES)]
+        for plan in expanded_taps.plan_grad_weight(g, dtype, 132, stages):
+            if plan is not None:
+                seen.setdefault(plan.spec, f"expanded_taps-{name}-{dtype}-{plan.spec.function}")
+        plan = expanded_taps.plan_grad_input(g, dtype, 132)
+        seen.setdefault(plan.spec, f"expanded_taps-{name}-{dtype}-{plan.spec.function}")
+    return seen
+
+
 WGMMA_PLANS = _wgmma_plans()
-PLANS = {**_plans(), **_gemm_plans(), **WGMMA_PLANS}
+PLANS = {**_plans(), **_gemm_plans(), **WGMMA_PLANS, **_expanded_taps_plans()}
 
 
 def test_variants_reach_every_template_and_both_index_widths():
@@ -699,6 +724,20 @@ def test_scatter_gemm_kernels_build_for_sm_90a_without_spilling(tile, dtype, ptx
     assert main.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
     ptx = compile_ptx(main.spec.source(), main.spec.function, "compute_90a", main.spec.options[:1])
     assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {("0", "1")}
+
+
+@pytest.mark.parametrize("name", ["asym_dilated", "wide"])
+def test_expanded_taps_kernels_build_without_spilling(name):
+    """The layers whose threads prefetch the most grad_output values (50 and 56 of :data:`MAX_PREFETCHED`) build
+    for sm_80 and sm_90 with no stack frame."""
+    g = EXPANDED_TAPS_LAYERS[name]
+    assert expanded_taps.prefetched_values(g) >= 48
+    for spec in (expanded_taps.plan_grad_weight(g, "bfloat16", 132)[0].spec,
+                 expanded_taps.plan_grad_input(g, "float16", 132).spec):
+        for arch in ("sm_80", "sm_90"):
+            log = _ptxas_log(spec, (f"-arch={arch}",))
+            found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+            assert found and found.groups() == ("0", "0", "0"), (arch, log)
 
 
 def test_the_wgmma_transpose_immediates_follow_the_operand_majors():

@@ -1,0 +1,145 @@
+"""The expanded-taps planner (no GPU): which layers it takes, what it launches, and where the table puts it."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cupyconv.core.device import ASSUMED, MMA_SYNC, NO_TENSOR_CORES
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import direct, expanded_taps, gemm, table
+from cupyconv.plans.sequences import OneKernel, SplitK
+from cupyconv.tuning import Variant
+
+
+def _layer(x_shape, w_shape, **kwargs):
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+PIX2PIX_RGB = _layer((16, 128, 128, 128), (128, 3, 4, 4), stride=2, padding=1)
+DCGAN_RGB = _layer((128, 64, 32, 32), (64, 3, 4, 4), stride=2, padding=1)
+EXPANDED = Variant("expanded_taps")
+
+
+def test_expanded_columns_pad_taps_times_channels_to_whole_k16_steps():
+    assert expanded_taps.expanded_columns(PIX2PIX_RGB) == 48
+    assert expanded_taps.expanded_columns(_layer((2, 8, 5, 5), (8, 1, 1, 1))) == 16
+    assert expanded_taps.expanded_columns(_layer((2, 8, 5, 5), (8, 7, 4, 4))) == 112
+
+
+@pytest.mark.parametrize("w_shape,kwargs,eligible,why", [
+    ((128, 3, 4, 4), dict(stride=2, padding=1), True, "an RGB output layer"),
+    ((128, 15, 2, 2), dict(stride=2), True, "15 output channels"),
+    ((128, 16, 2, 2), dict(stride=2), False, "16 output channels: the GEMM families' layer"),
+    ((128, 9, 4, 4), dict(stride=2), False, "144 expanded columns"),
+    ((128, 8, 3, 5), dict(stride=2), False, "prefetch: 2 runs of 40 values a thread"),
+    ((128, 3, 4, 4), dict(stride=2, groups=2), False, "two groups"),
+    ((100, 3, 4, 4), dict(stride=2), False, "100 input channels: no 16-byte runs"),
+])
+def test_eligibility(w_shape, kwargs, eligible, why):
+    g = _layer((2, w_shape[0], 9, 7), w_shape, **kwargs)
+    assert expanded_taps.eligible(g, "bfloat16", "nhwc") is eligible, why
+    if eligible:
+        assert expanded_taps.prefetched_values(g) <= expanded_taps.MAX_PREFETCHED
+        assert direct.fits(g, "bfloat16", "nhwc"), "an unaligned call needs the direct kernels"
+
+
+def test_only_16_bit_channels_last():
+    assert expanded_taps.eligible(PIX2PIX_RGB, "float16", "nhwc")
+    for dtype, layout in (("float32", "nhwc"), ("float64", "nhwc"), ("bfloat16", "nchw")):
+        assert not expanded_taps.eligible(PIX2PIX_RGB, dtype, layout), (dtype, layout)
+
+
+def test_grad_weight_plan_fills_the_gpu_and_reduces_in_a_wide_fixed_order():
+    partial, reduce = expanded_taps.plan_grad_weight(PIX2PIX_RGB, "bfloat16", 132)
+    constants = dict(partial.spec.constants)
+    assert constants["BM"] == 128 and constants["TP"] == expanded_taps.TILE_PIXELS and constants["STAGES"] == 4
+    assert constants["SINGLE_CHUNK"] is False and constants["MMA_KIND"] == 1
+    pixels = 16 * 128 * 128
+    tiles = pixels // 64
+    chunks, channel_blocks = partial.grid[:2]
+    assert channel_blocks == 1 and partial.block == (128, 1, 1)
+    per_chunk = partial.scalars[-1]
+    assert partial.scalars == (pixels, 128, 128, 256, 256, per_chunk)
+    assert (chunks - 1) * per_chunk < tiles <= chunks * per_chunk, "the ranges cover every tile once"
+    assert chunks >= 132, "at least a block an SM"
+    assert partial.smem_bytes * 2 <= expanded_taps.SMEM_PER_SM, "two blocks an SM"
+    weight_elems = 128 * 3 * 16
+    assert partial.scratch_bytes == chunks * weight_elems * 4
+    assert reduce.spec.function == "reduce_partials_wide" and reduce.scalars == (weight_elems, chunks)
+    assert reduce.grid == (weight_elems // 32, 1, 1)
+
+
+def test_a_small_grad_weight_runs_one_range_and_writes_the_weight():
+    g = _layer((1, 64, 4, 4), (64, 3, 4, 4), stride=2, padding=1)
+    partial, reduce = expanded_taps.plan_grad_weight(g, "float16", 132)
+    assert reduce is None and partial.grid[0] == 1 and partial.scratch_bytes == 0
+    assert dict(partial.spec.constants)["SINGLE_CHUNK"] is True
+
+
+def test_channel_blocks_follow_the_input_channels_and_accumulators():
+    wide = _layer((2, 256, 6, 5), (256, 7, 4, 4), stride=2)   # 112 columns: 64-channel blocks
+    assert expanded_taps.weight_block_channels(wide) == 64
+    assert expanded_taps.plan_grad_weight(wide, "bfloat16", 132)[0].grid[1] == 4
+    assert expanded_taps.weight_block_channels(DCGAN_RGB) == 64
+    assert expanded_taps.input_block_channels(DCGAN_RGB) == 64
+    assert expanded_taps.input_block_channels(_layer((2, 136, 6, 5), (136, 2, 2, 2), stride=3)) == 128
+    assert expanded_taps.input_block_channels(_layer((2, 24, 6, 5), (24, 5, 3, 5), stride=2)) == 32
+
+
+@pytest.mark.parametrize("stages", expanded_taps.STAGE_CHOICES)
+def test_every_ring_depth_plans_within_shared_memory(stages):
+    partial, _ = expanded_taps.plan_grad_weight(PIX2PIX_RGB, "bfloat16", 132, stages)
+    assert dict(partial.spec.constants)["STAGES"] == stages
+    assert partial.smem_bytes == expanded_taps.weight_smem_bytes(PIX2PIX_RGB, stages) <= expanded_taps.SMEM_PER_SM
+    with pytest.raises(ValueError, match="stages"):
+        expanded_taps.plan_grad_weight(PIX2PIX_RGB, "bfloat16", 132, 5)
+
+
+def test_grad_input_plan_walks_pixel_tiles_with_persistent_blocks():
+    plan = expanded_taps.plan_grad_input(PIX2PIX_RGB, "bfloat16", 132)
+    tiles = 16 * 128 * 128 // 64
+    assert plan.grid[1] == 1 and 132 <= plan.grid[0] < tiles
+    assert plan.grid[0] <= 132 * expanded_taps.MAX_BLOCKS_PER_SM
+    assert plan.scalars == (16 * 128 * 128, 128, 128, 256, 256)
+    assert dict(plan.spec.constants)["BN"] == 128
+    assert plan.smem_bytes == expanded_taps.input_smem_bytes(PIX2PIX_RGB) < 48 * 1024
+
+
+def test_planning_an_ineligible_layer_raises():
+    with pytest.raises(ValueError, match="fewer than 16 output channels"):
+        expanded_taps.plan_grad_weight(_layer((2, 64, 5, 5), (64, 32, 4, 4)), "float16", 132)
+    with pytest.raises(ValueError, match="fewer than 16 output channels"):
+        expanded_taps.plan_grad_input(PIX2PIX_RGB, "float32", 132)
+
+
+def test_the_table_leads_its_passes_with_it_on_tensor_core_gpus():
+    for pass_ in ("grad_input", "grad_weight"):
+        cands = table.candidates(pass_, PIX2PIX_RGB, "bfloat16", "nhwc")
+        assert cands[0] == EXPANDED and Variant("direct") in cands, pass_
+    weight = table.candidates("grad_weight", PIX2PIX_RGB, "bfloat16", "nhwc")
+    assert {v.kwargs.get("stages") for v in weight if v.family == "expanded_taps"} == {None, 3, 6}
+    assert EXPANDED not in table.candidates("forward", PIX2PIX_RGB, "bfloat16", "nhwc")
+    assert EXPANDED not in table.candidates("grad_weight", PIX2PIX_RGB, "bfloat16", "nchw")
+    for arch, cores in (("80", MMA_SYNC), ("70", NO_TENSOR_CORES)):
+        dev = dataclasses.replace(ASSUMED, arch=arch, tensor_cores=cores)
+        first = table.candidates("grad_input", PIX2PIX_RGB, "bfloat16", "nhwc", "strict", dev)[0]
+        assert (first == EXPANDED) is (cores == MMA_SYNC), arch
+
+
+def test_switching_the_tensor_cores_off_leaves_the_direct_kernels(monkeypatch):
+    monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
+    assert not expanded_taps.FAMILY.eligible("grad_input", PIX2PIX_RGB, "bfloat16", "nhwc", ASSUMED)
+
+
+def test_plans_per_pass_and_unaligned_fallback():
+    family = expanded_taps.FAMILY
+    gi = family.plan("grad_input", EXPANDED, PIX2PIX_RGB, "bfloat16", "nhwc", "strict", False, True, 132)
+    assert isinstance(gi, OneKernel) and gi.main.spec.function == "conv_transpose2d_grad_input_expanded_taps"
+    gw = family.plan("grad_weight", Variant.make("expanded_taps", stages=3), PIX2PIX_RGB, "bfloat16", "nhwc",
+                     "strict", False, True, 132)
+    assert isinstance(gw, SplitK) and dict(gw.partial.spec.constants)["STAGES"] == 3
+    for pass_, function in (("grad_input", "conv_transpose2d_grad_input_nhwc"),
+                            ("grad_weight", "conv_transpose2d_grad_weight_nhwc_partial")):
+        unaligned = family.plan(pass_, EXPANDED, PIX2PIX_RGB, "bfloat16", "nhwc", "strict", False, False, 132)
+        assert function in {p.spec.function for p in unaligned.plans()}, pass_
