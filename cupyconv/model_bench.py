@@ -27,6 +27,7 @@ The models:
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -218,13 +219,18 @@ def _wall_ms(fn: Callable[[], None], device, warmup: int, repeat: int) -> float:
     return statistics.median(times)
 
 
+ROUNDS = 3
+
+
 def compare(name: str, mode: str, device="cuda", repeat: int = 10, warmup: int = 3,
-            shape: Optional[Sequence[int]] = None, builder_args: Optional[dict] = None) -> dict:
+            shape: Optional[Sequence[int]] = None, builder_args: Optional[dict] = None, rounds: int = ROUNDS) -> dict:
     """One row: model ``name`` in ``mode``, original against converted on the same weights and input.
 
     ``shape`` and ``builder_args`` override the model's input shape and builder arguments
     (smaller models for tests).  Errors are each side's relative error against a float64 copy,
-    for the output and for all parameter gradients together, on the first step.
+    for the output and for all parameter gradients together, on the first step.  The two sides are
+    timed in ``rounds`` alternating rounds of ``repeat`` steps (the order flips each round) and each keeps its
+    fastest round's median: a host whose speed drifts within a process then slows both sides alike.
     """
     import torch
 
@@ -251,6 +257,7 @@ def compare(name: str, mode: str, device="cuda", repeat: int = 10, warmup: int =
     ref_flat = torch.cat([g.reshape(-1) for g in ref_grads if g is not None])
     row = dict(model=name, mode=mode, batch=x.shape[0],
                transposed_convs=sum(isinstance(m, (ConvTranspose2d, ConvTranspose1d)) for m in converted.modules()))
+    steps = {}
     for side, model in (("torch", original), ("cupyconv", converted)):
         # lr 0: every timed step computes on the same weights (and BatchNorm's running statistics
         # are the only state that moves, identically on both sides).
@@ -260,12 +267,14 @@ def compare(name: str, mode: str, device="cuda", repeat: int = 10, warmup: int =
         # the warm-up step after they have built times them, so the timed steps run the choices.
         settle_tuning()
         flat = torch.cat([g.reshape(-1) for g in grads if g is not None])
-        errors = dict(output=_relative_error(out, ref_out), grads=_relative_error(flat, ref_flat))
-        ms = _wall_ms(lambda: _step(model, x, optimizer, autocast), device, warmup, repeat)
-        if side == "torch":
-            row.update(torch_ms=ms, torch_error=errors)
-        else:
-            row.update(ms=ms, error=errors)
+        row["torch_error" if side == "torch" else "error"] = dict(output=_relative_error(out, ref_out),
+                                                                  grads=_relative_error(flat, ref_flat))
+        steps[side] = functools.partial(_step, model, x, optimizer, autocast)
+    times: Dict[str, List[float]] = {side: [] for side in steps}
+    for r in range(rounds):
+        for side in (("torch", "cupyconv") if r % 2 == 0 else ("cupyconv", "torch")):
+            times[side].append(_wall_ms(steps[side], device, warmup if r < 2 else 1, repeat))
+    row.update(torch_ms=min(times["torch"]), ms=min(times["cupyconv"]), rounds=rounds)
     row["speedup"] = row["torch_ms"] / row["ms"]
     return row
 

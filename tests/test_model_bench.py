@@ -88,6 +88,7 @@ def test_rows_compare_both_sides_with_float64(name, mode):
     assert row["model"] == name and row["mode"] == mode and row["batch"] == shape[0]
     assert row["transposed_convs"] == len(_transposed(model_bench.MODELS[name][0](**args)))
     assert row["torch_ms"] > 0 and row["ms"] > 0 and math.isclose(row["speedup"], row["torch_ms"] / row["ms"])
+    assert row["rounds"] == model_bench.ROUNDS
     for side in ("torch_error", "error"):
         assert set(row[side]) == {"output", "grads"}
         assert all(math.isfinite(v) and v >= 0 for v in row[side].values())
@@ -98,6 +99,24 @@ def test_rows_compare_both_sides_with_float64(name, mode):
         assert 1e-4 < row["torch_error"]["output"] < 0.05
         for key in ("output", "grads"):
             assert row["error"][key] <= 2 * row["torch_error"][key] + 1e-3, key
+
+
+def test_sides_alternate_rounds_and_keep_their_fastest(monkeypatch):
+    """Each round times both sides, the order flipping from round to round; a side's time is its fastest round."""
+    args, shape = SMALL["dcgan_generator"]
+    calls, clock = [], iter([5.0, 4.0, 3.0, 6.0, 7.0, 2.0, 9.0, 9.0])
+
+    def timed(fn, device, warmup, repeat):
+        calls.append(fn.args[0])
+        return next(clock)
+
+    monkeypatch.setattr(model_bench, "_wall_ms", timed)
+    row = model_bench.compare("dcgan_generator", "fp32_nchw", "cpu", repeat=1, warmup=0, shape=shape,
+                              builder_args=args, rounds=4)
+    original, converted = calls[0], calls[1]
+    assert original is not converted
+    assert calls == [original, converted, converted, original, original, converted, converted, original]
+    assert (row["torch_ms"], row["ms"], row["rounds"]) == (5.0, 2.0, 4)
 
 
 def test_bad_names_and_modes_are_refused():
