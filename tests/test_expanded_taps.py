@@ -91,9 +91,26 @@ def test_channel_blocks_follow_the_input_channels_and_accumulators():
 def test_every_ring_depth_plans_within_shared_memory(stages):
     partial, _ = expanded_taps.plan_grad_weight(PIX2PIX_RGB, "bfloat16", 132, stages)
     assert dict(partial.spec.constants)["STAGES"] == stages
-    assert partial.smem_bytes == expanded_taps.weight_smem_bytes(PIX2PIX_RGB, stages) <= expanded_taps.SMEM_PER_SM
+    assert partial.smem_bytes == expanded_taps.weight_smem_bytes(PIX2PIX_RGB, stages) <= expanded_taps.SMEM_LIMIT
     with pytest.raises(ValueError, match="stages"):
-        expanded_taps.plan_grad_weight(PIX2PIX_RGB, "bfloat16", 132, 5)
+        expanded_taps.plan_grad_weight(PIX2PIX_RGB, "bfloat16", 132, 6)
+
+
+@pytest.mark.parametrize("w_shape", [(128, 4, 4, 4), (64, 8, 4, 4), (256, 7, 4, 4), (128, 3, 4, 4), (32, 1, 4, 4)])
+def test_the_ring_fits_the_least_shared_memory_of_the_gpus_it_runs_on(w_shape):
+    """sm_86 and sm_89 let a block opt in to 99 KB: a ring too deep for that is one stage shallower, and three
+    stages always fit (the widest blocks: 128 channels with 64 columns, 64 channels with 128)."""
+    g = _layer((2, w_shape[0], 9, 7), w_shape, stride=2, padding=1)
+    assert expanded_taps.eligible(g, "float16", "nhwc")
+    assert 3 in expanded_taps.weight_stage_choices(g)
+    stages = expanded_taps.weight_stages(g)
+    partial, _ = expanded_taps.plan_grad_weight(g, "float16", 132)
+    assert dict(partial.spec.constants)["STAGES"] == stages
+    assert partial.smem_bytes <= expanded_taps.SMEM_LIMIT
+    if stages < expanded_taps.STAGES:
+        assert expanded_taps.weight_smem_bytes(g, expanded_taps.STAGES) > expanded_taps.SMEM_LIMIT
+    assert expanded_taps.plan_grad_input(g, "float16", 132).smem_bytes <= expanded_taps.SMEM_LIMIT
+    assert (stages == 3) is (w_shape[:2] in ((128, 4), (64, 8)))
 
 
 def test_grad_input_plan_walks_pixel_tiles_with_persistent_blocks():
@@ -118,7 +135,7 @@ def test_the_table_leads_its_passes_with_it_on_tensor_core_gpus():
         cands = table.candidates(pass_, PIX2PIX_RGB, "bfloat16", "nhwc")
         assert cands[0] == EXPANDED and Variant("direct") in cands, pass_
     weight = table.candidates("grad_weight", PIX2PIX_RGB, "bfloat16", "nhwc")
-    assert {v.kwargs.get("stages") for v in weight if v.family == "expanded_taps"} == {None, 3, 6}
+    assert {v.kwargs.get("stages") for v in weight if v.family == "expanded_taps"} == {None, 3}
     assert EXPANDED not in table.candidates("forward", PIX2PIX_RGB, "bfloat16", "nhwc")
     assert EXPANDED not in table.candidates("grad_weight", PIX2PIX_RGB, "bfloat16", "nchw")
     for arch, cores in (("80", MMA_SYNC), ("70", NO_TENSOR_CORES)):

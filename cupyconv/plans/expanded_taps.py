@@ -28,8 +28,9 @@ MAX_EXPANDED = 128      # taps x output channels, padded: grad_weight's accumula
 MAX_PREFETCHED = 64     # grad_output values a thread holds for the next tile (ptxas: up to 238 registers, 0 spills)
 TILE_PIXELS = 64        # input pixels of a K tile (grad_weight) or of an M tile (grad_input)
 THREADS = 128
-STAGES = 4              # grad_weight's ring of x and G tiles
-STAGE_CHOICES = (3, 4, 6)
+STAGES = 4              # grad_weight's ring of x and G tiles, where it fits SMEM_LIMIT
+STAGE_CHOICES = (3, 4)  # a 6-deep ring ran no faster on an H200 (v26 notes)
+SMEM_LIMIT = 99 * 1024  # the least a block may opt in to where the family runs (sm_86 and sm_89)
 SMEM_PER_SM = 227 * 1024
 MAX_BLOCKS_PER_SM = 4
 
@@ -72,15 +73,29 @@ def weight_smem_bytes(g: Geometry, stages: int = STAGES) -> int:
     return stages * TILE_PIXELS * (bm // 2 + 4 + pad // 2 + 4) * 4
 
 
+def weight_stage_choices(g: Geometry) -> Tuple[int, ...]:
+    """The ring depths of :data:`STAGE_CHOICES` whose ring fits :data:`SMEM_LIMIT` (three always do)."""
+    return tuple(s for s in STAGE_CHOICES if weight_smem_bytes(g, s) <= SMEM_LIMIT)
+
+
+def weight_stages(g: Geometry) -> int:
+    """The heuristic ring depth: :data:`STAGES`, or the deepest that fits."""
+    fitting = weight_stage_choices(g)
+    return STAGES if STAGES in fitting else max(fitting)
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_grad_weight(g: Geometry, dtype: str, sm_count: int, stages: int = STAGES) -> Tuple[Plan, Optional[Plan]]:
+def plan_grad_weight(g: Geometry, dtype: str, sm_count: int,
+                     stages: Optional[int] = None) -> Tuple[Plan, Optional[Plan]]:
     """The partial GEMM over fixed ranges of pixel tiles, about :func:`_blocks_per_sm` blocks an SM in all, and
-    the wide fixed-order reduce of its partials (none for a single range)."""
+    the wide fixed-order reduce of its partials (none for a single range); ``stages``: the ring's depth, one of
+    :func:`weight_stage_choices` (default :func:`weight_stages`)."""
     if not eligible(g, dtype, "nhwc"):
         raise ValueError("the expanded-taps kernels run fp16 and bf16 channels_last layers of one group with "
                          "fewer than 16 output channels and input channels in multiples of 8")
-    if stages not in STAGE_CHOICES:
-        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
+    stages = weight_stages(g) if stages is None else stages
+    if stages not in weight_stage_choices(g):
+        raise ValueError(f"stages must be one of {weight_stage_choices(g)} for this layer, got {stages}")
     bm, smem = weight_block_channels(g), weight_smem_bytes(g, stages)
     channel_blocks = cdiv(g.in_channels, bm)
     tiles = cdiv(_pixels(g), TILE_PIXELS)
@@ -138,11 +153,13 @@ class ExpandedTapsFamily(Family):
         return device.tensor_cores >= MMA_SYNC and gemm.enabled() and _eligible(g, dtype, layout)
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        """grad_weight's ring depths (deeper rings hold more of x in flight, shallower ones fit more blocks an
-        SM), the heuristic's first; grad_input has one way."""
+        """grad_weight's ring depths that fit (a deeper ring holds more of x in flight, a shallower one fits more
+        blocks an SM), the heuristic's first; grad_input has one way."""
         if pass_ == "grad_input":
             return [Variant(self.name)]
-        return [Variant(self.name)] + [Variant.make(self.name, stages=s) for s in STAGE_CHOICES if s != STAGES]
+        heuristic = weight_stages(g)
+        return [Variant(self.name)] + [Variant.make(self.name, stages=s) for s in weight_stage_choices(g)
+                                       if s != heuristic]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
@@ -153,7 +170,7 @@ class ExpandedTapsFamily(Family):
                                       aligned, sm_count)
         if pass_ == "grad_input":
             return OneKernel(plan_grad_input(g, dtype, sm_count))
-        return SplitK(*plan_grad_weight(g, dtype, sm_count, variant.kwargs.get("stages", STAGES)))
+        return SplitK(*plan_grad_weight(g, dtype, sm_count, variant.kwargs.get("stages")))
 
     def clear(self) -> None:
         for planner in (plan_grad_input, plan_grad_weight, _eligible):
