@@ -55,6 +55,12 @@ def eligible(g: Geometry, dtype: str, layout: str) -> bool:
             and prefetched_values(g) <= MAX_PREFETCHED and g.in_channels % 8 == 0 and direct.fits(g, dtype, layout))
 
 
+def _check_eligible(g: Geometry, dtype: str) -> None:
+    if not eligible(g, dtype, "nhwc"):
+        raise ValueError("the expanded-taps kernels run fp16 and bf16 channels_last layers of one group with "
+                         "fewer than 16 output channels and input channels in multiples of 8")
+
+
 def _pixels(g: Geometry) -> int:
     return g.batch * g.in_size[0] * g.in_size[1]
 
@@ -90,9 +96,7 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int,
     """The partial GEMM over fixed ranges of pixel tiles, about :func:`_blocks_per_sm` blocks an SM in all, and
     the wide fixed-order reduce of its partials (none for a single range); ``stages``: the ring's depth, one of
     :func:`weight_stage_choices` (default :func:`weight_stages`)."""
-    if not eligible(g, dtype, "nhwc"):
-        raise ValueError("the expanded-taps kernels run fp16 and bf16 channels_last layers of one group with "
-                         "fewer than 16 output channels and input channels in multiples of 8")
+    _check_eligible(g, dtype)
     stages = weight_stages(g) if stages is None else stages
     if stages not in weight_stage_choices(g):
         raise ValueError(f"stages must be one of {weight_stage_choices(g)} for this layer, got {stages}")
@@ -127,9 +131,7 @@ def input_smem_bytes(g: Geometry) -> int:
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, sm_count: int) -> Plan:
     """Blocks that each hold a channel block's weight and walk pixel tiles, about :func:`_blocks_per_sm` an SM."""
-    if not eligible(g, dtype, "nhwc"):
-        raise ValueError("the expanded-taps kernels run fp16 and bf16 channels_last layers of one group with "
-                         "fewer than 16 output channels and input channels in multiples of 8")
+    _check_eligible(g, dtype)
     bn, smem = input_block_channels(g), input_smem_bytes(g)
     channel_blocks = cdiv(g.in_channels, bn)
     tiles = cdiv(_pixels(g), TILE_PIXELS)
@@ -164,8 +166,8 @@ class ExpandedTapsFamily(Family):
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         if not aligned:
-            # x's rows land by 16-byte copies and grad_input leaves in 16-byte stores: the direct kernels run the
-            # rest
+            # x's rows land by 16-byte copies and grad_input leaves in 16-byte stores, so an unaligned call runs
+            # the direct kernels
             return direct.FAMILY.plan(pass_, Variant(direct.FAMILY.name), g, dtype, layout, precision, has_bias,
                                       aligned, sm_count)
         if pass_ == "grad_input":
