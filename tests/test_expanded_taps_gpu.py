@@ -28,6 +28,7 @@ from cupyconv.plans import expanded_taps, launch, table  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
 from layers import Layer  # noqa: E402
+from test_gemm_gpu import _data  # noqa: E402
 from test_wgmma_gpu import _one_element_off  # noqa: E402
 
 EXPANDED = Variant("expanded_taps")
@@ -76,16 +77,6 @@ def _geometry(layer: Layer, weight_cl: bool):
     w = w.contiguous(memory_format=torch.channels_last) if weight_cl else w
     return geometry(layer.input_shape, layer.weight_shape, None,
                     ConvParams.from_args(**layer.kwargs())).with_weight_channels_last(ct._is_channels_last(w))
-
-
-def _data(layer: Layer, seed: int):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(layer.input_shape, generator=gen, device="cuda", dtype=torch.float64)
-    w = torch.randn(layer.weight_shape, generator=gen, device="cuda", dtype=torch.float64)
-    b = torch.randn(layer.out_channels, generator=gen, device="cuda", dtype=torch.float64) if layer.bias else None
-    go = torch.randn(F.conv_transpose2d(x, w, None, **layer.kwargs()).shape, generator=gen, device="cuda",
-                     dtype=torch.float64)
-    return x, w, b, go
 
 
 def _grads(fn, x, w, b, go, layer):

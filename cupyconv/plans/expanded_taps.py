@@ -17,9 +17,9 @@ from ..core.device import MMA_SYNC, Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
-from . import direct, gemm, wgmma
+from . import direct, gemm
 from .family import Family
-from .launch import Plan, cdiv, index_type, layer_constants, numel
+from .launch import Plan, cdiv, index_type, layer_constants, numel, split_rows
 from .reduction import plan_wide_reduce, split_k_scratch
 from .sequences import OneKernel, PassPlan, SplitK
 
@@ -103,13 +103,11 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int,
     bm, smem = weight_block_channels(g), weight_smem_bytes(g, stages)
     channel_blocks = cdiv(g.in_channels, bm)
     tiles = cdiv(_pixels(g), TILE_PIXELS)
-    wanted = max(1, cdiv(sm_count * _blocks_per_sm(smem), channel_blocks))
-    per_chunk = cdiv(tiles, min(wanted, tiles))
-    chunks = cdiv(tiles, per_chunk)
+    chunks, per_chunk = split_rows(tiles, channel_blocks, 1, sm_count, _blocks_per_sm(smem))
     weight_elems = numel(g.weight_shape)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), chunks * weight_elems)
     constants = layer_constants(g, dtype, index_t)
-    constants.update(MMA_KIND=wgmma.mma_kind(dtype), BM=bm, TP=TILE_PIXELS, STAGES=stages, SINGLE_CHUNK=chunks == 1)
+    constants.update(MMA_KIND=gemm.mma_kind(dtype, "strict"), BM=bm, TP=TILE_PIXELS, STAGES=stages, SINGLE_CHUNK=chunks == 1)
     spec = KernelSpec.make("conv_transpose2d_grad_weight_expanded_taps.cu",
                            "conv_transpose2d_grad_weight_expanded_taps", constants)
     sizes = (_pixels(g),) + g.in_size + g.out_size + (per_chunk,)
@@ -138,7 +136,7 @@ def plan_grad_input(g: Geometry, dtype: str, sm_count: int) -> Plan:
     blocks = min(tiles, max(1, cdiv(sm_count * _blocks_per_sm(smem), channel_blocks)))
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     constants = layer_constants(g, dtype, index_t)
-    constants.update(MMA_KIND=wgmma.mma_kind(dtype), BN=bn, TP=TILE_PIXELS)
+    constants.update(MMA_KIND=gemm.mma_kind(dtype, "strict"), BN=bn, TP=TILE_PIXELS)
     spec = KernelSpec.make("conv_transpose2d_grad_input_expanded_taps.cu",
                            "conv_transpose2d_grad_input_expanded_taps", constants)
     sizes = (_pixels(g),) + g.in_size + g.out_size
