@@ -209,8 +209,9 @@ def _grad_weight_pass(g, dtype, x, grad_out, out, launcher, layout, precision, t
 
 def _grad_bias_pass(g, dtype, grad_out, out, launcher, layout, tensor_cores):
     pointers = (grad_out, out)
-    return table.GRAD_BIAS, _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, True, launcher, pointers,
-                                       tensor_cores), pointers
+    # grad_bias reads grad_output in 16-byte runs where it is aligned; it writes one value a channel.
+    return table.GRAD_BIAS, _pass_plan(table.GRAD_BIAS, g, dtype, layout, "strict", False, grad_out % 16 == 0,
+                                       launcher, pointers, tensor_cores), pointers
 
 
 def grad_input(g: Geometry, dtype: str, grad_out: int, weight: int, out: int, launcher: Launcher,

@@ -1,6 +1,6 @@
 // grad_bias = grad_out.sum((0, 2, 3)), first pass of a deterministic split-K:
-// blockIdx.x takes a fixed chunk of the (n, oh) rows of one channel (NCHW) or of
-// the pixels of a tile of channels (channels_last) and writes one partial per channel;
+// blockIdx.x takes a fixed chunk of the values of one channel (NCHW) or of the pixels
+// of a tile of channels (channels_last) and writes one partial per channel;
 // reduce_partials.cu adds the chunks in a fixed order.  A single chunk writes grad_bias itself.
 #include "common.cuh"
 
@@ -12,6 +12,10 @@ constexpr int COUT = {{COUT}};
 constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
 constexpr int BLOCK = {{BLOCK}};
 constexpr int CHANNEL_TILE = {{CHANNEL_TILE}};  // channels_last: channels of a block, at most BLOCK
+// channels_last: channels a thread reads at once, as one 16-byte load (the planner checks that the
+// channels come in whole vectors and that grad_out is 16-byte aligned), or 1.
+constexpr int VEC = {{VEC}};
+constexpr int UNROLL = {{UNROLL}};  // loads a thread keeps in flight
 constexpr int WARPS = BLOCK / 32;
 constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};
 typedef PartialOut<SINGLE_CHUNK, scalar_t, acc_t>::type partial_t;
@@ -20,66 +24,147 @@ typedef PartialOut<SINGLE_CHUNK, scalar_t, acc_t>::type partial_t;
 // of the result, and this pass is bound by memory, so the wider adds cost nothing.
 typedef double sum_t;
 
+static_assert(VEC == 1 || VEC * sizeof(scalar_t) == 16, "a thread reads one channel or a 16-byte run of them");
+static_assert(!CHANNELS_LAST || CHANNEL_TILE % VEC == 0, "a channels_last tile holds whole runs");
+
+// VEC neighbouring channels of one pixel, as stored.
+struct ChannelRun {
+    union {
+        uint4 bytes;
+        scalar_t v[VEC];
+    };
+};
+
+__device__ __forceinline__ ChannelRun load_run(const scalar_t* p) {
+    ChannelRun run;
+    if constexpr (VEC == 1) run.v[0] = load_raw(p);
+    else run.bytes = __ldg(reinterpret_cast<const uint4*>(p));
+    return run;
+}
+
+__device__ __forceinline__ void add_run(const ChannelRun& run, sum_t (&acc)[VEC]) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] += static_cast<sum_t>(widen(run.v[i]));
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partial_t* __restrict__ partial,
                                    index_t N, index_t H_out, index_t W_out, index_t rows_per_chunk) {
     if constexpr (CHANNELS_LAST) {
-        // Threads are (pixel lane, channel) with the channel fastest: a warp reads
-        // whole channel runs of adjacent pixels, and a layer with few channels still
-        // keeps every thread busy.  Each thread sums every PIXEL_LANES-th pixel of the
-        // chunk, then the lanes' sums are added in lane order: a fixed order throughout.
-        constexpr int PIXEL_LANES = BLOCK / CHANNEL_TILE;
+        // Threads are (pixel lane, channel run) with the run fastest: a warp reads whole
+        // channel runs of adjacent pixels, and a layer with few channels still keeps every
+        // thread busy.  Each thread sums every PIXEL_LANES-th pixel of the chunk in pixel
+        // order, UNROLL loads in flight; then the lanes' sums are added in lane order, by
+        // segments of lanes and then the segments in order: a fixed order throughout.
+        constexpr int CHANNEL_RUNS = CHANNELS_LAST ? CHANNEL_TILE / VEC : 1;  // (an NCHW kernel still parses this)
+        constexpr int PIXEL_LANES = BLOCK / CHANNEL_RUNS;
+        constexpr int SEGMENTS = BLOCK / CHANNEL_TILE;
+        constexpr int LANES_PER_SEGMENT = (PIXEL_LANES + SEGMENTS - 1) / SEGMENTS;
         __shared__ sum_t lane_sums[PIXEL_LANES][CHANNEL_TILE];
-        const int lane_c = threadIdx.x % CHANNEL_TILE;
-        const int pixel_lane = threadIdx.x / CHANNEL_TILE;
+        __shared__ sum_t segment_sums[SEGMENTS][CHANNEL_TILE];
+        const int run = threadIdx.x % CHANNEL_RUNS;
+        const int pixel_lane = threadIdx.x / CHANNEL_RUNS;
+        const int tile_c = threadIdx.x % CHANNEL_TILE;
+        const int segment = threadIdx.x / CHANNEL_TILE;
         const index_t pixels = N * H_out * W_out;
         const index_t p0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
         const index_t p1 = p0 + rows_per_chunk < pixels ? p0 + rows_per_chunk : pixels;
         for (index_t c0 = static_cast<index_t>(blockIdx.y) * CHANNEL_TILE; c0 < COUT;
              c0 += static_cast<index_t>(gridDim.y) * CHANNEL_TILE) {
-            const index_t c = c0 + lane_c;
-            sum_t acc[4] = {0.0, 0.0, 0.0, 0.0};
+            const index_t c = c0 + run * VEC;
+            sum_t acc[VEC];
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] = 0.0;
+            // COUT is a whole number of runs, so a run lies wholly inside or outside the channels.
             if (pixel_lane < PIXEL_LANES && c < COUT) {
                 index_t p = p0 + pixel_lane;
-                for (; p + 3 * PIXEL_LANES < p1; p += 4 * PIXEL_LANES)
+                for (; p + (UNROLL - 1) * PIXEL_LANES < p1; p += UNROLL * PIXEL_LANES) {
+                    ChannelRun runs[UNROLL];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u)
-                        acc[u] += static_cast<sum_t>(load(grad_out + (p + u * PIXEL_LANES) * COUT + c));
-                for (; p < p1; p += PIXEL_LANES) acc[0] += static_cast<sum_t>(load(grad_out + p * COUT + c));
+                    for (int u = 0; u < UNROLL; ++u) runs[u] = load_run(grad_out + (p + u * PIXEL_LANES) * COUT + c);
+#pragma unroll
+                    for (int u = 0; u < UNROLL; ++u) add_run(runs[u], acc);
+                }
+                for (; p < p1; p += PIXEL_LANES) add_run(load_run(grad_out + p * COUT + c), acc);
             }
-            if (pixel_lane < PIXEL_LANES) lane_sums[pixel_lane][lane_c] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+            if (pixel_lane < PIXEL_LANES) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) lane_sums[pixel_lane][run * VEC + i] = acc[i];
+            }
             __syncthreads();
-            if (pixel_lane == 0 && c < COUT) {
-                sum_t s = lane_sums[0][lane_c];
-                for (int l = 1; l < PIXEL_LANES; ++l) s += lane_sums[l][lane_c];
-                store(partial + static_cast<index_t>(blockIdx.x) * COUT + c, static_cast<acc_t>(s));
+            if (segment < SEGMENTS) {
+                const int first = segment * LANES_PER_SEGMENT;
+                const int last = first + LANES_PER_SEGMENT < PIXEL_LANES ? first + LANES_PER_SEGMENT : PIXEL_LANES;
+                sum_t s = first < last ? lane_sums[first][tile_c] : 0.0;
+                for (int l = first + 1; l < last; ++l) s += lane_sums[l][tile_c];
+                segment_sums[segment][tile_c] = s;
+            }
+            __syncthreads();
+            if (threadIdx.x < CHANNEL_TILE && c0 + threadIdx.x < COUT) {
+                sum_t s = segment_sums[0][threadIdx.x];
+                for (int k = 1; k < SEGMENTS; ++k) s += segment_sums[k][threadIdx.x];
+                store(partial + static_cast<index_t>(blockIdx.x) * COUT + c0 + threadIdx.x, static_cast<acc_t>(s));
             }
             __syncthreads();
         }
         return;
     }
+    // NCHW: channel oc of image n is one contiguous plane of HW values, so the channel's values, the planes
+    // strung together, are a virtual array whose value e lies at (e / HW) * COUT * HW + oc * HW + e % HW.
+    // rows_per_chunk counts its values here (whole runs of VEC): a block sums chunk blockIdx.x of it, its
+    // threads BLOCK runs apart, stepping (image, place in the plane) without dividing.
     __shared__ sum_t warp_partials[WARPS];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const index_t rows = N * H_out;
-    const index_t r0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
-    const index_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    const index_t hw = H_out * W_out;
+    const index_t values = N * hw;
+    const index_t e0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
+    const index_t e1 = e0 + rows_per_chunk < values ? e0 + rows_per_chunk : values;
+    constexpr index_t STEP = static_cast<index_t>(BLOCK) * VEC;
+    const index_t step_images = STEP / hw, step_rest = STEP % hw;
+    const index_t image_stride = static_cast<index_t>(COUT) * hw;
     for (int oc = blockIdx.y; oc < COUT; oc += gridDim.y) {
-        sum_t acc = 0.0;
-        for (index_t r = r0 + warp; r < r1; r += WARPS) {
-            const index_t n = r / H_out;
-            const index_t oh = r % H_out;
-            const scalar_t* row = grad_out + ((n * COUT + oc) * H_out + oh) * W_out;
-            for (index_t ow = lane; ow < W_out; ow += 32) acc += static_cast<sum_t>(load(row + ow));
+        const scalar_t* planes = grad_out + static_cast<index_t>(oc) * hw;
+        sum_t acc[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] = 0.0;
+        index_t e = e0 + static_cast<index_t>(threadIdx.x) * VEC;
+        index_t n = e / hw, within = e % hw;
+        for (; e + (UNROLL - 1) * STEP < e1; e += UNROLL * STEP) {
+            ChannelRun runs[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                runs[u] = load_run(planes + n * image_stride + within);
+                within += step_rest;
+                n += step_images;
+                if (within >= hw) {
+                    within -= hw;
+                    ++n;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) add_run(runs[u], acc);
         }
-        acc = warp_sum(acc);
-        if (lane == 0) warp_partials[warp] = acc;
+        for (; e < e1; e += STEP) {
+            add_run(load_run(planes + n * image_stride + within), acc);
+            within += step_rest;
+            n += step_images;
+            if (within >= hw) {
+                within -= hw;
+                ++n;
+            }
+        }
+        sum_t s = acc[0];
+#pragma unroll
+        for (int i = 1; i < VEC; ++i) s += acc[i];
+        s = warp_sum(s);
+        if (lane == 0) warp_partials[warp] = s;
         __syncthreads();
         if (threadIdx.x == 0) {
-            sum_t s = 0.0;
+            sum_t total = warp_partials[0];
 #pragma unroll
-            for (int k = 0; k < WARPS; ++k) s += warp_partials[k];
-            store(partial + static_cast<index_t>(blockIdx.x) * COUT + oc, static_cast<acc_t>(s));
+            for (int k = 1; k < WARPS; ++k) total += warp_partials[k];
+            store(partial + static_cast<index_t>(blockIdx.x) * COUT + oc, static_cast<acc_t>(total));
         }
         __syncthreads();
     }

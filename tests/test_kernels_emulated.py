@@ -207,6 +207,51 @@ def test_nhwc_blocks_walking_several_images(name, dtype, monkeypatch):
     _close(_nchw(gi), want_gi, tol, f"{name} grad_input", dtype)
 
 
+# (output shape N, C, H, W; layout; SM count): between them, grad_bias's 16-byte runs and single values, one chunk
+# and many (the wide reduce at 256 and 1024 threads), channel tiles past 256, planes whose width is not a whole
+# number of runs, and steps of a block that cross several images' planes.
+GRAD_BIAS_CASES = [
+    ((3, 24, 5, 9), "nhwc", 4),      # 24 channels: three 16-bit runs, six fp32, twelve fp64; 45 lanes of pixels
+    ((2, 264, 7, 5), "nhwc", 4),     # a second channel tile of 8 channels
+    ((270, 8, 31, 33), "nhwc", 132),  # one run of 8 channels across 256 lanes (fp16), 68 chunks
+    ((2, 5, 9, 7), "nhwc", 4),       # 5 channels: one value at a time
+    ((5, 3, 4, 6), "nchw", 4),       # planes of 24 values whose rows of 6 are not whole runs
+    ((256, 2, 12, 12), "nchw", 132),  # 144-value planes: a block's step crosses many images; two chunks
+    ((2, 4, 5, 7), "nchw", 4),       # planes of 35 values: one value at a time
+]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape, layout, sm_count, aligned",
+                         [case + (True,) for case in GRAD_BIAS_CASES]
+                         + [case + (False,) for case in GRAD_BIAS_CASES if case[0] in ((3, 24, 5, 9), (5, 3, 4, 6))])
+def test_grad_bias_sums_every_channel_in_runs_or_values(shape, layout, sm_count, aligned, dtype):
+    """grad_output unaligned (an offset view, say) reads one value at a time where runs would have fit."""
+    n, c, h, w = shape
+    g = geometry((n, c, h, w), (c, c, 1, 1), None, ConvParams.from_args())
+    partial, reduce = reduction.plan_grad_bias(g, dtype, sm_count, layout, aligned)
+    constants = dict(partial.spec.constants)
+    vec = 16 // {"float64": 8, "float32": 4}.get(dtype, 2)
+    whole = c % vec == 0 if layout == "nhwc" else (h * w) % vec == 0
+    assert constants["VEC"] == (vec if aligned and whole else 1)
+    assert (reduce is None) == (partial.grid[0] == 1)
+    if reduce is not None:
+        assert reduce.block[0] == (1024 if partial.grid[0] > 64 else 256)
+    go = _storage(np.random.default_rng(c * h).standard_normal(shape), dtype)
+    gb, chunks = _split_k(partial, reduce, ((_nhwc(go) if layout == "nhwc" else go),), (c,), dtype)
+    _close(gb, _values(go, dtype).sum(axis=(0, 2, 3)), TOLERANCE[dtype], f"grad_bias {shape} {layout}", dtype)
+
+
+def test_grad_bias_cases_reach_every_branch():
+    seen = set()
+    for shape, layout, sm_count in GRAD_BIAS_CASES:
+        g = geometry(shape, (shape[1], shape[1], 1, 1), None, ConvParams.from_args())
+        partial, reduce = reduction.plan_grad_bias(g, "float16", sm_count, layout)
+        seen.add((layout, dict(partial.spec.constants)["VEC"] > 1, None if reduce is None else reduce.block[0]))
+    assert {(layout, runs) for layout, runs, _ in seen} == {(l, r) for l in ("nchw", "nhwc") for r in (True, False)}
+    assert {block for *_, block in seen} == {None, 256, 1024}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("rows, taps, chunks", [(64 * 48, 16, 3), (37, 9, 1), (70, 49, 2), (5, 1, 4)])
 def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(rows, taps, chunks, dtype):

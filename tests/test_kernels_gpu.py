@@ -214,18 +214,31 @@ def test_direct_kernel_edge_tilings(name, dtype_name, layout):
 
 
 @pytest.mark.parametrize("channels", [3, 32, 300])
-@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
-def test_channels_last_grad_bias_tiles(channels, dtype_name):
-    """grad_bias on channels_last: pixel lanes for few channels, channel tiles past 256, many chunks."""
-    x_shape, w_shape = (4, 2, 45, 61), (2, channels, 2, 2)
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_grad_bias_in_runs_and_single_values(channels, dtype_name, layout, offset):
+    """grad_bias: pixel lanes for few channels, channel tiles past 256, many chunks; 16-byte runs where the
+    channels (channels_last) or planes (NCHW) come in whole runs, single values where they do not or where
+    grad_output starts one element past an aligned address.  Against float64 sums, reproducible bit for bit."""
+    x_shape, w_shape = (4, 2, 45, 62), (2, channels, 2, 2)
     g = geometry(x_shape, w_shape, (channels,), ConvParams.from_args(stride=2))
-    plan = reduction.plan_grad_bias(g, dtype_name, device.get(0).sm_count, "nhwc")[0]
-    tile = dict(plan.spec.constants)["CHANNEL_TILE"]
-    assert tile == min(channels, 256) and plan.grid[0] > 1
+    plan = reduction.plan_grad_bias(g, dtype_name, device.get(0).sm_count, layout, offset == 0)[0]
+    constants = dict(plan.spec.constants)
+    if layout == "nhwc":
+        assert constants["CHANNEL_TILE"] == min(channels, 256)
+    vec = 16 // torch.empty((), dtype=torch_dtype(dtype_name)).element_size()
+    whole = channels % vec == 0 if layout == "nhwc" else (90 * 124) % vec == 0
+    assert constants["VEC"] == (vec if whole and offset == 0 else 1) and plan.grid[0] > 1
     gen = torch.Generator(device="cuda").manual_seed(channels)
-    go = torch.randn(g.output_shape, generator=gen, device="cuda", dtype=torch.float64)
-    go_cl = go.to(torch_dtype(dtype_name)).contiguous(memory_format=torch.channels_last)
-    want = go_cl.double().sum((0, 2, 3))
+    go = torch.randn(g.output_shape, generator=gen, device="cuda", dtype=torch.float64).to(torch_dtype(dtype_name))
+    if layout == "nhwc":
+        go = go.contiguous(memory_format=torch.channels_last)
+    # the same values one element past the allocator's aligned start
+    storage = torch.empty(go.numel() + offset, device="cuda", dtype=go.dtype)
+    shaped = storage[offset:].view(go.permute(0, 2, 3, 1).shape if layout == "nhwc" else go.shape)
+    shaped.copy_(go.permute(0, 2, 3, 1) if layout == "nhwc" else go)
+    want = go.double().sum((0, 2, 3))
     stream = torch.cuda.current_stream().cuda_stream
 
     def alloc(nbytes):
@@ -234,10 +247,10 @@ def test_channels_last_grad_bias_tiles(channels, dtype_name):
 
     results = []
     for _ in range(2):
-        gb = torch.full((channels,), float("nan"), device="cuda", dtype=go_cl.dtype)
-        engine.grad_bias(g, dtype_name, go_cl.data_ptr(), gb.data_ptr(), launch.Launcher(0, stream, alloc), "nhwc")
+        gb = torch.full((channels,), float("nan"), device="cuda", dtype=go.dtype)
+        engine.grad_bias(g, dtype_name, shaped.data_ptr(), gb.data_ptr(), launch.Launcher(0, stream, alloc), layout)
         results.append(gb)
-    assert_close(results[0], want, TOLERANCE[dtype_name], f"grad_bias {channels} channels {dtype_name}")
+    assert_close(results[0], want, TOLERANCE[dtype_name], f"grad_bias {channels} channels {dtype_name} {layout}")
     assert torch.equal(results[0], results[1]), "grad_bias is not reproducible bit for bit"
 
 

@@ -25,36 +25,61 @@ ELEMENTWISE_BLOCK = 256
 # A block sums up to this many grad_output elements in one chunk (64 per thread): below it,
 # a second launch to add chunks costs more than the parallelism it buys.
 _ONE_CHUNK_ELEMENTS = 64 * 256
+# grad_bias's loads: each thread keeps this many in flight, and takes at least this many of them a chunk.
+_GRAD_BIAS_UNROLL = 4
+
+
+def grad_bias_vector(g: Geometry, dtype: str, layout: str, aligned: bool) -> int:
+    """Values of grad_output a grad_bias thread reads at once: a 16-byte run where every run lies within one
+    channel (channels_last) or one channel's plane (NCHW) and ``aligned`` says grad_output is 16-byte aligned,
+    else 1."""
+    vec = 16 // dtypes.get(dtype).itemsize
+    h_out, w_out = g.out_size
+    whole = g.out_channels % vec == 0 if layout == "nhwc" else (h_out * w_out) % vec == 0
+    return vec if aligned and whole else 1
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw") -> Tuple[Plan, Optional[Plan]]:
+def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw",
+                   aligned: bool = True) -> Tuple[Plan, Optional[Plan]]:
     dtypes.get(dtype)
     check_layout(layout)
     block = 256
     h_out, w_out = g.out_size
-    channel_tile = min(g.out_channels, block)
+    vec = grad_bias_vector(g, dtype, layout, aligned)
+    # A thread sums at least this many runs of a chunk: fewer for wider runs, which carry more bytes each.
+    min_steps = max(_GRAD_BIAS_UNROLL * 4, 64 // vec)
     if layout == "nhwc":
-        # A block is (pixel lane, channel): few channels leave room for many pixel lanes.
+        # A block is (pixel lane, channel run): few channels leave room for many pixel lanes.
+        channel_tile = min(g.out_channels, block)
         channel_blocks = cdiv(g.out_channels, channel_tile)
+        pixel_lanes = block // (channel_tile // vec)
         rows, per_block = g.batch * h_out * w_out, channel_tile
-        chunks, rows_per_chunk = split_rows(rows, channel_blocks, 64 * (block // channel_tile), sm_count)
+        chunks, per_chunk = split_rows(rows, channel_blocks, min_steps * pixel_lanes, sm_count)
         grid_y = min(channel_blocks, GRID_YZ_LIMIT)
     else:
-        rows, per_block = g.batch * h_out, w_out
-        chunks, rows_per_chunk = split_rows(rows, g.out_channels, block // 32, sm_count)
+        # A block walks runs of one channel's planes strung together: chunks are ranges of whole runs.
+        channel_tile = 1
+        runs = cdiv(g.batch * h_out * w_out, vec)
+        rows, per_block = g.batch * h_out * w_out, 1
+        chunks, runs_per_chunk = split_rows(runs, g.out_channels, min_steps * block, sm_count)
+        per_chunk = runs_per_chunk * vec
         grid_y = min(g.out_channels, GRID_YZ_LIMIT)
     if rows * per_block <= _ONE_CHUNK_ELEMENTS:
-        chunks, rows_per_chunk = 1, rows
-    index_t = index_type(numel(g.output_shape), chunks * g.out_channels)
+        chunks, per_chunk = 1, rows
+    # A thread forms offsets up to a few unrolled steps past the end before it tests them.
+    index_t = index_type(numel(g.output_shape) + _GRAD_BIAS_UNROLL * block * vec, chunks * g.out_channels)
     constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block,
-                     CHANNELS_LAST=layout == "nhwc", CHANNEL_TILE=channel_tile if layout == "nhwc" else 1,
+                     CHANNELS_LAST=layout == "nhwc", CHANNEL_TILE=channel_tile, VEC=vec, UNROLL=_GRAD_BIAS_UNROLL,
                      SINGLE_CHUNK=chunks == 1)
     spec = KernelSpec.make("conv_transpose2d_grad_bias.cu", "conv_transpose2d_grad_bias_partial", constants)
     partial = Plan(spec, (chunks, grid_y, 1), (block, 1, 1),
-                   (g.batch, h_out, w_out, rows_per_chunk), index_t,
+                   (g.batch, h_out, w_out, per_chunk), index_t,
                    scratch_bytes=split_k_scratch(chunks, g.out_channels, dtypes.get(dtype).accumulator_bytes))
-    return partial, finishing_reduce(dtype, g.out_channels, chunks, index_t)
+    # Few channels over many chunks: the wide reduce, whose warps share each channel's chunks.
+    reduce = None if chunks == 1 else plan_wide_reduce(dtype, g.out_channels, chunks, index_t,
+                                                       1024 if chunks > 64 else ELEMENTWISE_BLOCK)
+    return partial, reduce
 
 
 def split_k_scratch(chunks: int, elements: int, partial_bytes: int) -> int:
@@ -88,12 +113,12 @@ def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_wide_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
-    """The reduce for few elements over many chunks: a block of 32 elements whose warps each add every
-    ``BLOCK / 32``-th chunk, in a fixed order."""
-    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK)
+def plan_wide_reduce(dtype: str, elements: int, chunks: int, index_t: str, block: int = ELEMENTWISE_BLOCK) -> Plan:
+    """The reduce for few elements over many chunks: a block of 32 elements whose ``block / 32`` warps each add
+    every ``block / 32``-th chunk, in a fixed order."""
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=block)
     spec = KernelSpec.make("reduce_partials.cu", "reduce_partials_wide", constants)
-    return Plan(spec, (cdiv(elements, 32), 1, 1), (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks), index_t)
+    return Plan(spec, (cdiv(elements, 32), 1, 1), (block, 1, 1), (elements, chunks), index_t)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -113,13 +138,14 @@ class ReductionFamily(Family):
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
-        return SplitK(*plan_grad_bias(g, dtype, sm_count, layout))
+        return SplitK(*plan_grad_bias(g, dtype, sm_count, layout, aligned))
 
     def clear(self) -> None:
         plan_grad_bias.cache_clear()
         plan_reduce.cache_clear()
         plan_reduce_with_bias.cache_clear()
         plan_tap_major_reduce.cache_clear()
+        plan_wide_reduce.cache_clear()
 
 
 FAMILY = ReductionFamily()
