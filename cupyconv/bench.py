@@ -503,6 +503,56 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+# A row is reported against a baseline run when its speedup fell below this share of the baseline's.
+SLOWER_THAN_BASELINE = 0.95
+
+
+def _case(row: dict) -> tuple:
+    return row["name"], row["dtype"], row.get("layout", "nchw"), row["pass"]
+
+
+def baseline_changes(rows: List[dict], baseline_rows: List[dict],
+                     slower_than: float = SLOWER_THAN_BASELINE) -> dict:
+    """The rows against an earlier run's (the same cases, matched by layer, dtype, layout and pass).
+
+    Returns the number of cases both runs timed (``matched``), those only one of them has or
+    timed (``unmatched``), the geometric mean speedups of the matched cases then and now, and
+    ``slower``: (row, baseline row) for each case whose speedup fell below ``slower_than`` of
+    the baseline's, the largest fall first.
+    """
+    then = {_case(r): r for r in baseline_rows if r.get("speedup")}
+    now = {_case(r): r for r in rows if r.get("speedup")}
+    both = [case for case in now if case in then]
+
+    def geomean(values):
+        return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+    slower = [(now[c], then[c]) for c in both if now[c]["speedup"] < slower_than * then[c]["speedup"]]
+    slower.sort(key=lambda pair: pair[0]["speedup"] / pair[1]["speedup"])
+    return dict(matched=len(both), unmatched=len(set(now) ^ set(then)),
+                geomean_then=geomean([then[c]["speedup"] for c in both]),
+                geomean_now=geomean([now[c]["speedup"] for c in both]), slower=slower)
+
+
+def format_baseline(changes: dict, baseline_env: dict, slower_than: float = SLOWER_THAN_BASELINE) -> str:
+    """``baseline_changes`` as text: the geometric means then and now, then each slower case."""
+    head = f"against the baseline at commit {commit_text(baseline_env)}: {changes['matched']} cases in both"
+    if changes["unmatched"]:
+        head += f", {changes['unmatched']} in one run only"
+    if not changes["matched"]:
+        return head + "; nothing to compare"
+    lines = [head + f"; geomean speedup {changes['geomean_then']:.2f}x -> {changes['geomean_now']:.2f}x; "
+                    f"{len(changes['slower'])} below {slower_than:.2f} of their baseline speedup"]
+    if changes["slower"]:
+        lines.append(f"  {'layer':<18} {'dtype':<8} {'layout':<13} {'pass':<16} {'speedup':>15} "
+                     f"{'cupyconv ms':>17} {'torch ms':>17}")
+    for row, base in changes["slower"]:
+        lines.append(f"  {row['name']:<18} {row['dtype']:<8} {row.get('layout', 'nchw'):<13} {row['pass']:<16} "
+                     f"{base['speedup']:>6.2f} -> {row['speedup']:<5.2f} {base['ms']:>8.3f} -> {row['ms']:<6.3f} "
+                     f"{base['torch_ms']:>8.3f} -> {row['torch_ms']:.3f}")
+    return "\n".join(lines)
+
+
 def commit_text(env: dict) -> str:
     """The commit of a run as a report shows it: none, or the hash, marked when the checkout was dirty."""
     return f"{env.get('commit') or 'none'}{' (dirty)' if env.get('dirty') else ''}"
@@ -650,6 +700,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, metavar="PATH",
                         help="draw the speedups into this image, needs matplotlib (default: no plot)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: one is shown)")
+    parser.add_argument("--baseline", type=Path, metavar="PATH", action="append",
+                        help="an earlier run's --json file (repeat it to merge one run's files) of the same device: "
+                             f"after the table, list the cases whose speedup fell below {SLOWER_THAN_BASELINE} of "
+                             "its (default: no comparison)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--from-json", type=Path, metavar="PATH", action="append",
                         help="report saved results instead of measuring; needs no GPU; repeat it to merge runs "
@@ -667,6 +721,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--model selects models of --models")
     if args.per_layer and not args.models:
         parser.error("--per-layer breaks down the models of --models")
+    if args.baseline and (args.models or args.host_cost):
+        parser.error("--baseline compares suite runs, not --models or --host-cost")
     args.dtypes = list(dict.fromkeys(args.dtype or DTYPES))
     args.layouts = list(dict.fromkeys(args.layout or LAYOUTS))
     suite = SEED_LAYERS if args.suite == "seeds" else SUITE
@@ -697,6 +753,29 @@ def _fail(message: str) -> None:
     """One line on stderr and exit status 2, as argparse does for a bad command line."""
     print(f"{PROG}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _saved_results(paths: Sequence[Path]) -> Tuple[dict, List[dict]]:
+    """The merged report of saved result files; a one-line error and status 2 for a file that is not one."""
+    parts = []
+    for path in paths:
+        try:
+            parts.append(load_results(path))
+        except OSError as exc:
+            _fail(f"cannot read {path}: {exc.strerror or exc}")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            _fail(f"{path} is not a results file written by --json")
+    try:
+        return merge_results(parts)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+def _check_baseline_device(baseline: Optional[Tuple[dict, List[dict]]], env: dict) -> None:
+    """Timings compare only on one kind of device: a baseline from another is refused."""
+    if baseline is not None and baseline[0].get("device") != env.get("device"):
+        _fail(f"the baseline ran on {baseline[0].get('device')}, these results on {env.get('device')}: "
+              "compare runs of one device")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -734,27 +813,22 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.json:
             write_results(args.json, env, rows)
         return
+    # Read before a long GPU run, so that a bad file fails first.
+    baseline = _saved_results(args.baseline) if args.baseline else None
     if args.from_json:
-        parts = []
-        for path in args.from_json:
-            try:
-                parts.append(load_results(path))
-            except OSError as exc:
-                _fail(f"cannot read {path}: {exc.strerror or exc}")
-            except (ValueError, KeyError, TypeError, AttributeError):
-                _fail(f"{path} is not a results file written by --json")
-        try:
-            env, rows = merge_results(parts)
-        except ValueError as exc:
-            _fail(str(exc))
+        env, rows = _saved_results(args.from_json)
         rows = select_rows(rows, args.layer, args.dtype, args.layout)
     else:
         env = environment()
+        _check_baseline_device(baseline, env)
         env["copy_gbps"] = copy_bandwidth_gbps()
         rows = run(args.layers, args.dtypes, args.repeat, progress=not args.no_progress, layouts=args.layouts,
                    copy_gbps=env["copy_gbps"])
     print(format_header(env))
     print(format_table(rows))
+    if baseline is not None:
+        _check_baseline_device(baseline, env)
+        print(format_baseline(baseline_changes(rows, baseline[1]), baseline[0]))
     if args.json:
         write_results(args.json, env, rows)
     if args.plot:

@@ -181,6 +181,48 @@ def test_runs_of_one_commit_merge_into_one_report(tmp_path):
         "python -m cupyconv.bench: error: the results come from different runs: commit 'abc1234' against 'def5678'"]
 
 
+def test_a_baseline_run_lists_the_cases_whose_speedup_fell_worst_first():
+    then = _rows()
+    now = [dict(then[0], ms=1.2, speedup=2.0 / 1.2),            # 2.00x -> 1.67x: listed
+           dict(then[1], ms=4.1, speedup=16.0 / 4.1),           # 4.00x -> 3.90x: within 5%, not listed
+           dict(then[2], ms=4.0, torch_ms=1.0, speedup=0.25),   # 0.50x -> 0.25x: listed first
+           dict(then[3], ms=1.0, error=None, speedup=3.0),      # failed before: nothing to compare it with
+           bench.make_row(SMALL, "float32", "nchw", "forward", 1.0, 1.0, 1000.0)]   # new case
+    changes = bench.baseline_changes(now, then)
+    assert changes["matched"] == 3 and changes["unmatched"] == 2
+    assert [(row["dtype"], row["pass"]) for row, _ in changes["slower"]] == [("float16", "forward"),
+                                                                             ("tf32", "forward")]
+    assert changes["geomean_then"] == pytest.approx((2.0 * 4.0 * 0.5) ** (1 / 3))
+    assert changes["geomean_now"] == pytest.approx((2.0 / 1.2 * 16.0 / 4.1 * 0.25) ** (1 / 3))
+    text = bench.format_baseline(changes, ENV)
+    lines = text.splitlines()
+    assert lines[0] == ("against the baseline at commit abc1234: 3 cases in both, 2 in one run only; geomean "
+                        "speedup 1.59x -> 1.18x; 2 below 0.95 of their baseline speedup")
+    assert lines[2].split() == ["small", "float16", "channels_last", "forward", "0.50", "->", "0.25", "2.000",
+                                "->", "4.000", "1.000", "->", "1.000"]
+    assert len(lines) == 4 and not any(line != line.rstrip() for line in lines)
+    assert bench.format_baseline(bench.baseline_changes(now[4:], then), ENV).endswith("nothing to compare")
+
+
+def test_a_baseline_compares_saved_runs_of_one_device_on_the_command_line(tmp_path):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    bench.write_results(old, ENV, _rows())
+    bench.write_results(new, {**ENV, "commit": "def5678"}, [dict(_rows()[0], ms=1.5, speedup=2.0 / 1.5)])
+    result = _cli("--from-json", str(new), "--baseline", str(old))
+    assert result.returncode == 0, result.stderr
+    assert ("against the baseline at commit abc1234: 1 cases in both, 2 in one run only; geomean speedup "
+            "2.00x -> 1.33x; 1 below 0.95 of their baseline speedup") in result.stdout
+    bench.write_results(old, {**ENV, "device": "NVIDIA H200"}, _rows())
+    result = _cli("--from-json", str(new), "--baseline", str(old))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"python -m cupyconv.bench: error: the baseline ran on NVIDIA H200, these results on {ENV['device']}: "
+        "compare runs of one device"]
+    result = _cli("--from-json", str(new), "--baseline", str(tmp_path / "missing.json"))
+    assert result.returncode == 2 and "cannot read" in result.stderr and "Traceback" not in result.stderr
+    result = _cli("--models", "--baseline", str(old))
+    assert result.returncode == 2 and "--baseline compares suite runs" in result.stderr
+
+
 def test_select_rows():
     rows = _rows()
     assert bench.select_rows(rows) == rows
