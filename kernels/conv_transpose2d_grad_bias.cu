@@ -12,8 +12,8 @@ constexpr int COUT = {{COUT}};
 constexpr bool CHANNELS_LAST = {{CHANNELS_LAST}};
 constexpr int BLOCK = {{BLOCK}};
 constexpr int CHANNEL_TILE = {{CHANNEL_TILE}};  // channels_last: channels of a block, at most BLOCK
-// channels_last: channels a thread reads at once, as one 16-byte load (the planner checks that the
-// channels come in whole vectors and that grad_out is 16-byte aligned), or 1.
+// Values a thread reads at once: one 16-byte load of a run of channels (channels_last) or of one plane
+// (NCHW), where the planner found the runs whole and grad_out 16-byte aligned; else 1.
 constexpr int VEC = {{VEC}};
 constexpr int UNROLL = {{UNROLL}};  // loads a thread keeps in flight
 constexpr int WARPS = BLOCK / 32;
@@ -49,7 +49,7 @@ __device__ __forceinline__ void add_run(const ChannelRun& run, sum_t (&acc)[VEC]
 
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partial_t* __restrict__ partial,
-                                   index_t N, index_t H_out, index_t W_out, index_t rows_per_chunk) {
+                                   index_t N, index_t H_out, index_t W_out, index_t per_chunk) {
     if constexpr (CHANNELS_LAST) {
         // Threads are (pixel lane, channel run) with the run fastest: a warp reads whole
         // channel runs of adjacent pixels, and a layer with few channels still keeps every
@@ -67,8 +67,8 @@ conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partia
         const int tile_c = threadIdx.x % CHANNEL_TILE;
         const int segment = threadIdx.x / CHANNEL_TILE;
         const index_t pixels = N * H_out * W_out;
-        const index_t p0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
-        const index_t p1 = p0 + rows_per_chunk < pixels ? p0 + rows_per_chunk : pixels;
+        const index_t p0 = static_cast<index_t>(blockIdx.x) * per_chunk;  // per_chunk counts pixels here
+        const index_t p1 = p0 + per_chunk < pixels ? p0 + per_chunk : pixels;
         for (index_t c0 = static_cast<index_t>(blockIdx.y) * CHANNEL_TILE; c0 < COUT;
              c0 += static_cast<index_t>(gridDim.y) * CHANNEL_TILE) {
             const index_t c = c0 + run * VEC;
@@ -111,15 +111,15 @@ conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partia
     }
     // NCHW: channel oc of image n is one contiguous plane of HW values, so the channel's values, the planes
     // strung together, are a virtual array whose value e lies at (e / HW) * COUT * HW + oc * HW + e % HW.
-    // rows_per_chunk counts its values here (whole runs of VEC): a block sums chunk blockIdx.x of it, its
-    // threads BLOCK runs apart, stepping (image, place in the plane) without dividing.
+    // per_chunk counts its values here (whole runs of VEC): a block sums chunk blockIdx.x of it, its threads
+    // BLOCK runs apart, stepping (image, place in the plane) without dividing.
     __shared__ sum_t warp_partials[WARPS];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const index_t hw = H_out * W_out;
     const index_t values = N * hw;
-    const index_t e0 = static_cast<index_t>(blockIdx.x) * rows_per_chunk;
-    const index_t e1 = e0 + rows_per_chunk < values ? e0 + rows_per_chunk : values;
+    const index_t e0 = static_cast<index_t>(blockIdx.x) * per_chunk;
+    const index_t e1 = e0 + per_chunk < values ? e0 + per_chunk : values;
     constexpr index_t STEP = static_cast<index_t>(BLOCK) * VEC;
     const index_t step_images = STEP / hw, step_rest = STEP % hw;
     const index_t image_stride = static_cast<index_t>(COUT) * hw;

@@ -1,7 +1,7 @@
 """Reductions: grad_bias, and the fixed-order reduce that finishes every split-K pass.
 
-grad_bias = grad_output.sum((0, 2, 3)) is summed in fixed chunks of rows into fp32 (fp64
-for float64) partials, which one more kernel adds up in chunk order: no atomics, so the
+grad_bias = grad_output.sum((0, 2, 3)) is summed in fixed chunks of pixels or values into fp32
+(fp64 for float64) partials, which one more kernel adds up in chunk order: no atomics, so the
 result is bitwise reproducible.  Every split-K pass that needs one chunk only writes its
 result directly instead (``SINGLE_CHUNK``): no scratch and no reduce launch.  grad_weight's
 wgmma kernel writes its partials tap-major, so its reduce (:func:`plan_tap_major_reduce`)
@@ -54,19 +54,19 @@ def plan_grad_bias(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw",
         channel_tile = min(g.out_channels, block)
         channel_blocks = cdiv(g.out_channels, channel_tile)
         pixel_lanes = block // (channel_tile // vec)
-        rows, per_block = g.batch * h_out * w_out, channel_tile
-        chunks, per_chunk = split_rows(rows, channel_blocks, min_steps * pixel_lanes, sm_count)
+        items, per_block = g.batch * h_out * w_out, channel_tile   # pixels, each of channel_tile values
+        chunks, per_chunk = split_rows(items, channel_blocks, min_steps * pixel_lanes, sm_count)
         grid_y = min(channel_blocks, GRID_YZ_LIMIT)
     else:
         # A block walks runs of one channel's planes strung together: chunks are ranges of whole runs.
         channel_tile = 1
         runs = cdiv(g.batch * h_out * w_out, vec)
-        rows, per_block = g.batch * h_out * w_out, 1
+        items, per_block = g.batch * h_out * w_out, 1
         chunks, runs_per_chunk = split_rows(runs, g.out_channels, min_steps * block, sm_count)
         per_chunk = runs_per_chunk * vec
         grid_y = min(g.out_channels, GRID_YZ_LIMIT)
-    if rows * per_block <= _ONE_CHUNK_ELEMENTS:
-        chunks, per_chunk = 1, rows
+    if items * per_block <= _ONE_CHUNK_ELEMENTS:
+        chunks, per_chunk = 1, items
     # A thread forms offsets up to a few unrolled steps past the end before it tests them.
     index_t = index_type(numel(g.output_shape) + _GRAD_BIAS_UNROLL * block * vec, chunks * g.out_channels)
     constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, COUT=g.out_channels, BLOCK=block,
