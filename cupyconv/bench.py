@@ -702,8 +702,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (default: one is shown)")
     parser.add_argument("--baseline", type=Path, metavar="PATH", action="append",
                         help="an earlier run's --json file (repeat it to merge one run's files) of the same device: "
-                             f"after the table, list the cases whose speedup fell below {SLOWER_THAN_BASELINE} of "
-                             "its (default: no comparison)")
+                             "after the table, list the selected cases whose speedup fell below "
+                             f"{SLOWER_THAN_BASELINE} of the baseline's (default: no comparison)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--from-json", type=Path, metavar="PATH", action="append",
                         help="report saved results instead of measuring; needs no GPU; repeat it to merge runs "
@@ -813,10 +813,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.json:
             write_results(args.json, env, rows)
         return
-    # Read before a long GPU run, so that a bad file fails first.
+    # Read and checked before a long GPU run, so that a bad file fails first.
     baseline = _saved_results(args.baseline) if args.baseline else None
     if args.from_json:
         env, rows = _saved_results(args.from_json)
+        _check_baseline_device(baseline, env)
         rows = select_rows(rows, args.layer, args.dtype, args.layout)
     else:
         env = environment()
@@ -827,8 +828,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(format_header(env))
     print(format_table(rows))
     if baseline is not None:
-        _check_baseline_device(baseline, env)
-        print(format_baseline(baseline_changes(rows, baseline[1]), baseline[0]))
+        then = select_rows(baseline[1], args.layer, args.dtype, args.layout)
+        print(format_baseline(baseline_changes(rows, then), baseline[0]))
     if args.json:
         write_results(args.json, env, rows)
     if args.plot:

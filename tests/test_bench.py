@@ -212,9 +212,13 @@ def test_a_baseline_compares_saved_runs_of_one_device_on_the_command_line(tmp_pa
     assert result.returncode == 0, result.stderr
     assert ("against the baseline at commit abc1234: 1 cases in both, 2 in one run only; geomean speedup "
             "2.00x -> 1.33x; 1 below 0.95 of their baseline speedup") in result.stdout
+    # a selection compares the baseline's selected cases only
+    result = _cli("--from-json", str(new), "--baseline", str(old), "--dtype", "tf32")
+    assert result.returncode == 0, result.stderr
+    assert "against the baseline at commit abc1234: 1 cases in both, 1 in one run only;" in result.stdout
     bench.write_results(old, {**ENV, "device": "NVIDIA H200"}, _rows())
     result = _cli("--from-json", str(new), "--baseline", str(old))
-    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.strip().splitlines() == [
         f"python -m cupyconv.bench: error: the baseline ran on NVIDIA H200, these results on {ENV['device']}: "
         "compare runs of one device"]
     result = _cli("--from-json", str(new), "--baseline", str(tmp_path / "missing.json"))
