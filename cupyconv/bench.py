@@ -461,16 +461,17 @@ def environment() -> dict:
 
 # ----------------------------------------------------------------------------- reporting
 
+def _geomean(values) -> Optional[float]:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
 def geomean_speedups(rows: List[dict]) -> Dict[str, Optional[float]]:
     """Geometric mean speedup overall and per pass, over the rows that have one."""
-    def geomean(values):
-        values = list(values)
-        return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
     timed = [r for r in rows if r.get("speedup")]
-    means = {"overall": geomean(r["speedup"] for r in timed)}
+    means = {"overall": _geomean(r["speedup"] for r in timed)}
     for pass_name in PASSES:
-        means[pass_name] = geomean(r["speedup"] for r in timed if r["pass"] == pass_name)
+        means[pass_name] = _geomean(r["speedup"] for r in timed if r["pass"] == pass_name)
     return means
 
 
@@ -523,15 +524,11 @@ def baseline_changes(rows: List[dict], baseline_rows: List[dict],
     then = {_case(r): r for r in baseline_rows if r.get("speedup")}
     now = {_case(r): r for r in rows if r.get("speedup")}
     both = [case for case in now if case in then]
-
-    def geomean(values):
-        return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
     slower = [(now[c], then[c]) for c in both if now[c]["speedup"] < slower_than * then[c]["speedup"]]
     slower.sort(key=lambda pair: pair[0]["speedup"] / pair[1]["speedup"])
     return dict(matched=len(both), unmatched=len(set(now) ^ set(then)),
-                geomean_then=geomean([then[c]["speedup"] for c in both]),
-                geomean_now=geomean([now[c]["speedup"] for c in both]), slower=slower)
+                geomean_then=_geomean(then[c]["speedup"] for c in both),
+                geomean_now=_geomean(now[c]["speedup"] for c in both), slower=slower)
 
 
 def format_baseline(changes: dict, baseline_env: dict, slower_than: float = SLOWER_THAN_BASELINE) -> str:

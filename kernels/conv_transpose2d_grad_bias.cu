@@ -47,6 +47,18 @@ __device__ __forceinline__ void add_run(const ChannelRun& run, sum_t (&acc)[VEC]
     for (int i = 0; i < VEC; ++i) acc[i] += static_cast<sum_t>(widen(run.v[i]));
 }
 
+// NCHW: a thread's next run, STEP values on along a channel's planes strung together, as (image, place in
+// the plane), with STEP = step_images planes and step_rest values.
+__device__ __forceinline__ void next_run(index_t& n, index_t& within, index_t step_images, index_t step_rest,
+                                         index_t hw) {
+    within += step_rest;
+    n += step_images;
+    if (within >= hw) {
+        within -= hw;
+        ++n;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK)
 conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partial_t* __restrict__ partial,
                                    index_t N, index_t H_out, index_t W_out, index_t per_chunk) {
@@ -135,24 +147,14 @@ conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partia
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 runs[u] = load_run(planes + n * image_stride + within);
-                within += step_rest;
-                n += step_images;
-                if (within >= hw) {
-                    within -= hw;
-                    ++n;
-                }
+                next_run(n, within, step_images, step_rest, hw);
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) add_run(runs[u], acc);
         }
         for (; e < e1; e += STEP) {
             add_run(load_run(planes + n * image_stride + within), acc);
-            within += step_rest;
-            n += step_images;
-            if (within >= hw) {
-                within -= hw;
-                ++n;
-            }
+            next_run(n, within, step_images, step_rest, hw);
         }
         sum_t s = acc[0];
 #pragma unroll
