@@ -146,6 +146,27 @@ def test_direct_kernels_match_the_reference(name, dtype, layout):
     _close(gb, want_gb, tol, f"{name} {layout} grad_bias", dtype)
 
 
+# A block beside the ones the tuner races: kernel rows (and NCHW output channels) that leave a remainder.
+UNEVEN_GRAD_WEIGHT_BLOCKS = {"nchw": [(2, 3, 2)], "nhwc": [(2, 1, 2)]}
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_grad_weight_thread_blocks_match_the_reference(layout):
+    """Every grad_weight block the tuner may race on a grouped layer, and an uneven one, gives the reference's
+    gradient."""
+    g, args = _layer("grouped_dilated")
+    dtype = "float32"
+    blocks = direct.grad_weight_blocks(g, dtype, layout)
+    assert len(blocks) > 1
+    x, w, b, go = _data(g, dtype, seed=7)
+    want = reference.conv_transpose2d_backward(*(_values(a, dtype) for a in (go, x, w)), **args)[1]
+    to_layout = _nhwc if layout == "nhwc" else np.ascontiguousarray
+    for block in blocks[1:] + UNEVEN_GRAD_WEIGHT_BLOCKS[layout]:
+        plans = direct.plan_grad_weight(g, dtype, 4, layout, block)
+        gw, _ = _split_k(*plans, (to_layout(x), to_layout(go)), g.weight_shape, dtype)
+        _close(gw, want, TOLERANCE[dtype], f"{layout} grad_weight block {block}", dtype)
+
+
 def test_the_layers_reach_the_planners_branches():
     def constants(name, plan):
         g, _ = _layer(name)

@@ -1,0 +1,65 @@
+"""The direct family's planner: the grad_weight thread blocks the tuner races, and the blocks it refuses."""
+from __future__ import annotations
+
+import pytest
+
+from cupyconv.core.device import ASSUMED
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import direct, table
+from cupyconv.tuning.variants import Variant
+
+
+def _geometry(x_shape, w_shape, **kwargs):
+    params = ConvParams.from_args(**kwargs)
+    return geometry(x_shape, w_shape, None, params)
+
+
+GROUPED = _geometry((16, 32, 128, 256), (32, 16, 3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4)
+DEPTHWISE = _geometry((16, 128, 64, 64), (128, 1, 4, 4), stride=2, padding=1, groups=128)
+DENSE_THIN = _geometry((8, 32, 64, 64), (32, 16, 3, 3))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_grouped_layers_race_grad_weight_blocks_under_the_accumulator_cap(layout):
+    blocks = direct.grad_weight_blocks(GROUPED, "float16", layout)
+    assert blocks[0] == (8, 1, 1)   # the heuristic's: all eight input channels, one kernel row
+    assert len(blocks) == len(set(blocks)) > 1
+    assert (8, 1, 3) in blocks   # every kernel row in one thread
+    for ic, oc, kh in blocks:
+        assert ic * oc * kh * GROUPED.kernel[1] <= 128
+        assert oc == 1 or layout == "nchw"   # a channels_last thread holds one output channel
+    if layout == "nchw":
+        assert (8, 2, 1) in blocks
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_grad_weight_candidates_name_their_blocks_and_plan_them(layout):
+    cands = table.candidates("grad_weight", GROUPED, "bfloat16", layout, "strict", ASSUMED)
+    assert cands[0] == Variant("direct")
+    blocks = direct.grad_weight_blocks(GROUPED, "bfloat16", layout)
+    assert [v.kwargs.get("tile") for v in cands[1:]] == ["x".join(map(str, b)) for b in blocks[1:]]
+    specs = set()
+    for v, block in zip(cands, blocks):
+        assert Variant.parse(v.name) == v
+        partial = table.plan("grad_weight", v, GROUPED, "bfloat16", layout).plans()[0]
+        constants = dict(partial.spec.constants)
+        assert (constants["IC_BLOCK"], constants.get("OC_BLOCK", 1), constants["KH_BLOCK"]) == block
+        specs.add(partial.spec)
+    assert len(specs) == len(blocks)
+
+
+def test_only_the_heuristic_where_blocks_would_not_pay_or_fit():
+    assert direct.grad_weight_blocks(GROUPED, "float64", "nchw") == [(8, 1, 1)]   # double accumulators
+    assert len(direct.grad_weight_blocks(DEPTHWISE, "float16", "nhwc")) == 1    # nothing to block
+    for layout in ("nchw", "nhwc"):   # a tensor-core family runs it: the direct kernels race their heuristic
+        assert len(direct.grad_weight_blocks(DENSE_THIN, "float16", layout)) == 1
+        direct_cands = [v for v in table.candidates("grad_weight", DENSE_THIN, "float16", layout, "strict", ASSUMED)
+                        if v.family == "direct"]
+        assert direct_cands == [Variant("direct")]
+
+
+@pytest.mark.parametrize("layout,block", [("nchw", (9, 1, 1)), ("nchw", (8, 17, 1)), ("nchw", (8, 1, 4)),
+                                          ("nchw", (0, 1, 1)), ("nhwc", (8, 2, 1))])
+def test_a_block_the_layer_cannot_hold_is_refused(layout, block):
+    with pytest.raises(ValueError, match="block"):
+        direct.plan_grad_weight(GROUPED, "float16", 132, layout, block)
