@@ -1,4 +1,5 @@
-"""The direct family's planner: the grad_weight thread blocks the tuner races, and the blocks it refuses."""
+"""The direct family's planner: the grad_input and grad_weight thread blocks the tuner races, and the blocks it
+refuses."""
 from __future__ import annotations
 
 import pytest
@@ -63,3 +64,52 @@ def test_only_the_heuristic_where_blocks_would_not_pay_or_fit():
 def test_a_block_the_layer_cannot_hold_is_refused(layout, block):
     with pytest.raises(ValueError, match="block"):
         direct.plan_grad_weight(GROUPED, "float16", 132, layout, block)
+
+
+G8_3X3 = _geometry((16, 64, 64, 64), (64, 8, 3, 3), stride=1, padding=1, groups=8)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_grouped_layers_race_grad_input_blocks_of_more_accumulators(layout):
+    for g in (GROUPED, G8_3X3):
+        blocks = direct.grad_input_blocks(g, "float16", layout)
+        heuristic = blocks[0]
+        assert len(blocks) == len(set(blocks)) > 1
+        sw, dw, kw = g.params.stride[1], g.params.dilation[1], g.kernel[1]
+        for ic, cells in blocks:
+            assert ic * cells <= 64 and (cells - 1) * sw + (kw - 1) * dw + 1 <= 32
+            assert ic >= heuristic[0]   # fewer channels a thread never won
+            assert layout == "nchw" or g.in_per_group % ic == 0   # a channels_last thread's channels in one group
+    assert direct.grad_input_blocks(GROUPED, "float16", "nchw") == [(8, 4), (8, 8), (8, 2)]
+    assert (4, 16) in direct.grad_input_blocks(G8_3X3, "float16", "nhwc")
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_grad_input_candidates_name_their_blocks_and_plan_them(layout):
+    cands = table.candidates("grad_input", GROUPED, "bfloat16", layout, "strict", ASSUMED)
+    assert cands[0] == Variant("direct")
+    blocks = direct.grad_input_blocks(GROUPED, "bfloat16", layout)
+    assert [v.kwargs.get("tile") for v in cands[1:]] == ["x".join(map(str, b)) for b in blocks[1:]]
+    specs = set()
+    for v, (ic, cells) in zip(cands, blocks):
+        assert Variant.parse(v.name) == v
+        (plan,) = table.plan("grad_input", v, GROUPED, "bfloat16", layout).plans()
+        constants = dict(plan.spec.constants)
+        assert (constants["IC_BLOCK" if layout == "nchw" else "ICB"], constants["CELLS"]) == (ic, cells)
+        assert plan.scalars[-1] == -(-GROUPED.in_size[1] // cells)   # cells_w: a row's runs of pixels
+        specs.add(plan.spec)
+    assert len(specs) == len(blocks)
+
+
+def test_grad_input_races_only_the_heuristic_where_blocks_would_not_pay():
+    assert direct.grad_input_blocks(GROUPED, "float64", "nchw") == [(8, 4)]
+    assert direct.grad_input_blocks(DEPTHWISE, "float16", "nhwc") == [(1, 8)]   # no wider window, one channel
+    for layout in ("nchw", "nhwc"):
+        assert len(direct.grad_input_blocks(DENSE_THIN, "float16", layout)) == 1
+
+
+@pytest.mark.parametrize("layout,block", [("nchw", (9, 4)), ("nchw", (0, 4)), ("nchw", (8, 0)), ("nhwc", (3, 2)),
+                                          ("nhwc", (16, 2))])
+def test_a_grad_input_block_the_layer_cannot_hold_is_refused(layout, block):
+    with pytest.raises(ValueError, match="block|channels"):
+        direct.plan_grad_input(GROUPED, "float16", layout, block)

@@ -167,6 +167,31 @@ def test_grad_weight_thread_blocks_match_the_reference(layout):
         _close(gw, want, TOLERANCE[dtype], f"{layout} grad_weight block {block}", dtype)
 
 
+# Blocks beside the ones the tuner races: input channels that leave a remainder (NCHW), and pixels a row does not
+# divide.
+UNEVEN_GRAD_INPUT_BLOCKS = {"nchw": [(3, 3)], "nhwc": [(1, 3)]}
+# Eight input channels a group, so both layouts race blocks of more channels and pixels; dilated columns.
+GRAD_INPUT_BLOCK_LAYER = ((2, 16, 5, 19), (16, 3, 3, 3), dict(stride=(2, 1), padding=1, dilation=(1, 2), groups=2))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_grad_input_thread_blocks_match_the_reference(layout, monkeypatch):
+    """Every grad_input block the tuner may race on a grouped layer, and an uneven one, gives the reference's
+    gradient."""
+    monkeypatch.setitem(LAYERS, "grad_input_blocks", GRAD_INPUT_BLOCK_LAYER)
+    g, args = _layer("grad_input_blocks")
+    dtype = "float16"
+    blocks = direct.grad_input_blocks(g, dtype, layout)
+    assert len(blocks) > 1
+    x, w, b, go = _data(g, dtype, seed=11)
+    want = reference.conv_transpose2d_backward(*(_values(a, dtype) for a in (go, x, w)), **args)[0]
+    to_layout, from_layout = (_nhwc, _nchw) if layout == "nhwc" else (np.ascontiguousarray,) * 2
+    for block in blocks[1:] + UNEVEN_GRAD_INPUT_BLOCKS[layout]:
+        plan = direct.plan_grad_input(g, dtype, layout, block)
+        *_, gi = cuda_emulator.run(plan, [to_layout(go), w, to_layout(_empty(g.input_shape, dtype))], ["half_t"] * 3)
+        _close(from_layout(gi), want, TOLERANCE[dtype], f"{layout} grad_input block {block}", dtype)
+
+
 def test_the_layers_reach_the_planners_branches():
     def constants(name, plan):
         g, _ = _layer(name)
@@ -219,7 +244,7 @@ def test_nhwc_blocks_walking_several_images(name, dtype, monkeypatch):
     x64, w64, b64, go64 = (_values(a, dtype) for a in (x, w, b, go))
     ctype, tol = C_TYPE[dtype], TOLERANCE[dtype]
     fwd = direct._plan_forward_nhwc(g, dtype, True)
-    gi_plan = direct._plan_grad_input_nhwc(g, dtype)
+    gi_plan = direct._plan_grad_input_nhwc(g, dtype, *direct._grad_input_block(g, dtype, "nhwc"))
     assert fwd.grid[2] < g.batch and gi_plan.grid[2] < g.batch
     *_, y = cuda_emulator.run(fwd, [_nhwc(x), w, b, _nhwc(_empty(g.output_shape, dtype))], [ctype] * 4)
     _close(_nchw(y), reference.conv_transpose2d(x64, w64, b64, **args), tol, f"{name} forward", dtype)

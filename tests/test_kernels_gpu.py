@@ -214,9 +214,10 @@ def test_direct_kernel_edge_tilings(name, dtype_name, layout):
         assert_close(a, e, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} {what}")
 
 
-# Grouped layers whose grad_weight the tuner races thread blocks for: several split-K chunks, a remainder of
-# output channels (5 a group in blocks of 2), and the seed layer's dilated 3 x 5 taps in miniature.
-GRAD_WEIGHT_BLOCK_LAYERS = {
+# Grouped layers whose grad_input and grad_weight the tuner races thread blocks for: several split-K chunks, a
+# remainder of output channels (5 a group in blocks of 2), rows of 19, 30 and 52 pixels that leave runs of every
+# block's pixels unfinished, and the seed layer's dilated 3 x 5 taps in miniature.
+RACED_BLOCK_LAYERS = {
     "grouped_dilated": ((4, 32, 40, 52), (32, 16, 3, 5),
                         dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4)),
     "g8_3x3": ((3, 64, 33, 30), (64, 8, 3, 3), dict(stride=1, padding=1, groups=8)),
@@ -226,9 +227,9 @@ GRAD_WEIGHT_BLOCK_LAYERS = {
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("name", list(GRAD_WEIGHT_BLOCK_LAYERS))
+@pytest.mark.parametrize("name", list(RACED_BLOCK_LAYERS))
 def test_every_raced_grad_weight_block(name, dtype_name, layout):
-    x_shape, w_shape, kwargs = GRAD_WEIGHT_BLOCK_LAYERS[name]
+    x_shape, w_shape, kwargs = RACED_BLOCK_LAYERS[name]
     g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
     blocks = direct.grad_weight_blocks(g, dtype_name, layout)
     assert len(blocks) > 1
@@ -248,6 +249,32 @@ def test_every_raced_grad_weight_block(name, dtype_name, layout):
         ran_block = tuple(ran[0].get(k, 1) for k in ("IC_BLOCK", "OC_BLOCK", "KH_BLOCK"))
         assert "x".join(map(str, ran_block)) == v.kwargs.get("tile", "x".join(map(str, blocks[0])))
         assert_close(got, want, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} grad_weight {v.name}")
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(RACED_BLOCK_LAYERS))
+def test_every_raced_grad_input_block(name, dtype_name, layout):
+    x_shape, w_shape, kwargs = RACED_BLOCK_LAYERS[name]
+    g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+    blocks = direct.grad_input_blocks(g, dtype_name, layout)
+    assert len(blocks) > 1
+    variants = [v for v in table.candidates("grad_input", g, dtype_name, layout, "tf32", device.get(0))
+                if v.family == "direct"]
+    assert len(variants) == len(blocks)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    dt = torch_dtype(dtype_name)
+    x, w, go = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
+                for shape in (x_shape, w_shape, g.output_shape))
+    want = torch_reference(kwargs, x, w, None, go)[1]
+    for v in variants:
+        with decide.pinned({"grad_input": v}), launch.watch() as seen:
+            got = cupyconv_raw(kwargs, x, w, None, go, dtype_name, layout)[1]
+        ran = [dict(p.spec.constants) for _, p in seen if p.spec.function.startswith("conv_transpose2d_grad_input")]
+        assert len(ran) == 1
+        ran_block = (ran[0]["IC_BLOCK" if layout == "nchw" else "ICB"], ran[0]["CELLS"])
+        assert "x".join(map(str, ran_block)) == v.kwargs.get("tile", "x".join(map(str, blocks[0])))
+        assert_close(got, want, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} grad_input {v.name}")
 
 
 @pytest.mark.parametrize("channels", [3, 32, 300])
