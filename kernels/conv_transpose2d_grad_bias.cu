@@ -24,23 +24,10 @@ typedef PartialOut<SINGLE_CHUNK, scalar_t, acc_t>::type partial_t;
 // of the result, and this pass is bound by memory, so the wider adds cost nothing.
 typedef double sum_t;
 
-static_assert(VEC == 1 || VEC * sizeof(scalar_t) == 16, "a thread reads one channel or a 16-byte run of them");
 static_assert(!CHANNELS_LAST || CHANNEL_TILE % VEC == 0, "a channels_last tile holds whole runs");
 
-// VEC neighbouring channels of one pixel, as stored.
-struct ChannelRun {
-    union {
-        uint4 bytes;
-        scalar_t v[VEC];
-    };
-};
-
-__device__ __forceinline__ ChannelRun load_run(const scalar_t* p) {
-    ChannelRun run;
-    if constexpr (VEC == 1) run.v[0] = load_raw(p);
-    else run.bytes = __ldg(reinterpret_cast<const uint4*>(p));
-    return run;
-}
+// VEC neighbouring channels of one pixel (channels_last) or values of one plane (NCHW), as stored.
+typedef Run<scalar_t, VEC> ChannelRun;
 
 __device__ __forceinline__ void add_run(const ChannelRun& run, sum_t (&acc)[VEC]) {
 #pragma unroll
@@ -93,11 +80,12 @@ conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partia
                 for (; p + (UNROLL - 1) * PIXEL_LANES < p1; p += UNROLL * PIXEL_LANES) {
                     ChannelRun runs[UNROLL];
 #pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) runs[u] = load_run(grad_out + (p + u * PIXEL_LANES) * COUT + c);
+                    for (int u = 0; u < UNROLL; ++u)
+                        runs[u] = load_run<VEC>(grad_out + (p + u * PIXEL_LANES) * COUT + c);
 #pragma unroll
                     for (int u = 0; u < UNROLL; ++u) add_run(runs[u], acc);
                 }
-                for (; p < p1; p += PIXEL_LANES) add_run(load_run(grad_out + p * COUT + c), acc);
+                for (; p < p1; p += PIXEL_LANES) add_run(load_run<VEC>(grad_out + p * COUT + c), acc);
             }
             if (pixel_lane < PIXEL_LANES) {
 #pragma unroll
@@ -146,14 +134,14 @@ conv_transpose2d_grad_bias_partial(const scalar_t* __restrict__ grad_out, partia
             ChannelRun runs[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                runs[u] = load_run(planes + n * image_stride + within);
+                runs[u] = load_run<VEC>(planes + n * image_stride + within);
                 next_run(n, within, step_images, step_rest, hw);
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) add_run(runs[u], acc);
         }
         for (; e < e1; e += STEP) {
-            add_run(load_run(planes + n * image_stride + within), acc);
+            add_run(load_run<VEC>(planes + n * image_stride + within), acc);
             next_run(n, within, step_images, step_rest, hw);
         }
         sum_t s = acc[0];

@@ -113,3 +113,27 @@ def test_grad_input_races_only_the_heuristic_where_blocks_would_not_pay():
 def test_a_grad_input_block_the_layer_cannot_hold_is_refused(layout, block):
     with pytest.raises(ValueError, match="block|channels"):
         direct.plan_grad_input(GROUPED, "float16", layout, block)
+
+
+@pytest.mark.parametrize("dtype,run", [("float16", 8), ("bfloat16", 8), ("float32", 4), ("float64", 2)])
+def test_channels_last_grad_input_reads_grad_output_in_16_byte_runs_where_it_can(dtype, run):
+    def oc_vec(g, aligned=True):
+        return dict(direct.plan_grad_input(g, dtype, "nhwc", aligned=aligned).spec.constants)["OC_VEC"]
+
+    assert oc_vec(GROUPED) == run                  # 16 output channels a group
+    assert oc_vec(GROUPED, aligned=False) == 1     # grad_output off a 16-byte boundary
+    assert oc_vec(DEPTHWISE) == 1                  # one channel a group
+    odd = _geometry((2, 24, 9, 9), (24, 6, 3, 3), stride=2, groups=4)   # 6 channels a group: runs would straddle
+    assert oc_vec(odd) == (run if 6 % run == 0 else 1)
+    for g in (GROUPED, DEPTHWISE):   # the NCHW kernel has no such runs
+        assert "OC_VEC" not in dict(direct.plan_grad_input(g, dtype, "nchw").spec.constants)
+
+
+def test_staged_weight_chunks_hold_whole_runs_of_output_channels():
+    def constants(w_shape):
+        g = _geometry((2, w_shape[0], 9, 9), w_shape, stride=2)
+        c = dict(direct.plan_grad_input(g, "float16", "nhwc").spec.constants)
+        return c["OC_VEC"], c["OC_CHUNK"]
+
+    assert constants((32, 32, 5, 5)) == (8, 8)    # 12 channels' weights fit: staged 8 at a time
+    assert constants((64, 64, 7, 7)) == (1, 3)    # not even 8 fit: a channel at a time

@@ -170,8 +170,9 @@ def test_grad_weight_thread_blocks_match_the_reference(layout):
 # Blocks beside the ones the tuner races: input channels that leave a remainder (NCHW), and pixels a row does not
 # divide.
 UNEVEN_GRAD_INPUT_BLOCKS = {"nchw": [(3, 3)], "nhwc": [(1, 3)]}
-# Eight input channels a group, so both layouts race blocks of more channels and pixels; dilated columns.
-GRAD_INPUT_BLOCK_LAYER = ((2, 16, 5, 19), (16, 3, 3, 3), dict(stride=(2, 1), padding=1, dilation=(1, 2), groups=2))
+# Eight input and output channels a group: both layouts race blocks of more channels and pixels, and channels_last
+# fp16 reads grad_output in 16-byte runs of eight channels; dilated columns.
+GRAD_INPUT_BLOCK_LAYER = ((2, 16, 5, 19), (16, 8, 3, 3), dict(stride=(2, 1), padding=1, dilation=(1, 2), groups=2))
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -190,6 +191,23 @@ def test_grad_input_thread_blocks_match_the_reference(layout, monkeypatch):
         plan = direct.plan_grad_input(g, dtype, layout, block)
         *_, gi = cuda_emulator.run(plan, [to_layout(go), w, to_layout(_empty(g.input_shape, dtype))], ["half_t"] * 3)
         _close(from_layout(gi), want, TOLERANCE[dtype], f"{layout} grad_input block {block}", dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_nhwc_grad_input_reads_runs_of_channels_staged_in_chunks(dtype, monkeypatch):
+    """32 output channels whose 5 x 5 weights are staged a chunk at a time (fp32: 12, three runs of four; fp16: 8,
+    one run of eight), read in 16-byte runs; and the same layer read a channel at a time."""
+    monkeypatch.setitem(LAYERS, "runs_in_chunks", ((1, 32, 3, 4), (32, 32, 5, 5), dict(stride=2, padding=1)))
+    g, args = _layer("runs_in_chunks")
+    x, w, b, go = _data(g, dtype, seed=3)
+    want = reference.conv_transpose2d_backward(*(_values(a, dtype) for a in (go, x, w)), **args)[0]
+    for aligned in (True, False):
+        plan = direct.plan_grad_input(g, dtype, "nhwc", aligned=aligned)
+        constants = dict(plan.spec.constants)
+        assert constants["OC_VEC"] == ((16 // np.dtype(dtype).itemsize) if aligned else 1)
+        assert constants["OC_CHUNK"] < 32
+        *_, gi = cuda_emulator.run(plan, [_nhwc(go), w, _nhwc(_empty(g.input_shape, dtype))], [C_TYPE[dtype]] * 3)
+        _close(_nchw(gi), want, TOLERANCE[dtype], f"grad_input, runs {constants['OC_VEC']}", dtype)
 
 
 def test_the_layers_reach_the_planners_branches():
@@ -244,7 +262,8 @@ def test_nhwc_blocks_walking_several_images(name, dtype, monkeypatch):
     x64, w64, b64, go64 = (_values(a, dtype) for a in (x, w, b, go))
     ctype, tol = C_TYPE[dtype], TOLERANCE[dtype]
     fwd = direct._plan_forward_nhwc(g, dtype, True)
-    gi_plan = direct._plan_grad_input_nhwc(g, dtype, *direct._grad_input_block(g, dtype, "nhwc"))
+    gi_plan = direct._plan_grad_input_nhwc(g, dtype, *direct._grad_input_block(g, dtype, "nhwc"),
+                                           direct.channel_runs(g, dtype, True))
     assert fwd.grid[2] < g.batch and gi_plan.grid[2] < g.batch
     *_, y = cuda_emulator.run(fwd, [_nhwc(x), w, b, _nhwc(_empty(g.output_shape, dtype))], [ctype] * 4)
     _close(_nchw(y), reference.conv_transpose2d(x64, w64, b64, **args), tol, f"{name} forward", dtype)

@@ -267,14 +267,30 @@ def test_every_raced_grad_input_block(name, dtype_name, layout):
     x, w, go = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
                 for shape in (x_shape, w_shape, g.output_shape))
     want = torch_reference(kwargs, x, w, None, go)[1]
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    go = go.contiguous(memory_format=fmt)
+    launcher = launch.Launcher(0, torch.cuda.current_stream().cuda_stream, None)
     for v in variants:
+        got = torch.full(x_shape, float("nan"), dtype=dt, device="cuda").contiguous(memory_format=fmt)
+        # grad_input alone: every block compiles, and nothing else needs to
         with decide.pinned({"grad_input": v}), launch.watch() as seen:
-            got = cupyconv_raw(kwargs, x, w, None, go, dtype_name, layout)[1]
+            engine.grad_input(g, dtype_name, go.data_ptr(), w.data_ptr(), got.data_ptr(), launcher, layout)
         ran = [dict(p.spec.constants) for _, p in seen if p.spec.function.startswith("conv_transpose2d_grad_input")]
         assert len(ran) == 1
         ran_block = (ran[0]["IC_BLOCK" if layout == "nchw" else "ICB"], ran[0]["CELLS"])
         assert "x".join(map(str, ran_block)) == v.kwargs.get("tile", "x".join(map(str, blocks[0])))
+        if layout == "nhwc":   # 16-byte runs of output channels where a group's channels come in whole runs
+            assert ran[0]["OC_VEC"] == (16 // go.element_size() if g.out_per_group % (16 // go.element_size()) == 0
+                                        else 1)
         assert_close(got, want, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} grad_input {v.name}")
+    # grad_output one element past an aligned address: read a channel at a time
+    shifted = torch.empty(go.numel() + 1, dtype=dt, device="cuda")[1:].as_strided(go.shape, go.stride())
+    shifted.copy_(go)
+    got = torch.full(x_shape, float("nan"), dtype=dt, device="cuda").contiguous(memory_format=fmt)
+    with launch.watch() as seen:
+        engine.grad_input(g, dtype_name, shifted.data_ptr(), w.data_ptr(), got.data_ptr(), launcher, layout)
+    assert all(dict(p.spec.constants).get("OC_VEC", 1) == 1 for _, p in seen)
+    assert_close(got, want, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} grad_input, unaligned")
 
 
 @pytest.mark.parametrize("channels", [3, 32, 300])

@@ -178,9 +178,10 @@ def grad_input_blocks(g: Geometry, dtype: str, layout: str = "nchw") -> List[Tup
     layers in 16- and 32-bit dtypes race more than the heuristic.
 
     On an H100 (GPU time, every block of 1 to 8 channels and 1 to 16 pixels timed; heuristic against the best):
-    NCHW fp16 grouped_dilated 414 -> 308 µs (8 x 8); channels_last fp16, 3 x 3 with eight channels a group
-    55 -> 34 µs (4 x 16) and 4 x 4 with sixteen 429 -> 177 µs (8 x 8).  The heuristic stayed fastest on NCHW
-    float32 and on channels_last grouped_dilated; blocks of fewer channels never won."""
+    NCHW fp16 grouped_dilated 414 -> 308 µs (8 x 8), where the heuristic stayed fastest in float32.  channels_last
+    with 16-byte runs of output channels (:func:`channel_runs`), fp16: grouped_dilated 416 -> 368 µs (8 x 4), a
+    3 x 3 layer of eight channels a group 40 -> 32 µs (8 x 8), a 4 x 4 one of sixteen 377 -> 153 µs (8 x 4).
+    Blocks of fewer channels than the heuristic's never won."""
     heuristic = _grad_input_block(g, dtype, layout)
     if g.groups == 1 or dtypes.get(dtype).accumulator_bytes > 4:
         return [heuristic]
@@ -203,16 +204,18 @@ def grad_input_blocks(g: Geometry, dtype: str, layout: str = "nchw") -> List[Tup
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", block: Optional[Tuple[int, int]] = None) -> Plan:
+def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", block: Optional[Tuple[int, int]] = None,
+                    aligned: bool = True) -> Plan:
     """``block``: (input channels, adjacent input pixels) a thread accumulates (:func:`grad_input_blocks`); None
-    for the heuristic's."""
+    for the heuristic's.  ``aligned``: grad_output starts on 16 bytes (channels_last kernels then read it in
+    16-byte runs of output channels where a group's channels come in whole runs)."""
     dtypes.get(dtype)
     check_layout(layout)
     ic_block, cells = block or _grad_input_block(g, dtype, layout)
     if not (1 <= ic_block <= g.in_per_group and cells >= 1):
         raise ValueError(f"grad_input block {block} does not fit the layer's channels")
     if layout == "nhwc":
-        return _plan_grad_input_nhwc(g, dtype, ic_block, cells)
+        return _plan_grad_input_nhwc(g, dtype, ic_block, cells, channel_runs(g, dtype, aligned))
     _, per_channel = _weight_rows(g, dtype, ic_block)
     if per_channel > _DIRECT_WEIGHT_LIMIT:
         raise ValueError(f"grad_input block {block}: its weight rows need {per_channel} bytes of shared memory")
@@ -402,7 +405,17 @@ def _plan_forward_nhwc(g: Geometry, dtype: str, has_bias: bool) -> Plan:
     return Plan(spec, grid, (lanes * runs, 1, 1), (g.batch, h, w, h_out, w_out, q_h0, q_w0, qh, qw, cells_w), index_t)
 
 
-def _plan_grad_input_nhwc(g: Geometry, dtype: str, icb: int, cells: int) -> Plan:
+def channel_runs(g: Geometry, dtype: str, aligned: bool) -> int:
+    """Output channels a channels_last grad_input thread loads at once: a 16-byte run where grad_output is aligned
+    and each group's channels come in whole runs, else 1.
+
+    Runs against single channels, the heuristic's block (H100, GPU time): grouped_dilated 803 -> 416 µs in fp16
+    and 1224 -> 610 µs in float32 (cuDNN: 499 and 561)."""
+    run = 16 // dtypes.get(dtype).itemsize
+    return run if aligned and g.out_per_group % run == 0 else 1
+
+
+def _plan_grad_input_nhwc(g: Geometry, dtype: str, icb: int, cells: int, oc_vec: int) -> Plan:
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     tile, _, oc_chunk = _nhwc_tile(g, dtype, g.in_channels, g.in_per_group)
     if g.in_per_group % icb or tile % icb:
@@ -413,8 +426,12 @@ def _plan_grad_input_nhwc(g: Geometry, dtype: str, icb: int, cells: int) -> Plan
     h, w = g.in_size
     cells_w = cdiv(w, cells)
     oc_chunk = min(oc_chunk, g.out_per_group)
+    if oc_chunk < g.out_per_group:
+        if oc_chunk < oc_vec:
+            oc_vec = 1   # not even one run of channels' weights fits the staging space
+        oc_chunk = oc_chunk // oc_vec * oc_vec   # staged chunks of whole runs
     constants = layer_constants(g, dtype, index_t)
-    constants.update(IC_TILE=tile, ICB=icb, RUNS=runs, CELLS=cells, OC_CHUNK=oc_chunk)
+    constants.update(IC_TILE=tile, ICB=icb, RUNS=runs, CELLS=cells, OC_CHUNK=oc_chunk, OC_VEC=oc_vec)
     grid = _nhwc_grid(g, h * cells_w, runs, g.in_channels, tile, oc_chunk == g.out_per_group)
     spec = KernelSpec.make("conv_transpose2d_grad_input_nhwc.cu", "conv_transpose2d_grad_input_nhwc", constants)
     return Plan(spec, grid, (lanes * runs, 1, 1), (g.batch, h, w) + g.out_size + (cells_w,), index_t)
@@ -461,7 +478,7 @@ class DirectFamily(Family):
             return OneKernel(plan_forward(g, dtype, has_bias, layout))
         tile = variant.kwargs.get("tile")
         if pass_ == "grad_input":
-            return OneKernel(plan_grad_input(g, dtype, layout, None if tile is None else _tile_pair(tile)))
+            return OneKernel(plan_grad_input(g, dtype, layout, None if tile is None else _tile_pair(tile), aligned))
         return SplitK(*plan_grad_weight(g, dtype, sm_count, layout, None if tile is None else _tile_block(tile)))
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:

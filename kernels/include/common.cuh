@@ -46,6 +46,23 @@ template <typename T16> __device__ __forceinline__ void widen_pair(unsigned word
     v[1] = widen(T16{static_cast<unsigned short>(word >> 16)});
 }
 
+// N neighbouring elements as stored: one 16-byte load where N fills 16 bytes (p then 16-byte aligned), a plain
+// load where N is 1.
+template <typename T, int N>
+struct Run {
+    static_assert(N == 1 || N * sizeof(T) == 16, "one element or a 16-byte run of them");
+    union {
+        uint4 bytes;
+        T v[N];
+    };
+};
+template <int N, typename T> __device__ __forceinline__ Run<T, N> load_run(const T* p) {
+    Run<T, N> run;
+    if constexpr (N == 1) run.v[0] = load_raw(p);
+    else run.bytes = __ldg(reinterpret_cast<const uint4*>(p));
+    return run;
+}
+
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(double* p, double v) { *p = v; }
 __device__ __forceinline__ void store(half_t* p, float v) {
