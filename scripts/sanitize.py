@@ -141,6 +141,13 @@ def base_cases() -> List[Case]:
     for name, (xs, ws, kw) in DIRECT_LAYERS.items():
         for dtype in ("float32", "float16"):
             cases.append(Case(f"direct-{name}-{dtype}-nhwc", xs, ws, kw, name != "depthwise", dtype, layout="nhwc"))
+    # channels_last grad_input reading 16-byte runs of a group's eight output channels (a raced block, and the
+    # heuristic's in fp32's runs of four); one element off a 16-byte boundary it reads a channel at a time
+    xs, ws, kw = (2, 16, 5, 6), (16, 8, 3, 3), _kw(stride=2, padding=1, groups=2)
+    for dtype, variant, unaligned in (("float16", "direct:8x4", False), ("bfloat16", "direct", False),
+                                      ("float32", "direct", False), ("float16", "direct", True)):
+        cases.append(Case(f"direct-runs-{dtype}-nhwc{'-unaligned' if unaligned else ''}", xs, ws, kw, True, dtype,
+                          layout="nhwc", unaligned=unaligned, variants=(("grad_input", variant),)))
     for name, (xs, ws, kw) in LARGE_KERNEL_LAYERS.items():
         for dtype in ("float32", "float64", "float16", "bfloat16"):
             for layout in ("nchw", "nhwc"):
