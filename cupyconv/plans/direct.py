@@ -407,12 +407,14 @@ def _plan_forward_nhwc(g: Geometry, dtype: str, has_bias: bool) -> Plan:
 
 def channel_runs(g: Geometry, dtype: str, aligned: bool) -> int:
     """Output channels a channels_last grad_input thread loads at once: a 16-byte run where grad_output is aligned
-    and each group's channels come in whole runs, else 1.
+    and each group's channels come in whole runs, else 1.  Not in float64, whose runs of two, held for every
+    pixel of a tap in double registers, spill at the widest kernels the direct family runs (1 x 32).
 
     Runs against single channels, the heuristic's block (H100, GPU time): grouped_dilated 803 -> 416 µs in fp16
     and 1224 -> 610 µs in float32 (cuDNN: 499 and 561)."""
-    run = 16 // dtypes.get(dtype).itemsize
-    return run if aligned and g.out_per_group % run == 0 else 1
+    info = dtypes.get(dtype)
+    run = 16 // info.itemsize
+    return run if aligned and info.accumulator_bytes == 4 and g.out_per_group % run == 0 else 1
 
 
 def _plan_grad_input_nhwc(g: Geometry, dtype: str, icb: int, cells: int, oc_vec: int) -> Plan:
