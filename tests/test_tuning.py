@@ -350,7 +350,7 @@ def test_direct_kernels_are_a_candidate_for_thin_layers_only():
             assert depthwise[-1] == DIRECT and len(depthwise) > 1 and {v.family for v in depthwise[:-1]} == {"tiled"}
             assert thin64[0] == DIRECT and len(thin64) > 1 and {v.family for v in thin64[1:]} == {"tiled"}
         else:
-            # the direct kernels' own thread blocks (grad_input's wider pixel runs on depthwise NCHW layers)
+            # the direct kernels' own thread blocks (grad_input's half-pixel block on depthwise NCHW layers)
             assert depthwise[0] == DIRECT and {v.family for v in depthwise} == {"direct"}
             assert thin64 == (DIRECT,)
         # ...and so has a device without tensor cores the kernels can use
