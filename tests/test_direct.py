@@ -33,19 +33,32 @@ def test_grouped_layers_race_grad_weight_blocks_under_the_accumulator_cap(layout
         assert (8, 2, 1) in blocks
 
 
+BLOCKS = {"grad_input": direct.grad_input_blocks, "grad_weight": direct.grad_weight_blocks}
+
+
+def _planned_block(pass_, plan, layout):
+    """The block a pass's (first) kernel was planned for, as :data:`BLOCKS` lists it."""
+    constants = dict(plan.spec.constants)
+    if pass_ == "grad_weight":
+        return constants["IC_BLOCK"], constants.get("OC_BLOCK", 1), constants["KH_BLOCK"]
+    return constants["IC_BLOCK" if layout == "nchw" else "ICB"], constants["CELLS"]
+
+
+@pytest.mark.parametrize("pass_", list(BLOCKS))
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_grad_weight_candidates_name_their_blocks_and_plan_them(layout):
-    cands = table.candidates("grad_weight", GROUPED, "bfloat16", layout, "strict", ASSUMED)
+def test_raced_candidates_name_their_blocks_and_plan_them(pass_, layout):
+    cands = table.candidates(pass_, GROUPED, "bfloat16", layout, "strict", ASSUMED)
     assert cands[0] == Variant("direct")
-    blocks = direct.grad_weight_blocks(GROUPED, "bfloat16", layout)
+    blocks = BLOCKS[pass_](GROUPED, "bfloat16", layout)
     assert [v.kwargs.get("tile") for v in cands[1:]] == ["x".join(map(str, b)) for b in blocks[1:]]
     specs = set()
     for v, block in zip(cands, blocks):
         assert Variant.parse(v.name) == v
-        partial = table.plan("grad_weight", v, GROUPED, "bfloat16", layout).plans()[0]
-        constants = dict(partial.spec.constants)
-        assert (constants["IC_BLOCK"], constants.get("OC_BLOCK", 1), constants["KH_BLOCK"]) == block
-        specs.add(partial.spec)
+        plans = table.plan(pass_, v, GROUPED, "bfloat16", layout).plans()
+        assert _planned_block(pass_, plans[0], layout) == block
+        if pass_ == "grad_input":   # one kernel, over runs of a row's pixels (cells_w)
+            assert len(plans) == 1 and plans[0].scalars[-1] == -(-GROUPED.in_size[1] // block[1])
+        specs.add(plans[0].spec)
     assert len(specs) == len(blocks)
 
 
@@ -82,23 +95,6 @@ def test_grouped_layers_race_grad_input_blocks_of_more_accumulators(layout):
             assert layout == "nchw" or g.in_per_group % ic == 0   # a channels_last thread's channels in one group
     assert direct.grad_input_blocks(GROUPED, "float16", "nchw") == [(8, 4), (8, 8), (8, 2)]
     assert (4, 16) in direct.grad_input_blocks(G8_3X3, "float16", "nhwc")
-
-
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_grad_input_candidates_name_their_blocks_and_plan_them(layout):
-    cands = table.candidates("grad_input", GROUPED, "bfloat16", layout, "strict", ASSUMED)
-    assert cands[0] == Variant("direct")
-    blocks = direct.grad_input_blocks(GROUPED, "bfloat16", layout)
-    assert [v.kwargs.get("tile") for v in cands[1:]] == ["x".join(map(str, b)) for b in blocks[1:]]
-    specs = set()
-    for v, (ic, cells) in zip(cands, blocks):
-        assert Variant.parse(v.name) == v
-        (plan,) = table.plan("grad_input", v, GROUPED, "bfloat16", layout).plans()
-        constants = dict(plan.spec.constants)
-        assert (constants["IC_BLOCK" if layout == "nchw" else "ICB"], constants["CELLS"]) == (ic, cells)
-        assert plan.scalars[-1] == -(-GROUPED.in_size[1] // cells)   # cells_w: a row's runs of pixels
-        specs.add(plan.spec)
-    assert len(specs) == len(blocks)
 
 
 def test_grad_input_races_only_the_heuristic_where_blocks_would_not_pay():

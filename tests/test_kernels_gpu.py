@@ -225,29 +225,43 @@ RACED_BLOCK_LAYERS = {
 }
 
 
+def _raced_block_case(name, pass_, dtype_name, layout, seed):
+    """A layer of RACED_BLOCK_LAYERS for ``pass_``: its arguments and geometry, the direct variants the pass table
+    lists (one per block, the heuristic's first) with each one's block as its tile names it, and x, w and
+    grad_output drawn in float64 and rounded to the dtype."""
+    x_shape, w_shape, kwargs = RACED_BLOCK_LAYERS[name]
+    g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+    blocks = (direct.grad_input_blocks if pass_ == "grad_input" else direct.grad_weight_blocks)(g, dtype_name, layout)
+    assert len(blocks) > 1
+    variants = [v for v in table.candidates(pass_, g, dtype_name, layout, "tf32", device.get(0))
+                if v.family == "direct"]
+    assert len(variants) == len(blocks)
+    tiles = [v.kwargs.get("tile", "x".join(map(str, blocks[0]))) for v in variants]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch_dtype(dtype_name)
+    data = tuple(torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
+                 for shape in (x_shape, w_shape, g.output_shape))
+    return kwargs, g, list(zip(variants, tiles)), data
+
+
+def _launched(seen, function):
+    """The constants of the one launch of ``function`` that ``launch.watch`` saw."""
+    ran = [dict(p.spec.constants) for _, p in seen if p.spec.function.startswith(function)]
+    assert len(ran) == 1
+    return ran[0]
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("name", list(RACED_BLOCK_LAYERS))
 def test_every_raced_grad_weight_block(name, dtype_name, layout):
-    x_shape, w_shape, kwargs = RACED_BLOCK_LAYERS[name]
-    g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
-    blocks = direct.grad_weight_blocks(g, dtype_name, layout)
-    assert len(blocks) > 1
-    variants = [v for v in table.candidates("grad_weight", g, dtype_name, layout, "tf32", device.get(0))
-                if v.family == "direct"]
-    assert len(variants) == len(blocks)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    dt = torch_dtype(dtype_name)
-    x, w, go = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
-                for shape in (x_shape, w_shape, g.output_shape))
+    kwargs, _, variants, (x, w, go) = _raced_block_case(name, "grad_weight", dtype_name, layout, seed=5)
     want = torch_reference(kwargs, x, w, None, go)[2]
-    for v in variants:
+    for v, tile in variants:
         with decide.pinned({"grad_weight": v}), launch.watch() as seen:
             got = cupyconv_raw(kwargs, x, w, None, go, dtype_name, layout)[2]
-        ran = [dict(p.spec.constants) for _, p in seen if p.spec.function.startswith("conv_transpose2d_grad_weight")]
-        assert len(ran) == 1
-        ran_block = tuple(ran[0].get(k, 1) for k in ("IC_BLOCK", "OC_BLOCK", "KH_BLOCK"))
-        assert "x".join(map(str, ran_block)) == v.kwargs.get("tile", "x".join(map(str, blocks[0])))
+        ran = _launched(seen, "conv_transpose2d_grad_weight")
+        assert "x".join(str(ran.get(k, 1)) for k in ("IC_BLOCK", "OC_BLOCK", "KH_BLOCK")) == tile
         assert_close(got, want, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} grad_weight {v.name}")
 
 
@@ -255,38 +269,26 @@ def test_every_raced_grad_weight_block(name, dtype_name, layout):
 @pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("name", list(RACED_BLOCK_LAYERS))
 def test_every_raced_grad_input_block(name, dtype_name, layout):
-    x_shape, w_shape, kwargs = RACED_BLOCK_LAYERS[name]
-    g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
-    blocks = direct.grad_input_blocks(g, dtype_name, layout)
-    assert len(blocks) > 1
-    variants = [v for v in table.candidates("grad_input", g, dtype_name, layout, "tf32", device.get(0))
-                if v.family == "direct"]
-    assert len(variants) == len(blocks)
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    dt = torch_dtype(dtype_name)
-    x, w, go = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float64).to(dt)
-                for shape in (x_shape, w_shape, g.output_shape))
+    kwargs, g, variants, (x, w, go) = _raced_block_case(name, "grad_input", dtype_name, layout, seed=6)
     want = torch_reference(kwargs, x, w, None, go)[1]
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     go = go.contiguous(memory_format=fmt)
     launcher = launch.Launcher(0, torch.cuda.current_stream().cuda_stream, None)
-    for v in variants:
-        got = torch.full(x_shape, float("nan"), dtype=dt, device="cuda").contiguous(memory_format=fmt)
+    for v, tile in variants:
+        got = torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda").contiguous(memory_format=fmt)
         # grad_input alone: every block compiles, and nothing else needs to
         with decide.pinned({"grad_input": v}), launch.watch() as seen:
             engine.grad_input(g, dtype_name, go.data_ptr(), w.data_ptr(), got.data_ptr(), launcher, layout)
-        ran = [dict(p.spec.constants) for _, p in seen if p.spec.function.startswith("conv_transpose2d_grad_input")]
-        assert len(ran) == 1
-        ran_block = (ran[0]["IC_BLOCK" if layout == "nchw" else "ICB"], ran[0]["CELLS"])
-        assert "x".join(map(str, ran_block)) == v.kwargs.get("tile", "x".join(map(str, blocks[0])))
+        ran = _launched(seen, "conv_transpose2d_grad_input")
+        assert f"{ran['IC_BLOCK' if layout == 'nchw' else 'ICB']}x{ran['CELLS']}" == tile
         if layout == "nhwc":   # 16-byte runs of output channels where a group's channels come in whole runs
-            assert ran[0]["OC_VEC"] == (16 // go.element_size() if g.out_per_group % (16 // go.element_size()) == 0
-                                        else 1)
+            run = 16 // go.element_size()
+            assert ran["OC_VEC"] == (run if g.out_per_group % run == 0 else 1)
         assert_close(got, want, TOLERANCE[dtype_name], f"{name} {dtype_name} {layout} grad_input {v.name}")
     # grad_output one element past an aligned address: read a channel at a time
-    shifted = torch.empty(go.numel() + 1, dtype=dt, device="cuda")[1:].as_strided(go.shape, go.stride())
+    shifted = torch.empty(go.numel() + 1, dtype=go.dtype, device="cuda")[1:].as_strided(go.shape, go.stride())
     shifted.copy_(go)
-    got = torch.full(x_shape, float("nan"), dtype=dt, device="cuda").contiguous(memory_format=fmt)
+    got = torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda").contiguous(memory_format=fmt)
     with launch.watch() as seen:
         engine.grad_input(g, dtype_name, shifted.data_ptr(), w.data_ptr(), got.data_ptr(), launcher, layout)
     assert all(dict(p.spec.constants).get("OC_VEC", 1) == 1 for _, p in seen)

@@ -277,18 +277,13 @@ def grad_weight_blocks(g: Geometry, dtype: str, layout: str = "nchw") -> List[Tu
     return found
 
 
-def _block_tile(block: Tuple[int, int, int]) -> str:
+def _block_tile(block: Tuple[int, ...]) -> str:
     return "x".join(map(str, block))
 
 
-def _tile_pair(tile: str) -> Tuple[int, int]:
-    ic, cells = (int(v) for v in tile.split("x"))
-    return ic, cells
-
-
-def _tile_block(tile: str) -> Tuple[int, int, int]:
-    ic, oc, kh = (int(v) for v in tile.split("x"))
-    return ic, oc, kh
+def _tile_block(tile: str) -> Tuple[int, ...]:
+    """The block a variant's tile names (the inverse of :func:`_block_tile`)."""
+    return tuple(int(v) for v in tile.split("x"))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -479,13 +474,14 @@ class DirectFamily(Family):
         if pass_ == "forward":
             return OneKernel(plan_forward(g, dtype, has_bias, layout))
         tile = variant.kwargs.get("tile")
+        block = None if tile is None else _tile_block(tile)
         if pass_ == "grad_input":
-            return OneKernel(plan_grad_input(g, dtype, layout, None if tile is None else _tile_pair(tile), aligned))
-        return SplitK(*plan_grad_weight(g, dtype, sm_count, layout, None if tile is None else _tile_block(tile)))
+            return OneKernel(plan_grad_input(g, dtype, layout, block, aligned))
+        return SplitK(*plan_grad_weight(g, dtype, sm_count, layout, block))
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        """grad_weight's thread blocks (:func:`grad_weight_blocks`, the heuristic's as the plain variant); the
-        forward and grad_input run their heuristic only."""
+        """grad_input's and grad_weight's thread blocks (:func:`grad_input_blocks`, :func:`grad_weight_blocks`),
+        the heuristic's as the plain variant; the forward runs its heuristic only."""
         if pass_ == "forward":
             return [Variant(self.name)]
         blocks = (grad_input_blocks if pass_ == "grad_input" else grad_weight_blocks)(g, dtype, layout)
