@@ -12,7 +12,7 @@ import pytest
 
 from cupyconv.core import dtypes
 from cupyconv.jit import compiler
-from cupyconv.plans import direct, expanded_taps, gemm, launch, reduction, scatter_gemm, table, wgmma
+from cupyconv.plans import direct, expanded_taps, gemm, grouped_mma, launch, reduction, scatter_gemm, table, wgmma
 from cupyconv.jit.compiler import KernelCompileError, KernelSpec, compile_ptx
 from cupyconv.core.geometry import ConvParams, geometry
 
@@ -333,8 +333,29 @@ def _expanded_taps_plans():
     return seen
 
 
+# The grouped mma grad_weight: one warp a group (3 x 5, stride and dilation, a reduce) and two (16 channels a side,
+# 4 x 4), every block, both kinds; a channels_last weight's stores, and one chunk writing grad_weight itself
+GROUPED_MMA_LAYERS = {
+    "thin_3x5": _layer((2, 32, 9, 11), (32, 16, 3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4,
+                       output_padding=(1, 0)),
+    "two_warps_4x4": _layer((2, 64, 7, 9), (64, 16, 4, 4), stride=2, padding=1, groups=4),
+    "one_chunk_weight_cl": _layer((1, 16, 1, 20), (16, 16, 3, 3), stride=2, padding=1, groups=2
+                                  ).with_weight_channels_last(),
+}
+
+
+def _grouped_mma_plans():
+    seen = {}
+    for name, g in GROUPED_MMA_LAYERS.items():
+        for dtype, block in itertools.product(("float16", "bfloat16"), grouped_mma.blocks(g)):
+            for plan in grouped_mma.plan_grad_weight(g, dtype, 132, block):
+                if plan is not None:
+                    seen.setdefault(plan.spec, f"grouped_mma-{name}-{dtype}-{block}-{plan.spec.function}")
+    return seen
+
+
 WGMMA_PLANS = _wgmma_plans()
-PLANS = {**_plans(), **_gemm_plans(), **WGMMA_PLANS, **_expanded_taps_plans()}
+PLANS = {**_plans(), **_gemm_plans(), **WGMMA_PLANS, **_expanded_taps_plans(), **_grouped_mma_plans()}
 
 
 def test_variants_reach_every_template_and_both_index_widths():
@@ -755,6 +776,20 @@ def test_expanded_taps_kernels_build_without_spilling(name):
             log = _ptxas_log(spec, (f"-arch={arch}",))
             found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
             assert found and found.groups() == ("0", "0", "0"), (arch, log)
+
+
+@pytest.mark.parametrize("name", list(GROUPED_MMA_LAYERS))
+def test_grouped_mma_kernels_build_without_spilling(name):
+    """Every block of the grouped mma grad_weight builds for sm_80 and sm_90 with no stack frame, the single chunk
+    and the partials alike; its dynamic shared memory is all it uses."""
+    g = GROUPED_MMA_LAYERS[name]
+    for i, block in enumerate(grouped_mma.blocks(g)):
+        partial = grouped_mma.plan_grad_weight(g, ("float16", "bfloat16")[i % 2], 132, block)[0]
+        for arch in ("sm_80", "sm_90"):
+            log = _ptxas_log(partial.spec, (f"-arch={arch}",))
+            found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+            assert found and found.groups() == ("0", "0", "0"), (arch, block, log)
+            assert not re.search(r"[1-9]\d* bytes smem", log), log
 
 
 def test_the_wgmma_transpose_immediates_follow_the_operand_majors():

@@ -47,7 +47,8 @@ def _planned_block(pass_, plan, layout):
 @pytest.mark.parametrize("pass_", list(BLOCKS))
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_raced_candidates_name_their_blocks_and_plan_them(pass_, layout):
-    cands = table.candidates(pass_, GROUPED, "bfloat16", layout, "strict", ASSUMED)
+    # channels_last 16-bit grad_weight runs the grouped mma kernel first; the direct kernels race it
+    cands = [v for v in table.candidates(pass_, GROUPED, "bfloat16", layout, "strict", ASSUMED) if v.family == "direct"]
     assert cands[0] == Variant("direct")
     blocks = BLOCKS[pass_](GROUPED, "bfloat16", layout)
     assert [v.kwargs.get("tile") for v in cands[1:]] == ["x".join(map(str, b)) for b in blocks[1:]]

@@ -26,6 +26,7 @@ WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its tile follows its tap count, not a setting
 TILED = {"conv_transpose2d_forward_tiled.cu"}
 EXPANDED_TAPS = {"conv_transpose2d_grad_input_expanded_taps.cu", "conv_transpose2d_grad_weight_expanded_taps.cu"}
+GROUPED_MMA = {"conv_transpose2d_grad_weight_grouped_mma.cu"}
 # the constants of kernels/include/layer.cuh: every layer template takes them
 LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G",
                    "WEIGHT_CL"})
@@ -34,7 +35,7 @@ LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CI
 def test_every_template_is_found():
     assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
                                                | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED | SCATTER_GEMM
-                                               | EXPANDED_TAPS)
+                                               | EXPANDED_TAPS | GROUPED_MMA)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()

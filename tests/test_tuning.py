@@ -20,7 +20,7 @@ import cupyconv
 from cupyconv import engine, tuning
 from cupyconv.core import device
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import direct, gemm, launch, table, tiled, wgmma
+from cupyconv.plans import direct, gemm, grouped_mma, launch, table, tiled, wgmma
 from cupyconv.plans.launch import Recorder
 from cupyconv.tuning import decide, explicit, store
 from cupyconv.tuning.variants import DIRECT, GEMM, Variant
@@ -385,8 +385,12 @@ def test_direct_kernels_race_below_64_channels_per_group(pass_):
                 (g.in_per_group, g.out_per_group)
             assert GEMM in cands
             tiles = pass_ == "forward" and layout == "nchw" and tiled.eligible(g, "float16")
+            grouped_mma_runs = pass_ == "grad_weight" and layout == "nhwc" and grouped_mma.shape_fits(g, "float16")
             assert [f.name for f in table.eligible(pass_, g, "float16", layout)] == \
-                ["wgmma"] * first + ["gemm"] + ["wgmma"] * (hopper and not first) + ["direct"] + ["tiled"] * tiles
+                ["wgmma"] * first + ["gemm"] + ["wgmma"] * (hopper and not first) + ["grouped_mma"] * grouped_mma_runs \
+                + ["direct"] + ["tiled"] * tiles
+            # the grouped mma kernel can run it, but only races where the GEMMs cannot
+            assert not any(v.family == "grouped_mma" for v in cands)
 
 
 @pytest.mark.parametrize("pass_", TUNED)

@@ -394,7 +394,8 @@ def gemm_fits(g: Geometry, dtype: str) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemm_shape(g: Geometry, dtype: str) -> bool:
+def gemm_shape(g: Geometry, dtype: str) -> bool:
+    """16 or more channels a group on both sides, and a layer the GEMM kernels' offsets and grids hold."""
     return min(g.in_per_group, g.out_per_group) >= 16 and gemm_fits(g, dtype)
 
 
@@ -466,7 +467,7 @@ class GemmFamily(Family):
                  precision: str = "strict") -> bool:
         """sm_80 or newer, and a GEMM of at least 16 channels per group on both sides: thinner
         layers (grouped, depthwise) waste most of each mma on padding."""
-        return device.tensor_cores >= MMA_SYNC and enabled() and _gemm_shape(g, dtype)
+        return device.tensor_cores >= MMA_SYNC and enabled() and gemm_shape(g, dtype)
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
         return [Variant.make(self.name, **opts) for opts in options(pass_, g, dtype, precision)]
@@ -487,7 +488,7 @@ class GemmFamily(Family):
 
     def clear(self) -> None:
         for planner in (plan_forward_gemm, plan_grad_input_gemm, plan_grad_weight_gemm, _plan_to_channels_last,
-                        plan_grad_weight_sources, _gemm_shape):
+                        plan_grad_weight_sources, gemm_shape):
             planner.cache_clear()
 
 

@@ -1,0 +1,137 @@
+"""grad_weight of thin grouped layers on mma.sync tensor cores (``conv_transpose2d_grad_weight_grouped_mma.cu``).
+
+A grouped layer of 8 input channels a group is too thin for the implicit GEMM (its tiles are 32 channels or more
+a side, and it re-reads every pixel for every tap), so its gradients ran on the direct CUDA-core kernels.  This
+kernel stages a row segment of the input and the grad_output columns it meets on every kernel row once, for a
+few whole groups, and runs every tap's 16 x 8 x 16 mma out of the staged rows.  It takes channels_last 16-bit
+data whose channels come in whole 16-byte runs: 16-output-channel by 8-input-channel mma tiles of a group.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Tuple
+
+from ..core import dtypes
+from ..core.device import MMA_SYNC, Device
+from ..core.geometry import Geometry
+from ..jit.compiler import KernelSpec
+from ..tuning.variants import Variant
+from . import direct, gemm
+from .family import Family
+from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel, split_rows
+from .reduction import finishing_reduce, split_k_scratch
+from .sequences import PassPlan, SplitK
+
+_MMA_KINDS = {"float16": 0, "bfloat16": 1}
+# A warp holds 4 fp32 accumulators a tap for its 16 x 8 tile: 25 taps (5 x 5) keep them at 100 registers.
+MAX_TAPS = 25
+# Warps a block holds: one per 16 x 8 tile of its groups' channels.
+_MAX_WARPS = 8
+# Staged rows a block may hold; the heuristic's stay under a quarter of an H100 SM's shared memory.
+_MAX_STAGE_BYTES = 96 * 1024
+_STAGE_BYTES = 48 * 1024
+SEGMENTS = (16, 32, 64)
+
+
+def _warps_per_group(g: Geometry) -> int:
+    return (g.out_per_group // 16) * (g.in_per_group // 8)
+
+
+def stage_bytes(g: Geometry, groups_per_block: int, seg: int) -> int:
+    """Shared memory of a block: ``seg`` pixels of x and, on every kernel row, the grad_output columns they meet,
+    for ``groups_per_block`` groups, in rows of an odd number of 16-byte units."""
+    kh, kw = g.kernel
+    sw, dw = g.params.stride[1], g.params.dilation[1]
+    span = (seg - 1) * sw + (kw - 1) * dw + 1
+    x_pitch = (groups_per_block * g.in_per_group // 8) | 1
+    g_pitch = (groups_per_block * g.out_per_group // 8) | 1
+    return 16 * (seg * x_pitch + kh * span * g_pitch)
+
+
+def shape_fits(g: Geometry, dtype: str) -> bool:
+    """16-bit data, grouped, whole 16 x 8 tiles of each group's channels, at most :data:`MAX_TAPS` taps, a warp a
+    tile of one group in a block, and a 16-pixel segment that fits shared memory."""
+    return (dtype in _MMA_KINDS and g.groups > 1 and g.out_per_group % 16 == 0 and g.in_per_group % 8 == 0
+            and g.kernel[0] * g.kernel[1] <= MAX_TAPS and _warps_per_group(g) <= _MAX_WARPS
+            and stage_bytes(g, 1, 16) <= _MAX_STAGE_BYTES and g.groups <= GRID_YZ_LIMIT)
+
+
+def blocks(g: Geometry) -> List[Tuple[int, int]]:
+    """(groups a block, pixels a segment) worth timing, the heuristic's first: as many groups as fill 4 warps,
+    with segments of 32 pixels where they fit the heuristic's shared memory, then 16 and 64.
+
+    Pinned on an H200 (GPU time of the pass, fp16; the direct kernel's best block and cuDNN beside):
+    16x32x128x256 -> 64, 3 x 5, stride (2, 3), dilation (2, 1), 4 groups: 223 µs with 32 pixels, 236 with 64
+    (direct 937, cuDNN 318); 16x128x32x32 -> 256, 3 x 3, 16 groups: 34 µs (direct 69, cuDNN 59); 4x64x30x30 -> 128,
+    5 x 5, 8 groups: 35 µs with 16 pixels, 38 with 32 (direct 33, cuDNN 28)."""
+    gpb = max(1, min(g.groups, 4 // _warps_per_group(g)))
+    while gpb > 1 and stage_bytes(g, gpb, 16) > _MAX_STAGE_BYTES:
+        gpb -= 1
+    fitting = [(gpb, seg) for seg in (32, 16, 64) if stage_bytes(g, gpb, seg) <= _MAX_STAGE_BYTES]
+    first = next((b for b in fitting if stage_bytes(g, *b) <= _STAGE_BYTES), (gpb, 16))  # (gpb, 16) always fits
+    return [first] + [b for b in fitting if b != first]
+
+
+@functools.lru_cache(maxsize=512)
+def plan_grad_weight(g: Geometry, dtype: str, sm_count: int,
+                     block: Optional[Tuple[int, int]] = None) -> Tuple[Plan, Optional[Plan]]:
+    """The split-K partial pass over fixed chunks of (image, row) rows, and the fixed-order reduce (None for one
+    chunk).  ``block``: (groups a block, pixels a segment), None for the heuristic's."""
+    if not shape_fits(g, dtype):
+        raise ValueError("the grouped mma grad_weight takes 16-bit grouped layers of 8k input and 16k output "
+                         f"channels a group and at most {MAX_TAPS} taps")
+    gpb, seg = block or blocks(g)[0]
+    if not (1 <= gpb <= g.groups and gpb * _warps_per_group(g) <= _MAX_WARPS and seg in SEGMENTS
+            and stage_bytes(g, gpb, seg) <= _MAX_STAGE_BYTES):
+        raise ValueError(f"grouped mma block {block} does not fit the layer")
+    h, w = g.in_size
+    segs_w = cdiv(w, seg)
+    yblocks = cdiv(g.groups, gpb)
+    chunks, rows_per_chunk = split_rows(g.batch * h, yblocks, 2, sm_count, blocks_per_sm=4, row_items=segs_w)
+    weight_elems = numel(g.weight_shape)
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), chunks * weight_elems)
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(MMA_KIND=_MMA_KINDS[dtype], GROUPS_PER_BLOCK=gpb, SEG=seg, SINGLE_CHUNK=chunks == 1)
+    spec = KernelSpec.make("conv_transpose2d_grad_weight_grouped_mma.cu", "conv_transpose2d_grad_weight_grouped_mma",
+                           constants)
+    threads = gpb * _warps_per_group(g) * 32
+    partial = Plan(spec, (chunks, yblocks, 1), (threads, 1, 1), (g.batch, h, w) + g.out_size + (segs_w, rows_per_chunk),
+                   index_t, scratch_bytes=split_k_scratch(chunks, weight_elems, 4), smem_bytes=stage_bytes(g, gpb, seg))
+    return partial, finishing_reduce(dtype, weight_elems, chunks, index_t)
+
+
+def _tile(block: Tuple[int, int]) -> str:
+    return f"{block[0]}x{block[1]}"
+
+
+class GroupedMmaFamily(Family):
+    name = "grouped_mma"
+    passes = ("grad_weight",)
+
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
+                 precision: str = "strict") -> bool:
+        """sm_80 or newer with the tensor cores switched on, channels_last, and :func:`shape_fits`."""
+        return device.tensor_cores >= MMA_SYNC and gemm.enabled() and layout == "nhwc" and shape_fits(g, dtype)
+
+    def races(self, pass_: str, g: Geometry, dtype: str) -> bool:
+        """Only where the implicit GEMMs cannot run the layer (fewer than 16 channels a group on a side): on a
+        4 x 4 layer of 16 a side it took 74 µs against wgmma's 68 (H200, fp16)."""
+        return not gemm.gemm_shape(g, dtype)
+
+    def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
+        return [Variant(self.name)] + [Variant.make(self.name, tile=_tile(b)) for b in blocks(g)[1:]]
+
+    def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
+             has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        if not aligned:
+            # cp.async copies 16-byte runs of channels; unaligned data takes the direct kernel's heuristic block
+            return SplitK(*direct.plan_grad_weight(g, dtype, sm_count, layout))
+        tile = variant.kwargs.get("tile")
+        block = None if tile is None else tuple(int(v) for v in tile.split("x"))
+        return SplitK(*plan_grad_weight(g, dtype, sm_count, block))
+
+    def clear(self) -> None:
+        plan_grad_weight.cache_clear()
+
+
+FAMILY = GroupedMmaFamily()

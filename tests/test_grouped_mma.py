@@ -1,0 +1,127 @@
+"""The grouped mma grad_weight planner (no GPU): which layers it takes, what it launches, and where the table puts
+it."""
+from __future__ import annotations
+
+import pytest
+
+from cupyconv.core.device import ASSUMED, fake
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import direct, gemm, grouped_mma, table
+from cupyconv.plans.sequences import SplitK
+from cupyconv.tuning import Variant
+
+
+def _layer(x_shape, w_shape, **kwargs):
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+# the suite's grouped_dilated: 8 input and 16 output channels a group, a 3 x 5 kernel
+GROUPED_DILATED = _layer((16, 32, 128, 256), (32, 16, 3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4)
+GROUPED_MMA = Variant("grouped_mma")
+
+
+@pytest.mark.parametrize("w_shape,kwargs,fits,why", [
+    ((32, 16, 3, 5), dict(groups=4), True, "8 input, 16 output channels a group"),
+    ((64, 32, 4, 4), dict(groups=8, stride=2), True, "two warps a group, 16 taps"),
+    ((64, 16, 5, 5), dict(groups=8), True, "25 taps"),
+    ((64, 16, 6, 5), dict(groups=8), False, "30 taps"),
+    ((32, 8, 3, 3), dict(groups=4), False, "8 output channels a group: no whole 16 x 8 tile"),
+    ((24, 16, 3, 3), dict(groups=4), False, "6 input channels a group"),
+    ((128, 64, 3, 3), dict(groups=4), False, "16 warps a group"),
+    ((8, 16, 3, 3), dict(), False, "one group"),
+])
+def test_eligibility(w_shape, kwargs, fits, why):
+    g = _layer((2, w_shape[0], 9, 7), w_shape, **kwargs)
+    assert grouped_mma.shape_fits(g, "float16") is fits, why
+    assert grouped_mma.FAMILY.eligible("grad_weight", g, "bfloat16", "nhwc", ASSUMED) is fits, why
+    for dtype in ("float32", "float64"):
+        assert not grouped_mma.shape_fits(g, dtype)
+    assert not grouped_mma.FAMILY.eligible("grad_weight", g, "float16", "nchw", ASSUMED)
+
+
+def test_needs_mma_sync_and_the_tensor_cores_on(monkeypatch):
+    assert grouped_mma.FAMILY.eligible("grad_weight", GROUPED_DILATED, "float16", "nhwc", fake(0, arch="80"))
+    assert not grouped_mma.FAMILY.eligible("grad_weight", GROUPED_DILATED, "float16", "nhwc", fake(0, arch="75"))
+    monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
+    assert not grouped_mma.FAMILY.eligible("grad_weight", GROUPED_DILATED, "float16", "nhwc", ASSUMED)
+
+
+def test_stage_bytes_hold_the_segment_and_every_kernel_rows_window():
+    # x: 32 pixels x (4 groups x 8 channels = 4 units, pitch 5); grad_output: 3 rows x 98 columns (31 x 3 + 4 + 1)
+    # x (4 x 16 = 8 units, pitch 9), 16 bytes a unit
+    assert grouped_mma.stage_bytes(GROUPED_DILATED, 4, 32) == 16 * (32 * 5 + 3 * 98 * 9) == 44896
+    assert grouped_mma.stage_bytes(GROUPED_DILATED, 1, 16) == 16 * (16 * 1 + 3 * 50 * 3)
+
+
+def test_blocks_fill_four_warps_with_32_pixel_segments_first():
+    assert grouped_mma.blocks(GROUPED_DILATED) == [(4, 32), (4, 16), (4, 64)]
+    two_warps = _layer((2, 64, 9, 7), (64, 16, 4, 4), stride=2, groups=4)
+    assert grouped_mma.blocks(two_warps)[0] == (2, 32)
+    assert grouped_mma.blocks(_layer((2, 16, 9, 7), (16, 16, 3, 3), groups=2))[0] == (2, 32)   # only two groups
+    # a window too wide for 32 pixels under the heuristic's shared memory: 16 first, 64 left out
+    wide = _layer((2, 32, 9, 300), (32, 16, 5, 5), stride=(1, 8), groups=4)
+    assert grouped_mma.stage_bytes(wide, 4, 32) > 48 * 1024
+    assert grouped_mma.blocks(wide)[0] == (4, 16)
+    assert all(grouped_mma.stage_bytes(wide, *b) <= 96 * 1024 for b in grouped_mma.blocks(wide))
+
+
+def test_the_table_runs_it_first_on_channels_last_16_bit_layers_and_races_the_direct_kernels():
+    for dtype in ("float16", "bfloat16"):
+        cands = table.candidates("grad_weight", GROUPED_DILATED, dtype, "nhwc", "strict", ASSUMED)
+        assert cands[:3] == (GROUPED_MMA, Variant.make("grouped_mma", tile="4x16"),
+                             Variant.make("grouped_mma", tile="4x64"))
+        assert Variant("direct") in cands
+        assert all(Variant.parse(v.name) == v for v in cands)
+    for dtype, layout in (("float32", "nhwc"), ("float16", "nchw")):
+        assert not any(v.family == "grouped_mma"
+                       for v in table.candidates("grad_weight", GROUPED_DILATED, dtype, layout, "tf32", ASSUMED))
+    # 16 channels a side: the GEMMs run it, and the grouped mma kernel, which can, does not race them
+    wider = _layer((2, 64, 9, 7), (64, 16, 4, 4), stride=2, groups=4)
+    assert grouped_mma.FAMILY.eligible("grad_weight", wider, "float16", "nhwc", ASSUMED)
+    assert not any(v.family == "grouped_mma" for v in table.candidates("grad_weight", wider, "float16", "nhwc"))
+
+
+def test_plan_splits_rows_into_chunks_and_reduces_them():
+    partial, reduce = grouped_mma.plan_grad_weight(GROUPED_DILATED, "float16", 132)
+    constants = dict(partial.spec.constants)
+    assert partial.spec.function == "conv_transpose2d_grad_weight_grouped_mma"
+    assert (constants["GROUPS_PER_BLOCK"], constants["SEG"], constants["MMA_KIND"]) == (4, 32, 0)
+    assert constants["SINGLE_CHUNK"] is False and reduce is not None
+    assert partial.block == (128, 1, 1) and partial.smem_bytes == 44896
+    chunks, rows_per_chunk = partial.grid[0], partial.scalars[-1]
+    assert partial.grid[1:] == (1, 1) and chunks * rows_per_chunk >= 16 * 128 > (chunks - 1) * rows_per_chunk
+    assert partial.scalars[-2] == 256 // 32   # segments a row
+    assert partial.scratch_bytes == chunks * 32 * 16 * 15 * 4
+    bf16 = grouped_mma.plan_grad_weight(GROUPED_DILATED, "bfloat16", 132, (4, 64))[0]
+    assert dict(bf16.spec.constants)["MMA_KIND"] == 1 and dict(bf16.spec.constants)["SEG"] == 64
+
+
+def test_one_chunk_writes_grad_weight_itself():
+    g = _layer((1, 16, 1, 20), (16, 16, 3, 3), stride=2, padding=1, groups=2).with_weight_channels_last()
+    partial, reduce = grouped_mma.plan_grad_weight(g, "float16", 132)
+    assert reduce is None and partial.grid[0] == 1 and partial.scratch_bytes == 0
+    assert dict(partial.spec.constants)["SINGLE_CHUNK"] is True and dict(partial.spec.constants)["WEIGHT_CL"] is True
+
+
+def test_six_groups_take_two_blocks_of_four():
+    g = _layer((3, 48, 7, 19), (48, 16, 2, 3), groups=6)
+    partial, _ = grouped_mma.plan_grad_weight(g, "bfloat16", 132)
+    assert partial.grid[1] == 2 and partial.block == (128, 1, 1)
+
+
+@pytest.mark.parametrize("block", [(5, 32), (4, 48), (0, 32), (4, 8)])
+def test_refuses_blocks_that_do_not_fit(block):
+    with pytest.raises(ValueError, match="does not fit"):
+        grouped_mma.plan_grad_weight(GROUPED_DILATED, "float16", 132, block)
+
+
+def test_refuses_layers_it_cannot_run():
+    with pytest.raises(ValueError, match="16-bit grouped layers"):
+        grouped_mma.plan_grad_weight(GROUPED_DILATED, "float32", 132)
+
+
+def test_unaligned_data_plans_the_direct_kernel():
+    pinned = grouped_mma.FAMILY.plan("grad_weight", GROUPED_MMA, GROUPED_DILATED, "float16", "nhwc", "strict", False,
+                                     False, 132)
+    assert isinstance(pinned, SplitK)
+    assert pinned == SplitK(*direct.plan_grad_weight(GROUPED_DILATED, "float16", 132, "nhwc"))

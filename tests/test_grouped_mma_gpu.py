@@ -1,0 +1,147 @@
+"""The grouped mma grad_weight (thin grouped layers, every tap of a staged row segment on mma.sync) on a GPU,
+against float64.
+
+Each case pins grad_weight to one of the family's blocks and checks, through ``launch.watch()``, that its kernel ran
+with that block; both gradients must be finite (free blocks of their size are NaN-filled first), every element within
+twice the dtype's epsilon of the sum of its terms' magnitudes, and no worse than twice torch's own error.  Needs an
+sm_80 or newer GPU.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
+]
+
+import cupyconv.torch as ct  # noqa: E402
+from cupyconv import tuning  # noqa: E402
+from cupyconv.core import device as core_device  # noqa: E402
+from cupyconv.plans import grouped_mma, launch, table  # noqa: E402
+from cupyconv.tuning import Variant  # noqa: E402
+
+from layers import Layer  # noqa: E402
+from test_expanded_taps_gpu import _arranged, _check_near_float64, _geometry, _grads  # noqa: E402
+from test_gemm_gpu import _data  # noqa: E402
+from test_wgmma_gpu import _one_element_off  # noqa: E402
+
+F = torch.nn.functional
+FUNCTION = "conv_transpose2d_grad_weight_grouped_mma"
+NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@pytest.fixture(scope="module")
+def ampere_or_newer():
+    dev = core_device.get(torch.cuda.current_device())
+    if dev.capability < (8, 0):
+        pytest.skip(f"the grouped mma kernel needs mma.sync (sm_80 or newer); this GPU ({dev.name}) is sm_{dev.arch}")
+    return dev
+
+
+# (batch, C_in, C_out, kernel, stride, padding, output_padding, dilation, groups, bias, size)
+LAYERS = {
+    # the suite's grouped_dilated at a small size: asymmetric kernel, stride, padding and dilation, output padding;
+    # 40 columns end a 32-pixel segment part way
+    "dilated_3x5": Layer(2, 32, 64, (3, 5), (2, 3), (1, 2), (1, 0), (2, 1), 4, False, (9, 40), ""),
+    # six groups in blocks of four: the second block's last two warps idle
+    "six_groups": Layer(3, 48, 96, (2, 3), (1, 1), (0, 1), (0, 0), (1, 1), 6, True, (7, 19), ""),
+    # 16 channels a side: two warps a group
+    "two_warps_4x4": Layer(2, 64, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 4, False, (10, 12), ""),
+    # 25 taps, 32 output channels a group (two 16-channel warps), batch 1
+    "k5_batch1": Layer(1, 64, 256, (5, 5), (1, 1), (2, 2), (0, 0), (1, 1), 8, False, (12, 70), ""),
+    # enough rows for many chunks and their reduce
+    "many_rows": Layer(8, 16, 32, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 2, True, (40, 24), ""),
+}
+CASES = [pytest.param(name, dtype, block, weight_cl,
+                      id=f"{name}-{SHORT[dtype]}-{block[0]}x{block[1]}-{'wcl' if weight_cl else 'w'}")
+         for i, name in enumerate(LAYERS) for dtype in (torch.float16, torch.bfloat16)
+         for j, block in enumerate(grouped_mma.blocks(_geometry(LAYERS[name], False)))
+         for weight_cl in ((i + j + (dtype == torch.bfloat16)) % 2 == 0,)]
+
+
+def _run(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None):
+    """Our (grad_input, grad_weight) with grad_weight pinned to ``variant`` (the tuner's choice for None), the
+    launches of the call, and the reference checks."""
+    x64, w64, b64, go64 = _data(layer, seed)
+    x, go = _arranged(x64, dtype), _arranged(go64, dtype)
+    w = _arranged(w64, dtype, weight_cl)
+    b = None if b64 is None else b64.to(dtype)
+    for shape in (x.shape, w.shape):
+        blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
+        del blocks
+    pins = tuning.pinned({} if variant is None else {"grad_weight": variant})
+    with pins, launch.watch() as seen:
+        gi, gw = _grads(ct.conv_transpose2d, x if x_view is None else x_view(x), w, b, go, layer)
+        torch.cuda.synchronize()
+    ref = _grads(F.conv_transpose2d, x64, w64, None, go64, layer)
+    magnitude = _grads(F.conv_transpose2d, x64.abs(), w64.abs(), None, go64.abs(), layer)
+    theirs = _grads(F.conv_transpose2d, x, w, b, go, layer)
+    for what, o, t, r, m in zip(("grad_input", "grad_weight"), (gi, gw), theirs, ref, magnitude):
+        _check_near_float64(o, t, r, m, dtype, what)
+    assert gw.is_contiguous(memory_format=torch.channels_last) == weight_cl
+    return gw, seen
+
+
+def _launched(seen):
+    return [plan for _, plan in seen if plan.spec.function == FUNCTION]
+
+
+@pytest.mark.parametrize("name,dtype,block,weight_cl", CASES)
+def test_every_block_matches_float64(name, dtype, block, weight_cl, ampere_or_newer):
+    layer = LAYERS[name]
+    g = _geometry(layer, weight_cl)
+    variant = Variant.make("grouped_mma", tile=f"{block[0]}x{block[1]}")
+    assert table.plan("grad_weight", variant, g, NAMES[dtype], "nhwc", "strict", False, True,
+                      ampere_or_newer.sm_count).plans()[0].spec.function == FUNCTION
+    _, seen = _run(layer, dtype, weight_cl, list(LAYERS).index(name), variant)
+    plans = _launched(seen)
+    assert len(plans) == 1, [plan.spec.function for _, plan in seen]
+    constants = dict(plans[0].spec.constants)
+    assert (constants["GROUPS_PER_BLOCK"], constants["SEG"]) == block
+    assert constants["WEIGHT_CL"] == weight_cl
+
+
+def test_many_chunks_reduce_reproducibly(ampere_or_newer):
+    """Many row chunks and their fixed-order reduce give the same bits on every run."""
+    layer = LAYERS["many_rows"]
+    partial, reduce = grouped_mma.plan_grad_weight(_geometry(layer, False), "float16", ampere_or_newer.sm_count)
+    assert partial.grid[0] > 1 and reduce is not None
+    first, _ = _run(layer, torch.float16, False, 7, Variant("grouped_mma"))
+    for _ in range(2):
+        again, _ = _run(layer, torch.float16, False, 7, Variant("grouped_mma"))
+        assert torch.equal(again, first)
+
+
+def test_unbatched_input(ampere_or_newer):
+    """A (C, H, W) input runs as a batch of one; its layout follows the channels_last weight."""
+    layer = Layer(None, 32, 64, (3, 3), (2, 2), (1, 1), (0, 0), (1, 1), 4, True, (9, 11), "")
+    gw, seen = _run(layer, torch.bfloat16, True, 8, Variant("grouped_mma"))
+    assert _launched(seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unaligned_input_runs_the_direct_kernel(dtype, ampere_or_newer):
+    """A channels_last x one element off a 16-byte boundary cannot feed the 16-byte copies: the pinned family plans
+    the direct grad_weight kernel instead, which gives the right answer."""
+    _, seen = _run(LAYERS["dilated_3x5"], dtype, False, 9, Variant("grouped_mma"), x_view=_one_element_off)
+    functions = {plan.spec.function for _, plan in seen}
+    assert "conv_transpose2d_grad_weight_nhwc_partial" in functions and FUNCTION not in functions
+
+
+def test_the_heuristic_runs_the_family(ampere_or_newer, monkeypatch):
+    """Untuned, a channels_last 16-bit layer of 8 input channels a group runs the grouped mma grad_weight."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    try:
+        layer = LAYERS["dilated_3x5"]
+        g = _geometry(layer, False)
+        assert table.candidates("grad_weight", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == \
+            Variant("grouped_mma")
+        _, seen = _run(layer, torch.float16, False, 10)
+        assert _launched(seen)
+    finally:
+        tuning.clear()
