@@ -125,3 +125,75 @@ def test_unaligned_data_plans_the_direct_kernel():
                                      False, 132)
     assert isinstance(pinned, SplitK)
     assert pinned == SplitK(*direct.plan_grad_weight(GROUPED_DILATED, "float16", 132, "nhwc"))
+
+
+# ---------------------------------------------------------------------------------------------------- forward
+
+@pytest.mark.parametrize("w_shape,kwargs,fits,why", [
+    ((32, 16, 3, 5), dict(groups=4, stride=(2, 3)), True, "8 input, 16 output channels a group"),
+    ((64, 8, 3, 3), dict(groups=8), True, "8 output channels a group: one N tile"),
+    ((64, 64, 4, 4), dict(groups=2, stride=2), True, "32 input, 64 output channels a group"),
+    ((128, 64, 3, 3), dict(groups=2), False, "64 input channels a group"),
+    ((32, 128, 3, 3), dict(groups=4), False, "128 output channels a group"),
+    ((32, 12, 3, 3), dict(groups=4), False, "12 output channels a group"),
+    ((32, 16, 3, 3), dict(groups=4, stride=(1, 9)), False, "a column stride of 9"),
+    ((8, 16, 3, 3), dict(), False, "one group"),
+])
+def test_forward_eligibility(w_shape, kwargs, fits, why):
+    g = _layer((2, w_shape[0], 9, 7), w_shape, **kwargs)
+    assert grouped_mma.forward_fits(g, "bfloat16") is fits, why
+    assert grouped_mma.FAMILY.eligible("forward", g, "float16", "nhwc", ASSUMED) is fits, why
+    assert not grouped_mma.forward_fits(g, "float32")
+    assert not grouped_mma.FAMILY.eligible("forward", g, "float16", "nchw", ASSUMED)
+
+
+def test_forward_stage_bytes():
+    # kernel column kw reaches phase r from input column q + (r + 2 - kw) / 3: offsets 0 and 1, so 33 input columns
+    # for 32 of each phase; two stages of 3 rows x 33 x (4 units, pitch 5); weights 4 x 15 x 16 x 8 halves; 64 fp32
+    # biases; 96 output pixels x (8 units, pitch 9)
+    assert grouped_mma.forward_stage_bytes(GROUPED_DILATED, 4, 32) == \
+        2 * 16 * 3 * 33 * 5 + 4 * 15 * 16 * 8 * 2 + 64 * 4 + 16 * 96 * 9 == 45280
+
+
+def test_forward_blocks_take_a_pixels_256_byte_run_of_groups():
+    assert grouped_mma.forward_blocks(GROUPED_DILATED) == [(4, 32), (4, 16), (4, 64)]
+    twelve = _layer((2, 96, 6, 21), (96, 16, 3, 3), stride=2, padding=1, groups=12)
+    assert grouped_mma.forward_blocks(twelve)[0] == (8, 32)
+    plan = grouped_mma.plan_forward(twelve, "float16", True, 132)
+    assert plan.grid[1] == 2 and plan.block == (128, 1, 1)
+
+
+def test_the_table_runs_the_forward_first_on_thin_groups():
+    cands = table.candidates("forward", GROUPED_DILATED, "float16", "nhwc", "strict", ASSUMED)
+    assert cands[0] == GROUPED_MMA and Variant("direct") in cands
+    assert all(Variant.parse(v.name) == v for v in cands)
+    assert not any(v.family == "grouped_mma"
+                   for v in table.candidates("forward", GROUPED_DILATED, "float16", "nchw", "strict", ASSUMED))
+
+
+def test_forward_plan_walks_items_with_resident_blocks():
+    plan = grouped_mma.plan_forward(GROUPED_DILATED, "bfloat16", True, 132)
+    constants = dict(plan.spec.constants)
+    assert plan.spec.function == "conv_transpose2d_forward_grouped_mma"
+    assert (constants["GROUPS_PER_BLOCK"], constants["SEGQ"], constants["MMA_KIND"], constants["HAS_BIAS"]) == \
+        (4, 32, 1, True)
+    h_out, w_out = GROUPED_DILATED.out_size
+    assert w_out == 766   # 256 columns a phase (766 / 3 rounded up): 8 segments of 32
+    assert plan.scalars == (16, 128, 256, h_out, w_out, 8)
+    # 45 KB blocks: five stay resident on an SM of 228 KB
+    assert plan.grid == (5 * 132, 1, 1) and plan.smem_bytes == 45280 and plan.scratch_bytes == 0
+    tiny = _layer((1, 16, 2, 3), (16, 16, 3, 3), groups=2)
+    assert grouped_mma.plan_forward(tiny, "float16", False, 132).grid[0] == 4   # one item for each of 4 output rows
+
+
+def test_forward_refuses_what_does_not_fit():
+    with pytest.raises(ValueError, match="does not fit"):
+        grouped_mma.plan_forward(GROUPED_DILATED, "float16", False, 132, (4, 48))
+    with pytest.raises(ValueError, match="16-bit grouped layers"):
+        grouped_mma.plan_forward(GROUPED_DILATED, "float32", False, 132)
+
+
+def test_unaligned_data_plans_the_direct_forward():
+    planned = grouped_mma.FAMILY.plan("forward", GROUPED_MMA, GROUPED_DILATED, "float16", "nhwc", "strict", True,
+                                      False, 132)
+    assert planned.plans() == [direct.plan_forward(GROUPED_DILATED, "float16", True, "nhwc")]

@@ -1,12 +1,14 @@
-"""The grouped mma grad_weight (thin grouped layers, every tap of a staged row segment on mma.sync) on a GPU,
-against float64.
+"""The grouped mma kernels (thin grouped layers, every tap of a staged row segment on mma.sync): the forward and
+grad_weight on a GPU, against float64.
 
-Each case pins grad_weight to one of the family's blocks and checks, through ``launch.watch()``, that its kernel ran
-with that block; both gradients must be finite (free blocks of their size are NaN-filled first), every element within
-twice the dtype's epsilon of the sum of its terms' magnitudes, and no worse than twice torch's own error.  Needs an
-sm_80 or newer GPU.
+Each case pins a pass to one of the family's blocks and checks, through ``launch.watch()``, that its kernel ran with
+that block; outputs and gradients must be finite (free blocks of their size are NaN-filled first), every element
+within twice the dtype's epsilon of the sum of its terms' magnitudes, and no worse than twice torch's own error.
+Needs an sm_80 or newer GPU.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -30,6 +32,7 @@ from test_wgmma_gpu import _one_element_off  # noqa: E402
 
 F = torch.nn.functional
 FUNCTION = "conv_transpose2d_grad_weight_grouped_mma"
+FORWARD = "conv_transpose2d_forward_grouped_mma"
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -55,6 +58,8 @@ LAYERS = {
     "k5_batch1": Layer(1, 64, 256, (5, 5), (1, 1), (2, 2), (0, 0), (1, 1), 8, False, (12, 70), ""),
     # enough rows for many chunks and their reduce
     "many_rows": Layer(8, 16, 32, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 2, True, (40, 24), ""),
+    # twelve groups: forward blocks of eight, the second holding four
+    "twelve_groups": Layer(2, 96, 192, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 12, True, (6, 21), ""),
 }
 CASES = [pytest.param(name, dtype, block, weight_cl,
                       id=f"{name}-{SHORT[dtype]}-{block[0]}x{block[1]}-{'wcl' if weight_cl else 'w'}")
@@ -143,5 +148,71 @@ def test_the_heuristic_runs_the_family(ampere_or_newer, monkeypatch):
             Variant("grouped_mma")
         _, seen = _run(layer, torch.float16, False, 10)
         assert _launched(seen)
+    finally:
+        tuning.clear()
+
+
+FORWARD_CASES = [pytest.param(name, dtype, block, weight_cl,
+                              id=f"{name}-{SHORT[dtype]}-{block[0]}x{block[1]}-{'wcl' if weight_cl else 'w'}")
+                 for i, name in enumerate(LAYERS) for dtype in (torch.float16, torch.bfloat16)
+                 for j, block in enumerate(grouped_mma.forward_blocks(_geometry(LAYERS[name], False)))
+                 for weight_cl in ((i + j + (dtype == torch.bfloat16)) % 2 == 1,)]
+
+
+def _forward(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None):
+    """Our forward with it pinned to ``variant`` (the tuner's choice for None) and checked against float64, and the
+    launches of the call."""
+    x64, w64, b64, _ = _data(layer, seed)
+    x, w = _arranged(x64, dtype), _arranged(w64, dtype, weight_cl)
+    b = None if b64 is None else b64.to(dtype)
+    ref = F.conv_transpose2d(x64, w64, b64, **layer.kwargs())
+    blocks = [torch.full(ref.shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
+    del blocks
+    with tuning.pinned({} if variant is None else {"forward": variant}), launch.watch() as seen, torch.no_grad():
+        y = ct.conv_transpose2d(x if x_view is None else x_view(x), w, b, **layer.kwargs())
+        torch.cuda.synchronize()
+    magnitude = F.conv_transpose2d(x64.abs(), w64.abs(), None if b64 is None else b64.abs(), **layer.kwargs())
+    _check_near_float64(y, F.conv_transpose2d(x, w, b, **layer.kwargs()), ref, magnitude, dtype, "forward")
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    return y, seen
+
+
+@pytest.mark.parametrize("name,dtype,block,weight_cl", FORWARD_CASES)
+def test_every_forward_block_matches_float64(name, dtype, block, weight_cl, ampere_or_newer):
+    layer = LAYERS[name]
+    variant = Variant.make("grouped_mma", tile=f"{block[0]}x{block[1]}")
+    _, seen = _forward(layer, dtype, weight_cl, 20 + list(LAYERS).index(name), variant)
+    plans = [plan for _, plan in seen if plan.spec.function == FORWARD]
+    assert len(plans) == 1, [plan.spec.function for _, plan in seen]
+    constants = dict(plans[0].spec.constants)
+    assert (constants["GROUPS_PER_BLOCK"], constants["SEGQ"]) == block
+    assert constants["WEIGHT_CL"] == weight_cl and constants["HAS_BIAS"] == layer.bias
+
+
+def test_forward_rows_no_tap_reaches_hold_the_bias(ampere_or_newer):
+    """Stride 2 with dilation 2 leaves every other output row without a tap: those rows are the bias alone."""
+    layer = dataclasses.replace(LAYERS["dilated_3x5"], bias=True)
+    y, _ = _forward(layer, torch.bfloat16, False, 30, Variant("grouped_mma"))
+    b = _data(layer, 30)[2].to(torch.bfloat16)
+    assert torch.equal(y[:, :, 0::2], b.view(1, -1, 1, 1).expand_as(y[:, :, 0::2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unaligned_forward_runs_the_direct_kernel(dtype, ampere_or_newer):
+    _, seen = _forward(LAYERS["six_groups"], dtype, False, 31, Variant("grouped_mma"), x_view=_one_element_off)
+    functions = {plan.spec.function for _, plan in seen}
+    assert "conv_transpose2d_forward_nhwc" in functions and FORWARD not in functions
+
+
+def test_the_heuristic_runs_the_forward(ampere_or_newer, monkeypatch):
+    """Untuned, a channels_last 16-bit layer of 8 input channels a group runs the grouped mma forward."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    try:
+        layer = LAYERS["twelve_groups"]
+        g = _geometry(layer, False)
+        assert table.candidates("forward", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == Variant("grouped_mma")
+        _, seen = _forward(layer, torch.float16, False, 32)
+        assert any(plan.spec.function == FORWARD for _, plan in seen)
     finally:
         tuning.clear()

@@ -1,10 +1,11 @@
-"""grad_weight of thin grouped layers on mma.sync tensor cores (``conv_transpose2d_grad_weight_grouped_mma.cu``).
+"""Thin grouped layers on mma.sync tensor cores: the forward (``conv_transpose2d_forward_grouped_mma.cu``) and
+grad_weight (``conv_transpose2d_grad_weight_grouped_mma.cu``).
 
-A grouped layer of 8 input channels a group is too thin for the implicit GEMM (its tiles are 32 channels or more
-a side, and it re-reads every pixel for every tap), so its gradients ran on the direct CUDA-core kernels.  This
-kernel stages a row segment of the input and the grad_output columns it meets on every kernel row once, for a
-few whole groups, and runs every tap's 16 x 8 x 16 mma out of the staged rows.  It takes channels_last 16-bit
-data whose channels come in whole 16-byte runs: 16-output-channel by 8-input-channel mma tiles of a group.
+A grouped layer of 8 input channels a group is too thin for the implicit GEMMs (their tiles are 16 or more channels
+a side, and they re-read every pixel for every tap), so it ran on the direct CUDA-core kernels.  These kernels stage
+a segment of one row, and the rows it meets on every kernel row, once for a few whole groups, and run every tap's
+mma out of the staged rows: ldmatrix takes a row address a lane, so a tap's stride and dilation are only
+addresses.  They take channels_last 16-bit data whose channels come in whole 16-byte runs.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from . import direct, gemm
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel, split_rows
 from .reduction import finishing_reduce, split_k_scratch
-from .sequences import PassPlan, SplitK
+from .sequences import OneKernel, PassPlan, SplitK
 
 _MMA_KINDS = {"float16": 0, "bfloat16": 1}
 # A warp holds 4 fp32 accumulators a tap for its 16 x 8 tile: 25 taps (5 x 5) keep them at 100 registers.
@@ -100,37 +101,134 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int,
     return partial, finishing_reduce(dtype, weight_elems, chunks, index_t)
 
 
+# ---------------------------------------------------------------------------------------------------- forward
+
+# The forward's warps a block; a warp holds 4 fp32 accumulators an 8-channel N tile of its 16 output columns.
+FORWARD_WARPS = 4
+_MAX_FORWARD_OUT_CHANNELS = 64
+_MAX_FORWARD_IN_CHANNELS = 32
+_MAX_FORWARD_STRIDE = 8
+_FORWARD_STAGE_BYTES = 64 * 1024   # three blocks an SM
+_SM_SHARED_BYTES = 228 * 1024   # an H100's or H200's; an A100's 164 KB holds fewer, and its blocks take turns
+
+
+def _column_offsets(g: Geometry) -> List[int]:
+    """Input column offsets of the taps that reach an output column: kernel column kw reaches output column
+    q * SW + r from input column q + (r + PW - kw * DW) / SW where that divides."""
+    sw, pw, dw, kw = g.params.stride[1], g.params.padding[1], g.params.dilation[1], g.kernel[1]
+    return [(r + pw - k * dw) // sw for r in range(sw) for k in range(kw) if (r + pw - k * dw) % sw == 0]
+
+
+def forward_stage_bytes(g: Geometry, groups_per_block: int, segq: int) -> int:
+    """Shared memory of a forward block: two stages of the input rows of ``segq`` columns of every phase on each
+    kernel row, the block's weights and fp32 bias, and the segment's output pixels, for ``groups_per_block``
+    groups."""
+    offsets = _column_offsets(g)
+    xspan = segq + max(offsets) - min(offsets)
+    x_pitch = (groups_per_block * g.in_per_group // 8) | 1
+    o_pitch = (groups_per_block * g.out_per_group // 8) | 1
+    weights = cdiv(groups_per_block * g.kernel[0] * g.kernel[1] * g.out_per_group * g.in_per_group * 2, 16) * 16
+    bias = cdiv(groups_per_block * g.out_per_group * 4, 16) * 16
+    return 2 * 16 * g.kernel[0] * xspan * x_pitch + weights + bias + 16 * g.params.stride[1] * segq * o_pitch
+
+
+def forward_fits(g: Geometry, dtype: str) -> bool:
+    """16-bit data, grouped, whole 8-channel runs on both sides of at most 32 input and 64 output channels a group,
+    a column stride of at most 8 (a warp's tile walks the phases unrolled), and a 16-column segment of one group
+    that fits shared memory."""
+    return (dtype in _MMA_KINDS and g.groups > 1 and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
+            and g.in_per_group <= _MAX_FORWARD_IN_CHANNELS and g.out_per_group <= _MAX_FORWARD_OUT_CHANNELS
+            and g.kernel[0] * g.kernel[1] <= MAX_TAPS and g.params.stride[1] <= _MAX_FORWARD_STRIDE
+            and forward_stage_bytes(g, 1, 16) <= _MAX_STAGE_BYTES
+            and g.groups <= GRID_YZ_LIMIT)
+
+
+def forward_blocks(g: Geometry) -> List[Tuple[int, int]]:
+    """(groups a block, output columns of each phase a segment) worth timing, the heuristic's first: groups up to
+    128 output channels (a pixel's 256-byte run), segments of 32 columns where three blocks fit an SM, then 16 and
+    64.
+
+    Pinned on an H200 (GPU time, fp16, before the input rows were double-buffered; the direct kernel and cuDNN
+    beside): grouped_dilated 373 µs with 32 or 16 columns, 441 with 64 (direct 486, cuDNN 1287); 16x128x32x32 ->
+    256, 3 x 3, 16 groups: 27 µs with 32, 33 with 16 (direct 54, cuDNN 66)."""
+    gpb = max(1, min(g.groups, 128 // g.out_per_group))
+    while gpb > 1 and forward_stage_bytes(g, gpb, 16) > _MAX_STAGE_BYTES:
+        gpb -= 1
+    fitting = [(gpb, seg) for seg in (32, 16, 64) if forward_stage_bytes(g, gpb, seg) <= _MAX_STAGE_BYTES]
+    first = next((b for b in fitting if forward_stage_bytes(g, *b) <= _FORWARD_STAGE_BYTES), (gpb, 16))
+    return [first] + [b for b in fitting if b != first]
+
+
+@functools.lru_cache(maxsize=512)
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, sm_count: int,
+                 block: Optional[Tuple[int, int]] = None) -> Plan:
+    """One kernel over (image, output row, segment) items, a grid of blocks walking them in turn.  ``block``:
+    (groups a block, output columns of each phase a segment), None for the heuristic's."""
+    if not forward_fits(g, dtype):
+        raise ValueError("the grouped mma forward takes 16-bit grouped layers of 8k input channels a group (at most "
+                         f"{_MAX_FORWARD_IN_CHANNELS}) and 8k output channels (at most {_MAX_FORWARD_OUT_CHANNELS})")
+    gpb, segq = block or forward_blocks(g)[0]
+    if not (1 <= gpb <= g.groups and segq in SEGMENTS and forward_stage_bytes(g, gpb, segq) <= _MAX_STAGE_BYTES):
+        raise ValueError(f"grouped mma forward block {block} does not fit the layer")
+    h, w = g.in_size
+    h_out, w_out = g.out_size
+    segs = cdiv(cdiv(w_out, g.params.stride[1]), segq)
+    yblocks = cdiv(g.groups, gpb)
+    items = g.batch * h_out * segs
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(MMA_KIND=_MMA_KINDS[dtype], HAS_BIAS=bool(has_bias), GROUPS_PER_BLOCK=gpb, SEGQ=segq,
+                     WARPS=FORWARD_WARPS)
+    spec = KernelSpec.make("conv_transpose2d_forward_grouped_mma.cu", "conv_transpose2d_forward_grouped_mma",
+                           constants)
+    # As many blocks as stay resident (up to 8 an SM), each staging its weights once for the items it walks: a
+    # second wave would only wait on the first (on an H200, 1056 blocks of which 792 fit took 373 µs on
+    # grouped_dilated).
+    smem = forward_stage_bytes(g, gpb, segq)
+    resident = max(1, min(8, _SM_SHARED_BYTES // (smem + 1024)))
+    grid = (max(1, min(items, cdiv(resident * sm_count, yblocks))), yblocks, 1)
+    return Plan(spec, grid, (FORWARD_WARPS * 32, 1, 1), (g.batch, h, w, h_out, w_out, segs), index_t,
+                smem_bytes=smem)
+
+
 def _tile(block: Tuple[int, int]) -> str:
     return f"{block[0]}x{block[1]}"
 
 
 class GroupedMmaFamily(Family):
     name = "grouped_mma"
-    passes = ("grad_weight",)
+    passes = ("forward", "grad_weight")
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
                  precision: str = "strict") -> bool:
-        """sm_80 or newer with the tensor cores switched on, channels_last, and :func:`shape_fits`."""
-        return device.tensor_cores >= MMA_SYNC and gemm.enabled() and layout == "nhwc" and shape_fits(g, dtype)
+        """sm_80 or newer with the tensor cores switched on, channels_last, and :func:`forward_fits` or
+        :func:`shape_fits`."""
+        fits = forward_fits if pass_ == "forward" else shape_fits
+        return device.tensor_cores >= MMA_SYNC and gemm.enabled() and layout == "nhwc" and fits(g, dtype)
 
     def races(self, pass_: str, g: Geometry, dtype: str) -> bool:
         """Only where the implicit GEMMs cannot run the layer (fewer than 16 channels a group on a side): on a
-        4 x 4 layer of 16 a side it took 74 µs against wgmma's 68 (H200, fp16)."""
+        4 x 4 layer of 16 a side its grad_weight took 74 µs against wgmma's 68 (H200, fp16)."""
         return not gemm.gemm_shape(g, dtype)
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        return [Variant(self.name)] + [Variant.make(self.name, tile=_tile(b)) for b in blocks(g)[1:]]
+        found = forward_blocks(g) if pass_ == "forward" else blocks(g)
+        return [Variant(self.name)] + [Variant.make(self.name, tile=_tile(b)) for b in found[1:]]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
-        if not aligned:
-            # cp.async copies 16-byte runs of channels; unaligned data takes the direct kernel's heuristic block
-            return SplitK(*direct.plan_grad_weight(g, dtype, sm_count, layout))
         tile = variant.kwargs.get("tile")
         block = None if tile is None else tuple(int(v) for v in tile.split("x"))
+        if pass_ == "forward":
+            if not aligned:   # the 16-byte copies and stores need aligned data: the direct kernel runs it
+                return OneKernel(direct.plan_forward(g, dtype, has_bias, layout))
+            return OneKernel(plan_forward(g, dtype, has_bias, sm_count, block))
+        if not aligned:
+            return SplitK(*direct.plan_grad_weight(g, dtype, sm_count, layout))
         return SplitK(*plan_grad_weight(g, dtype, sm_count, block))
 
     def clear(self) -> None:
+        plan_forward.cache_clear()
         plan_grad_weight.cache_clear()
 
 

@@ -88,6 +88,22 @@ __device__ __forceinline__ void mma_16x8<MMA_TF32>(float (&c)[4], const unsigned
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// The m16n8k8 shape in 16 bits: a K step of 8 channels, for layers of 8 channels a group.
+template <int KIND>
+__device__ __forceinline__ void mma_16x8x8(float (&c)[4], const unsigned (&a)[2], unsigned b) {
+    static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "16-bit operands");
+    if constexpr (KIND == MMA_F16)
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(b));
+    else
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
 // One warp's share of a block tile: MI x NI mma tiles of 16 x 8 fed from [rows][K]
 // shared-memory tiles, for the 64 bytes of K of one stage.  With B_K_PITCH (words, 16-bit
 // kinds only) the B tile is [K][N] instead, B_K_PITCH words from one k row to the next, and
