@@ -2,7 +2,8 @@
 
 Its name is what the tuning file stores: ``direct``, ``direct:8x2x1``, ``direct:4x16``, ``gemm``, ``gemm:128x64``,
 ``gemm:s3``, ``gemm:64x64:s2``, ``gemm:k1``, ``gemm:128x128:k8``, ``wgmma:4i8x8x128``, ``wgmma:16x16x64:s6``,
-``wgmma:64x64x4r16`` or ``tiled:8x8x1b6`` (family, then a block tile, then a pipeline depth, then K ranges).
+``wgmma:64x64x4r16``, ``tiled:8x8x1b6`` or ``grouped_mma:4x32`` (family, then a block tile, then a pipeline depth, then
+K ranges).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Dict, Tuple
 
 # rows x columns (the direct grad_input's: input channels x pixels), or [images i] height x width x channels, or
 # grad_weight's channels x channels x taps [r rows [w columns]] (the direct kernels': input channels x output
-# channels x kernel rows), or the tiled forward's rows x columns x channels [b blocks per SM]
+# channels x kernel rows), or the tiled forward's rows x columns x channels [b blocks per SM], or the grouped mma
+# kernels' groups x pixels a segment
 _TILE = re.compile(r"(\d+i)?\d+x\d+(x\d+)?(r\d+(w\d+)?|b\d+)?")
 _STAGES = re.compile(r"s(\d+)")
 _SPLIT = re.compile(r"k(\d+)")
