@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 from typing import List, Optional, Tuple
 
-from ..core import dtypes
 from ..core.device import MMA_SYNC, Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
@@ -28,7 +27,7 @@ _MMA_KINDS = {"float16": 0, "bfloat16": 1}
 MAX_TAPS = 25
 # Warps a block holds: one per 16 x 8 tile of its groups' channels.
 _MAX_WARPS = 8
-# Staged rows a block may hold; the heuristic's stay under a quarter of an H100 SM's shared memory.
+# Staged rows a block may hold; the heuristic's stay under about a fifth of an H100 SM's shared memory.
 _MAX_STAGE_BYTES = 96 * 1024
 _STAGE_BYTES = 48 * 1024
 SEGMENTS = (16, 32, 64)
@@ -148,9 +147,9 @@ def forward_blocks(g: Geometry) -> List[Tuple[int, int]]:
     128 output channels (a pixel's 256-byte run), segments of 32 columns where three blocks fit an SM, then 16 and
     64.
 
-    Pinned on an H200 (GPU time, fp16, before the input rows were double-buffered; the direct kernel and cuDNN
-    beside): grouped_dilated 373 µs with 32 or 16 columns, 441 with 64 (direct 486, cuDNN 1287); 16x128x32x32 ->
-    256, 3 x 3, 16 groups: 27 µs with 32, 33 with 16 (direct 54, cuDNN 66)."""
+    Pinned on an H200 (GPU time, fp16; the direct kernel and cuDNN beside): grouped_dilated 185 µs with 32 columns,
+    200 with 64, 220 with 16 (direct 487, cuDNN 1305); 16x128x32x32 -> 256, 3 x 3, 16 groups: 19 µs with 32, 20
+    with 16, 29 with 64 (direct 54, cuDNN 67)."""
     gpb = max(1, min(g.groups, 128 // g.out_per_group))
     while gpb > 1 and forward_stage_bytes(g, gpb, 16) > _MAX_STAGE_BYTES:
         gpb -= 1
@@ -181,9 +180,8 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, sm_count: int,
                      WARPS=FORWARD_WARPS)
     spec = KernelSpec.make("conv_transpose2d_forward_grouped_mma.cu", "conv_transpose2d_forward_grouped_mma",
                            constants)
-    # As many blocks as stay resident (up to 8 an SM), each staging its weights once for the items it walks: a
-    # second wave would only wait on the first (on an H200, 1056 blocks of which 792 fit took 373 µs on
-    # grouped_dilated).
+    # As many blocks as stay resident (up to 8 an SM), each staging its weights once for the items it walks: blocks
+    # of a second wave would stage them again, and start only as the first wave ends.
     smem = forward_stage_bytes(g, gpb, segq)
     resident = max(1, min(8, _SM_SHARED_BYTES // (smem + 1024)))
     grid = (max(1, min(items, cdiv(resident * sm_count, yblocks))), yblocks, 1)
