@@ -606,7 +606,7 @@ def _roofline(flops: int, nbytes: int, peak: Peak, dtype: str) -> Tuple[float, f
 
 
 _TILING = ("OC_BLOCK", "IC_BLOCK", "OC_TILE", "IC_TILE", "RUNS", "KH_BLOCK", "CELLS", "IC_CHUNK", "OC_CHUNK", "BLOCK",
-           "BM", "BN", "STAGES")
+           "BM", "BN", "STAGES", "GROUPS_PER_BLOCK", "SEG", "SEGQ")
 
 
 def _record(pass_name: str, stage: str, plan: Plan, flops: int, nbytes: int, peak: Peak,
@@ -615,7 +615,8 @@ def _record(pass_name: str, stage: str, plan: Plan, flops: int, nbytes: int, pea
     constants = dict(spec.constants)
     source = spec.source()
     tiles = {k: constants[k] for k in _TILING if k in constants}
-    variant = f"{spec.template}:{spec.function}" + (f" [{_kv(tiles)}, index_t {plan.index_t}]")
+    shown = ([_kv(tiles)] if tiles else []) + [f"index_t {plan.index_t}"]
+    variant = f"{spec.template}:{spec.function} [{', '.join(shown)}]"
     names = _scalar_names(source, spec.function, len(plan.scalars))
     _, _, floor, bound = _roofline(flops, nbytes, peak, dtype)
     return KernelRecord(pass_name=pass_name, stage=stage, template=spec.template, function=spec.function,

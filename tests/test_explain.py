@@ -538,3 +538,15 @@ def test_a_split_forward_and_grad_input_show_their_partials_and_reduce():
         assert partial.bytes == reads + partial.scratch_bytes
         assert reduce.bytes == partial.scratch_bytes + written
         assert f"split-K over {chunks} even ranges of each stride phase's K tiles" in p.note
+
+
+def test_grouped_mma_kernels_show_their_blocks():
+    """A thin grouped channels_last layer plans the grouped mma forward and grad_weight; each kernel line names its
+    block (groups a block, segment), and a kernel with no tiling constants shows its index type alone."""
+    e = explain((16, 32, 128, 256), (32, 16, 3, 5), bias=False, stride=(2, 3), padding=(1, 2), dilation=(2, 1),
+                groups=4, dtype="float16", layout="channels_last")
+    assert [p.variant for p in e.passes if p.name in ("forward", "grad_weight")] == ["grouped_mma", "grouped_mma"]
+    lines = {k.function: k.variant for k in e.kernels}
+    assert lines["conv_transpose2d_forward_grouped_mma"].endswith("[GROUPS_PER_BLOCK=4, SEGQ=32, index_t int]")
+    assert lines["conv_transpose2d_grad_weight_grouped_mma"].endswith("[GROUPS_PER_BLOCK=4, SEG=32, index_t int]")
+    assert all(v.endswith("index_t int]") and "[, " not in v for v in lines.values())
