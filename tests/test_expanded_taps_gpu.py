@@ -42,8 +42,7 @@ SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 def ampere_or_newer():
     dev = core_device.get(torch.cuda.current_device())
     if dev.capability < (8, 0):
-        pytest.skip(f"the expanded-taps kernels need mma.sync (sm_80 or newer); this GPU ({dev.name}) is "
-                    f"sm_{dev.arch}")
+        pytest.skip(f"these kernels need mma.sync (sm_80 or newer); this GPU ({dev.name}) is sm_{dev.arch}")
     return dev
 
 

@@ -21,12 +21,11 @@ pytestmark = [
 
 import cupyconv.torch as ct  # noqa: E402
 from cupyconv import tuning  # noqa: E402
-from cupyconv.core import device as core_device  # noqa: E402
 from cupyconv.plans import grouped_mma, launch, table  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
 from layers import Layer  # noqa: E402
-from test_expanded_taps_gpu import _arranged, _check_near_float64, _geometry, _grads  # noqa: E402
+from test_expanded_taps_gpu import _arranged, _check_near_float64, _geometry, _grads, ampere_or_newer  # noqa: E402,F401
 from test_gemm_gpu import _data  # noqa: E402
 from test_wgmma_gpu import _one_element_off  # noqa: E402
 
@@ -37,12 +36,13 @@ NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-@pytest.fixture(scope="module")
-def ampere_or_newer():
-    dev = core_device.get(torch.cuda.current_device())
-    if dev.capability < (8, 0):
-        pytest.skip(f"the grouped mma kernel needs mma.sync (sm_80 or newer); this GPU ({dev.name}) is sm_{dev.arch}")
-    return dev
+@pytest.fixture
+def untuned(monkeypatch):
+    """The tuner's heuristic choices, with nothing timed or remembered before or after."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    yield
+    tuning.clear()
 
 
 # (batch, C_in, C_out, kernel, stride, padding, output_padding, dilation, groups, bias, size)
@@ -137,19 +137,13 @@ def test_unaligned_input_runs_the_direct_kernel(dtype, ampere_or_newer):
     assert "conv_transpose2d_grad_weight_nhwc_partial" in functions and FUNCTION not in functions
 
 
-def test_the_heuristic_runs_the_family(ampere_or_newer, monkeypatch):
+def test_the_heuristic_runs_the_family(ampere_or_newer, untuned):
     """Untuned, a channels_last 16-bit layer of 8 input channels a group runs the grouped mma grad_weight."""
-    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
-    tuning.clear()
-    try:
-        layer = LAYERS["dilated_3x5"]
-        g = _geometry(layer, False)
-        assert table.candidates("grad_weight", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == \
-            Variant("grouped_mma")
-        _, seen = _run(layer, torch.float16, False, 10)
-        assert _launched(seen)
-    finally:
-        tuning.clear()
+    layer = LAYERS["dilated_3x5"]
+    g = _geometry(layer, False)
+    assert table.candidates("grad_weight", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == Variant("grouped_mma")
+    _, seen = _run(layer, torch.float16, False, 10)
+    assert _launched(seen)
 
 
 FORWARD_CASES = [pytest.param(name, dtype, block, weight_cl,
@@ -204,15 +198,10 @@ def test_unaligned_forward_runs_the_direct_kernel(dtype, ampere_or_newer):
     assert "conv_transpose2d_forward_nhwc" in functions and FORWARD not in functions
 
 
-def test_the_heuristic_runs_the_forward(ampere_or_newer, monkeypatch):
+def test_the_heuristic_runs_the_forward(ampere_or_newer, untuned):
     """Untuned, a channels_last 16-bit layer of 8 input channels a group runs the grouped mma forward."""
-    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
-    tuning.clear()
-    try:
-        layer = LAYERS["twelve_groups"]
-        g = _geometry(layer, False)
-        assert table.candidates("forward", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == Variant("grouped_mma")
-        _, seen = _forward(layer, torch.float16, False, 32)
-        assert any(plan.spec.function == FORWARD for _, plan in seen)
-    finally:
-        tuning.clear()
+    layer = LAYERS["twelve_groups"]
+    g = _geometry(layer, False)
+    assert table.candidates("forward", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == Variant("grouped_mma")
+    _, seen = _forward(layer, torch.float16, False, 32)
+    assert any(plan.spec.function == FORWARD for _, plan in seen)

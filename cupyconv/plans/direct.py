@@ -14,7 +14,7 @@ from ..core import dtypes
 from ..core.device import Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
-from ..tuning.variants import Variant
+from ..tuning.variants import Variant, block_tile, tile_block
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, check_layout, even_block, index_type, layer_constants, numel, split_rows
 from .reduction import finishing_reduce, split_k_scratch
@@ -277,15 +277,6 @@ def grad_weight_blocks(g: Geometry, dtype: str, layout: str = "nchw") -> List[Tu
     return found
 
 
-def _block_tile(block: Tuple[int, ...]) -> str:
-    return "x".join(map(str, block))
-
-
-def _tile_block(tile: str) -> Tuple[int, ...]:
-    """The block a variant's tile names (the inverse of :func:`_block_tile`)."""
-    return tuple(int(v) for v in tile.split("x"))
-
-
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight(g: Geometry, dtype: str, sm_count: int, layout: str = "nchw",
                      block: Optional[Tuple[int, int, int]] = None) -> Tuple[Plan, Optional[Plan]]:
@@ -474,7 +465,7 @@ class DirectFamily(Family):
         if pass_ == "forward":
             return OneKernel(plan_forward(g, dtype, has_bias, layout))
         tile = variant.kwargs.get("tile")
-        block = None if tile is None else _tile_block(tile)
+        block = None if tile is None else tile_block(tile)
         if pass_ == "grad_input":
             return OneKernel(plan_grad_input(g, dtype, layout, block, aligned))
         return SplitK(*plan_grad_weight(g, dtype, sm_count, layout, block))
@@ -485,7 +476,7 @@ class DirectFamily(Family):
         if pass_ == "forward":
             return [Variant(self.name)]
         blocks = (grad_input_blocks if pass_ == "grad_input" else grad_weight_blocks)(g, dtype, layout)
-        return [Variant(self.name)] + [Variant.make(self.name, tile=_block_tile(b)) for b in blocks[1:]]
+        return [Variant(self.name)] + [Variant.make(self.name, tile=block_tile(b)) for b in blocks[1:]]
 
     def clear(self) -> None:
         for planner in (plan_forward, plan_grad_input, plan_grad_weight):

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 from ..core.device import MMA_SYNC, Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
-from ..tuning.variants import Variant
+from ..tuning.variants import Variant, block_tile, tile_block
 from . import direct, gemm
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel, split_rows
@@ -189,10 +189,6 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, sm_count: int,
                 smem_bytes=smem)
 
 
-def _tile(block: Tuple[int, int]) -> str:
-    return f"{block[0]}x{block[1]}"
-
-
 class GroupedMmaFamily(Family):
     name = "grouped_mma"
     passes = ("forward", "grad_weight")
@@ -211,12 +207,12 @@ class GroupedMmaFamily(Family):
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
         found = forward_blocks(g) if pass_ == "forward" else blocks(g)
-        return [Variant(self.name)] + [Variant.make(self.name, tile=_tile(b)) for b in found[1:]]
+        return [Variant(self.name)] + [Variant.make(self.name, tile=block_tile(b)) for b in found[1:]]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         tile = variant.kwargs.get("tile")
-        block = None if tile is None else tuple(int(v) for v in tile.split("x"))
+        block = None if tile is None else tile_block(tile)
         if pass_ == "forward":
             if not aligned:   # the 16-byte copies and stores need aligned data: the direct kernel runs it
                 return OneKernel(direct.plan_forward(g, dtype, has_bias, layout))

@@ -86,5 +86,15 @@ class Variant:
         return f"Variant({self.name!r})"
 
 
+def block_tile(block: Tuple[int, ...]) -> str:
+    """The tile option naming a thread or block shape, ``(8, 2, 1)`` as ``"8x2x1"``."""
+    return "x".join(map(str, block))
+
+
+def tile_block(tile: str) -> Tuple[int, ...]:
+    """The shape a tile option names (the inverse of :func:`block_tile`)."""
+    return tuple(int(v) for v in tile.split("x"))
+
+
 DIRECT = Variant("direct")
 GEMM = Variant("gemm")
