@@ -333,9 +333,9 @@ def _expanded_taps_plans():
     return seen
 
 
-# The grouped mma forward and grad_weight: one grad_weight warp a group (3 x 5, stride and dilation, a reduce) and two
-# (16 channels a side, 4 x 4), every block, both kinds, bias on and off; a channels_last weight read and written in
-# place, and one chunk writing grad_weight itself
+# The grouped mma forward, grad_input and grad_weight: one grad_weight warp a group (3 x 5, stride and dilation, a
+# reduce) and two (16 channels a side, 4 x 4), every block, both kinds, bias on and off; a channels_last weight read
+# and written in place, and one chunk writing grad_weight itself
 GROUPED_MMA_LAYERS = {
     "thin_3x5": _layer((2, 32, 9, 11), (32, 16, 3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4,
                        output_padding=(1, 0)),
@@ -355,6 +355,9 @@ def _grouped_mma_plans():
         for (dtype, bias), block in itertools.product((("float16", False), ("bfloat16", True)),
                                                       grouped_mma.forward_blocks(g)):
             plan = grouped_mma.plan_forward(g, dtype, bias, 132, block)
+            seen.setdefault(plan.spec, f"grouped_mma-{name}-{dtype}-{block}-{plan.spec.function}")
+        for dtype, block in itertools.product(("float16", "bfloat16"), grouped_mma.grad_input_blocks(g)):
+            plan = grouped_mma.plan_grad_input(g, dtype, 132, block)
             seen.setdefault(plan.spec, f"grouped_mma-{name}-{dtype}-{block}-{plan.spec.function}")
     return seen
 
@@ -785,13 +788,15 @@ def test_expanded_taps_kernels_build_without_spilling(name):
 
 @pytest.mark.parametrize("name", list(GROUPED_MMA_LAYERS))
 def test_grouped_mma_kernels_build_without_spilling(name):
-    """Every block of the grouped mma forward and grad_weight builds for sm_80 and sm_90 with no stack frame, the
-    single chunk and the partials alike; its dynamic shared memory is all it uses."""
+    """Every block of the grouped mma forward, grad_input and grad_weight builds for sm_80 and sm_90 with no stack
+    frame, grad_weight's single chunk and partials alike; its dynamic shared memory is all it uses."""
     g = GROUPED_MMA_LAYERS[name]
     specs = [grouped_mma.plan_grad_weight(g, ("float16", "bfloat16")[i % 2], 132, block)[0].spec
              for i, block in enumerate(grouped_mma.blocks(g))]
     specs += [grouped_mma.plan_forward(g, ("float16", "bfloat16")[i % 2], i % 2 == 0, 132, block).spec
               for i, block in enumerate(grouped_mma.forward_blocks(g))]
+    specs += [grouped_mma.plan_grad_input(g, ("bfloat16", "float16")[i % 2], 132, block).spec
+              for i, block in enumerate(grouped_mma.grad_input_blocks(g))]
     for i, spec in enumerate(specs):
         for arch in ("sm_80", "sm_90"):
             log = _ptxas_log(spec, (f"-arch={arch}",))

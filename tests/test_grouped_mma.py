@@ -197,3 +197,53 @@ def test_unaligned_data_plans_the_direct_forward():
     planned = grouped_mma.FAMILY.plan("forward", GROUPED_MMA, GROUPED_DILATED, "float16", "nhwc", "strict", True,
                                       False, 132)
     assert planned.plans() == [direct.plan_forward(GROUPED_DILATED, "float16", True, "nhwc")]
+
+
+# -------------------------------------------------------------------------------------------------- grad_input
+
+@pytest.mark.parametrize("w_shape,kwargs,fits,why", [
+    ((32, 16, 3, 5), dict(groups=4, stride=(2, 3)), True, "8 input, 16 output channels a group"),
+    ((32, 32, 4, 4), dict(groups=2, stride=2), True, "16 input, 32 output channels a group"),
+    ((64, 64, 4, 4), dict(groups=2, stride=2), False, "16 taps of 32 x 64 channels: weights past shared memory"),
+    ((64, 8, 3, 3), dict(groups=8), False, "8 output channels a group: no k16 step"),
+    ((128, 64, 3, 3), dict(groups=2), False, "64 input channels a group"),
+    ((32, 128, 3, 3), dict(groups=4), False, "128 output channels a group"),
+    ((32, 16, 6, 5), dict(groups=4), False, "30 taps"),
+    ((8, 16, 3, 3), dict(), False, "one group"),
+])
+def test_grad_input_eligibility(w_shape, kwargs, fits, why):
+    g = _layer((2, w_shape[0], 9, 7), w_shape, **kwargs)
+    assert grouped_mma.grad_input_fits(g, "float16") is fits, why
+    assert grouped_mma.FAMILY.eligible("grad_input", g, "bfloat16", "nhwc", ASSUMED) is fits, why
+    assert not grouped_mma.grad_input_fits(g, "float32")
+    assert not grouped_mma.FAMILY.eligible("grad_input", g, "float16", "nchw", ASSUMED)
+
+
+def test_grad_input_stage_bytes():
+    # two stages of 3 rows x 98 grad_output columns (31 x 3 + 4 + 1) x (2 groups x 16 channels = 4 units, pitch 5);
+    # weights 2 groups x 15 taps x 8 input channels x (8 channel pairs + 4) words
+    assert grouped_mma.grad_input_stage_bytes(GROUPED_DILATED, 2, 32) == \
+        2 * 16 * 3 * 98 * 5 + 2 * 15 * 8 * 12 * 4 == 58560
+
+
+def test_grad_input_blocks_and_plan():
+    assert grouped_mma.grad_input_blocks(GROUPED_DILATED) == [(2, 32), (4, 16), (2, 16)]
+    plan = grouped_mma.plan_grad_input(GROUPED_DILATED, "float16", 132)
+    constants = dict(plan.spec.constants)
+    assert plan.spec.function == "conv_transpose2d_grad_input_grouped_mma"
+    assert (constants["GROUPS_PER_BLOCK"], constants["SEG"], constants["MMA_KIND"]) == (2, 32, 0)
+    assert plan.scalars == (16, 128, 256) + GROUPED_DILATED.out_size + (8,)
+    # 58.6 KB blocks: three stay resident on an SM of 228 KB, over two blocks of groups
+    assert plan.grid == (3 * 132 // 2, 2, 1) and plan.smem_bytes == 58560 and plan.scratch_bytes == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        grouped_mma.plan_grad_input(GROUPED_DILATED, "float16", 132, (4, 64))
+
+
+def test_the_table_runs_grad_input_first_on_thin_groups():
+    cands = table.candidates("grad_input", GROUPED_DILATED, "bfloat16", "nhwc", "strict", ASSUMED)
+    assert cands[0] == GROUPED_MMA and Variant("direct") in cands
+    assert [v.name for v in cands if v.family == "grouped_mma"] == ["grouped_mma", "grouped_mma:4x16",
+                                                                     "grouped_mma:2x16"]
+    planned = grouped_mma.FAMILY.plan("grad_input", GROUPED_MMA, GROUPED_DILATED, "float16", "nhwc", "strict", False,
+                                      False, 132)
+    assert planned.plans() == [direct.plan_grad_input(GROUPED_DILATED, "float16", "nhwc", None, False)]

@@ -1,5 +1,5 @@
-"""The grouped mma kernels (thin grouped layers, every tap of a staged row segment on mma.sync): the forward and
-grad_weight on a GPU, against float64.
+"""The grouped mma kernels (thin grouped layers, every tap of a staged row segment on mma.sync): the forward,
+grad_input and grad_weight on a GPU, against float64.
 
 Each case pins a pass to one of the family's blocks and checks, through ``launch.watch()``, that its kernel ran with
 that block; outputs and gradients must be finite (free blocks of their size are NaN-filled first), every element
@@ -32,6 +32,7 @@ from test_wgmma_gpu import _one_element_off  # noqa: E402
 F = torch.nn.functional
 FUNCTION = "conv_transpose2d_grad_weight_grouped_mma"
 FORWARD = "conv_transpose2d_forward_grouped_mma"
+GRAD_INPUT = "conv_transpose2d_grad_input_grouped_mma"
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -68,9 +69,9 @@ CASES = [pytest.param(name, dtype, block, weight_cl,
          for weight_cl in ((i + j + (dtype == torch.bfloat16)) % 2 == 0,)]
 
 
-def _run(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None):
-    """Our (grad_input, grad_weight) with grad_weight pinned to ``variant`` (the tuner's choice for None), the
-    launches of the call, and the reference checks."""
+def _run(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None, pass_="grad_weight"):
+    """Our grad_weight with ``pass_`` pinned to ``variant`` (the tuner's choice for None), and the launches of the
+    call; grad_input and grad_weight are checked against float64."""
     x64, w64, b64, go64 = _data(layer, seed)
     x, go = _arranged(x64, dtype), _arranged(go64, dtype)
     w = _arranged(w64, dtype, weight_cl)
@@ -78,7 +79,7 @@ def _run(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=N
     for shape in (x.shape, w.shape):
         blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
         del blocks
-    pins = tuning.pinned({} if variant is None else {"grad_weight": variant})
+    pins = tuning.pinned({} if variant is None else {pass_: variant})
     with pins, launch.watch() as seen:
         gi, gw = _grads(ct.conv_transpose2d, x if x_view is None else x_view(x), w, b, go, layer)
         torch.cuda.synchronize()
@@ -205,3 +206,49 @@ def test_the_heuristic_runs_the_forward(ampere_or_newer, untuned):
     assert table.candidates("forward", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == Variant("grouped_mma")
     _, seen = _forward(layer, torch.float16, False, 32)
     assert any(plan.spec.function == FORWARD for _, plan in seen)
+
+
+
+GRAD_INPUT_CASES = [pytest.param(name, dtype, block, weight_cl,
+                                 id=f"{name}-{SHORT[dtype]}-{block[0]}x{block[1]}-{'wcl' if weight_cl else 'w'}")
+                    for i, name in enumerate(LAYERS) for dtype in (torch.float16, torch.bfloat16)
+                    for j, block in enumerate(grouped_mma.grad_input_blocks(_geometry(LAYERS[name], False)))
+                    for weight_cl in ((i + j + (dtype == torch.bfloat16)) % 2 == 0,)]
+
+
+@pytest.mark.parametrize("name,dtype,block,weight_cl", GRAD_INPUT_CASES)
+def test_every_grad_input_block_matches_float64(name, dtype, block, weight_cl, ampere_or_newer):
+    layer = LAYERS[name]
+    variant = Variant.make("grouped_mma", tile=f"{block[0]}x{block[1]}")
+    _, seen = _run(layer, dtype, weight_cl, 40 + list(LAYERS).index(name), variant, pass_="grad_input")
+    plans = [plan for _, plan in seen if plan.spec.function == GRAD_INPUT]
+    assert len(plans) == 1, [plan.spec.function for _, plan in seen]
+    constants = dict(plans[0].spec.constants)
+    assert (constants["GROUPS_PER_BLOCK"], constants["SEG"]) == block
+    assert constants["WEIGHT_CL"] == weight_cl
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unaligned_grad_output_runs_the_direct_grad_input(dtype, ampere_or_newer):
+    """grad_output one element off a 16-byte boundary cannot feed the 16-byte copies: the direct kernel runs."""
+    layer = LAYERS["twelve_groups"]
+    x64, w64, _, go64 = _data(layer, 50)
+    x, w = _arranged(x64, dtype).requires_grad_(), w64.to(dtype)
+    with tuning.pinned({"grad_input": Variant("grouped_mma")}), launch.watch() as seen:
+        ct.conv_transpose2d(x, w, None, **layer.kwargs()).backward(_one_element_off(_arranged(go64, dtype)))
+        torch.cuda.synchronize()
+    functions = {plan.spec.function for _, plan in seen}
+    assert "conv_transpose2d_grad_input_nhwc" in functions and GRAD_INPUT not in functions
+    ref = _grads(F.conv_transpose2d, x64, w64, None, go64, layer)[0]
+    magnitude = _grads(F.conv_transpose2d, x64.abs(), w64.abs(), None, go64.abs(), layer)[0]
+    theirs = _grads(F.conv_transpose2d, x.detach(), w, None, _arranged(go64, dtype), layer)[0]
+    _check_near_float64(x.grad, theirs, ref, magnitude, dtype, "grad_input")
+
+
+def test_the_heuristic_runs_grad_input(ampere_or_newer, untuned):
+    """Untuned, a channels_last 16-bit layer of 8 input channels a group runs the grouped mma grad_input."""
+    layer = LAYERS["six_groups"]
+    g = _geometry(layer, False)
+    assert table.candidates("grad_input", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == Variant("grouped_mma")
+    _, seen = _run(layer, torch.float16, False, 51)
+    assert any(plan.spec.function == GRAD_INPUT for _, plan in seen)

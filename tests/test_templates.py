@@ -26,7 +26,8 @@ WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its tile follows its tap count, not a setting
 TILED = {"conv_transpose2d_forward_tiled.cu"}
 EXPANDED_TAPS = {"conv_transpose2d_grad_input_expanded_taps.cu", "conv_transpose2d_grad_weight_expanded_taps.cu"}
-GROUPED_MMA = {"conv_transpose2d_forward_grouped_mma.cu", "conv_transpose2d_grad_weight_grouped_mma.cu"}
+GROUPED_MMA = {"conv_transpose2d_forward_grouped_mma.cu", "conv_transpose2d_grad_input_grouped_mma.cu",
+               "conv_transpose2d_grad_weight_grouped_mma.cu"}
 # the constants of kernels/include/layer.cuh: every layer template takes them
 LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G",
                    "WEIGHT_CL"})

@@ -385,8 +385,9 @@ def test_direct_kernels_race_below_64_channels_per_group(pass_):
                 (g.in_per_group, g.out_per_group)
             assert GEMM in cands
             tiles = pass_ == "forward" and layout == "nchw" and tiled.eligible(g, "float16")
-            grouped_mma_runs = layout == "nhwc" and pass_ != "grad_input" and \
-                (grouped_mma.forward_fits if pass_ == "forward" else grouped_mma.shape_fits)(g, "float16")
+            fits = {"forward": grouped_mma.forward_fits, "grad_input": grouped_mma.grad_input_fits}.get(
+                pass_, grouped_mma.shape_fits)
+            grouped_mma_runs = layout == "nhwc" and fits(g, "float16")
             assert [f.name for f in table.eligible(pass_, g, "float16", layout)] == \
                 ["wgmma"] * first + ["gemm"] + ["wgmma"] * (hopper and not first) + ["grouped_mma"] * grouped_mma_runs \
                 + ["direct"] + ["tiled"] * tiles

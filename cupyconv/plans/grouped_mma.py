@@ -1,5 +1,5 @@
-"""Thin grouped layers on mma.sync tensor cores: the forward (``conv_transpose2d_forward_grouped_mma.cu``) and
-grad_weight (``conv_transpose2d_grad_weight_grouped_mma.cu``).
+"""Thin grouped layers on mma.sync tensor cores: the forward (``conv_transpose2d_forward_grouped_mma.cu``), grad_input
+(``conv_transpose2d_grad_input_grouped_mma.cu``) and grad_weight (``conv_transpose2d_grad_weight_grouped_mma.cu``).
 
 A grouped layer of 8 input channels a group is too thin for the implicit GEMMs (their tiles are 16 or more channels
 a side, and they re-read every pixel for every tap), so it ran on the direct CUDA-core kernels.  These kernels stage
@@ -189,15 +189,82 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, sm_count: int,
                 smem_bytes=smem)
 
 
+# -------------------------------------------------------------------------------------------------- grad_input
+
+GRAD_INPUT_WARPS = 4
+_MAX_GRAD_INPUT_IN_CHANNELS = 32
+_MAX_GRAD_INPUT_OUT_CHANNELS = 64
+
+
+def grad_input_stage_bytes(g: Geometry, groups_per_block: int, seg: int) -> int:
+    """Shared memory of a grad_input block: two stages of the grad_output columns ``seg`` input pixels meet on every
+    kernel row, and the block's weights in rows of output-channel pairs padded by four words."""
+    kh, kw = g.kernel
+    sw, dw = g.params.stride[1], g.params.dilation[1]
+    span = (seg - 1) * sw + (kw - 1) * dw + 1
+    g_pitch = (groups_per_block * g.out_per_group // 8) | 1
+    weights = groups_per_block * kh * kw * g.in_per_group * (g.out_per_group // 2 + 4) * 4
+    return 2 * 16 * kh * span * g_pitch + weights
+
+
+def grad_input_fits(g: Geometry, dtype: str) -> bool:
+    """16-bit data, grouped, 8k input channels a group (at most 32) and 16k output channels (at most 64), at most
+    :data:`MAX_TAPS` taps, and a 16-pixel segment of one group that fits shared memory."""
+    return (dtype in _MMA_KINDS and g.groups > 1 and g.in_per_group % 8 == 0 and g.out_per_group % 16 == 0
+            and g.in_per_group <= _MAX_GRAD_INPUT_IN_CHANNELS and g.out_per_group <= _MAX_GRAD_INPUT_OUT_CHANNELS
+            and g.kernel[0] * g.kernel[1] <= MAX_TAPS and grad_input_stage_bytes(g, 1, 16) <= _MAX_STAGE_BYTES
+            and g.groups <= GRID_YZ_LIMIT)
+
+
+def grad_input_blocks(g: Geometry) -> List[Tuple[int, int]]:
+    """Up to three (groups a block, input pixels a segment) worth timing, the heuristic's first: groups up to 64
+    output channels (a grad_output pixel's 128-byte run in 16 bits) or half as many, segments of 32 or 16 pixels
+    (64 last); the heuristic's is the first of them where three blocks fit an SM, else the smallest."""
+    most = max(1, min(g.groups, 64 // g.out_per_group))
+    half = max(1, most // 2)
+    tried = dict.fromkeys(((most, 32), (most, 16), (half, 32), (half, 16), (most, 64)))
+    found = [b for b in tried if grad_input_stage_bytes(g, *b) <= _MAX_STAGE_BYTES] or [(1, 16)]  # (1, 16) fits
+    first = next((b for b in found if grad_input_stage_bytes(g, *b) <= _FORWARD_STAGE_BYTES),
+                 min(found, key=lambda b: grad_input_stage_bytes(g, *b)))
+    return ([first] + [b for b in found if b != first])[:3]
+
+
+@functools.lru_cache(maxsize=512)
+def plan_grad_input(g: Geometry, dtype: str, sm_count: int, block: Optional[Tuple[int, int]] = None) -> Plan:
+    """One kernel over (image, input row, segment) items, a grid of resident blocks walking them in turn.
+    ``block``: (groups a block, input pixels a segment), None for the heuristic's."""
+    if not grad_input_fits(g, dtype):
+        raise ValueError("the grouped mma grad_input takes 16-bit grouped layers of 8k input channels a group (at "
+                         f"most {_MAX_GRAD_INPUT_IN_CHANNELS}) and 16k output channels (at most "
+                         f"{_MAX_GRAD_INPUT_OUT_CHANNELS})")
+    gpb, seg = block or grad_input_blocks(g)[0]
+    if not (1 <= gpb <= g.groups and seg in SEGMENTS and grad_input_stage_bytes(g, gpb, seg) <= _MAX_STAGE_BYTES):
+        raise ValueError(f"grouped mma grad_input block {block} does not fit the layer")
+    h, w = g.in_size
+    segs = cdiv(w, seg)
+    yblocks = cdiv(g.groups, gpb)
+    items = g.batch * h * segs
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(MMA_KIND=_MMA_KINDS[dtype], GROUPS_PER_BLOCK=gpb, SEG=seg, WARPS=GRAD_INPUT_WARPS)
+    spec = KernelSpec.make("conv_transpose2d_grad_input_grouped_mma.cu", "conv_transpose2d_grad_input_grouped_mma",
+                           constants)
+    smem = grad_input_stage_bytes(g, gpb, seg)
+    resident = max(1, min(8, _SM_SHARED_BYTES // (smem + 1024)))
+    grid = (max(1, min(items, cdiv(resident * sm_count, yblocks))), yblocks, 1)
+    return Plan(spec, grid, (GRAD_INPUT_WARPS * 32, 1, 1), (g.batch, h, w) + g.out_size + (segs,), index_t,
+                smem_bytes=smem)
+
+
 class GroupedMmaFamily(Family):
     name = "grouped_mma"
-    passes = ("forward", "grad_weight")
+    passes = ("forward", "grad_input", "grad_weight")
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
                  precision: str = "strict") -> bool:
-        """sm_80 or newer with the tensor cores switched on, channels_last, and :func:`forward_fits` or
-        :func:`shape_fits`."""
-        fits = forward_fits if pass_ == "forward" else shape_fits
+        """sm_80 or newer with the tensor cores switched on, channels_last, and :func:`forward_fits`,
+        :func:`grad_input_fits` or :func:`shape_fits`."""
+        fits = {"forward": forward_fits, "grad_input": grad_input_fits}.get(pass_, shape_fits)
         return device.tensor_cores >= MMA_SYNC and gemm.enabled() and layout == "nhwc" and fits(g, dtype)
 
     def races(self, pass_: str, g: Geometry, dtype: str) -> bool:
@@ -206,7 +273,7 @@ class GroupedMmaFamily(Family):
         return not gemm.gemm_shape(g, dtype)
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        found = forward_blocks(g) if pass_ == "forward" else blocks(g)
+        found = {"forward": forward_blocks, "grad_input": grad_input_blocks}.get(pass_, blocks)(g)
         return [Variant(self.name)] + [Variant.make(self.name, tile=block_tile(b)) for b in found[1:]]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
@@ -217,12 +284,17 @@ class GroupedMmaFamily(Family):
             if not aligned:   # the 16-byte copies and stores need aligned data: the direct kernel runs it
                 return OneKernel(direct.plan_forward(g, dtype, has_bias, layout))
             return OneKernel(plan_forward(g, dtype, has_bias, sm_count, block))
+        if pass_ == "grad_input":
+            if not aligned:
+                return OneKernel(direct.plan_grad_input(g, dtype, layout, None, aligned))
+            return OneKernel(plan_grad_input(g, dtype, sm_count, block))
         if not aligned:
             return SplitK(*direct.plan_grad_weight(g, dtype, sm_count, layout))
         return SplitK(*plan_grad_weight(g, dtype, sm_count, block))
 
     def clear(self) -> None:
         plan_forward.cache_clear()
+        plan_grad_input.cache_clear()
         plan_grad_weight.cache_clear()
 
 
