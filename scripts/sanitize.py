@@ -267,18 +267,20 @@ def base_cases() -> List[Case]:
     cases.append(Case("expanded-taps-bfloat16-nhwc-weight_cl", (1, 16, 9, 9), (16, 5, 3, 3),
                       _kw(stride=2, padding=1, output_padding=1), False, "bfloat16", layout="nhwc", weight_cl=True,
                       variants=(("grad_input", "expanded_taps"), ("grad_weight", "expanded_taps:s3"))))
-    # the grouped mma forward and grad_weight (8 input channels a group): grad_weight split over five chunks and
-    # reduced, segments of 32 pixels past the row's end; six groups in grad_weight blocks of four (the second
-    # block's last two warps idle); one chunk writing a channels_last weight's gradient itself, in segments of 16;
-    # twelve groups in forward blocks of eight, the second holding four, with a bias
+    # the grouped mma forward, grad_input and grad_weight (8 input channels a group): grad_weight split over five
+    # chunks and reduced, segments of 32 pixels past the row's end; six groups in grad_weight blocks of four (the
+    # second block's last two warps idle); one chunk writing a channels_last weight's gradient itself, in segments
+    # of 16, and grad_input in blocks of one group; twelve groups in forward blocks of eight, the second holding
+    # four, with a bias
     cases.append(Case("grouped-mma-float16-nhwc", (2, 16, 5, 21), (16, 16, 3, 5),
                       _kw(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=2, output_padding=(1, 0)), False,
-                      "float16", layout="nhwc", variants=(("grad_weight", "grouped_mma"),)))
+                      "float16", layout="nhwc", variants=(("grad_input", "grouped_mma"), ("grad_weight", "grouped_mma"))))
     cases.append(Case("grouped-mma-bfloat16-nhwc-partial-block", (1, 48, 3, 7), (48, 16, 2, 3), _kw(groups=6),
-                      True, "bfloat16", layout="nhwc", variants=(("grad_weight", "grouped_mma"),)))
+                      True, "bfloat16", layout="nhwc",
+                      variants=(("grad_input", "grouped_mma"), ("grad_weight", "grouped_mma"))))
     cases.append(Case("grouped-mma-float16-nhwc-weight_cl-one-chunk", (1, 16, 1, 20), (16, 16, 3, 3),
                       _kw(stride=2, padding=1, groups=2), False, "float16", layout="nhwc", weight_cl=True,
-                      variants=(("grad_weight", "grouped_mma:2x16"),)))
+                      variants=(("grad_input", "grouped_mma:1x16"), ("grad_weight", "grouped_mma:2x16"))))
     cases.append(Case("grouped-mma-float16-nhwc-twelve-groups", (1, 96, 3, 5), (96, 16, 3, 3),
                       _kw(stride=2, padding=1, groups=12), True, "float16", layout="nhwc",
                       variants=(("forward", "grouped_mma"), ("grad_weight", "grouped_mma"))))
