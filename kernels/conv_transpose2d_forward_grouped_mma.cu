@@ -8,8 +8,9 @@
 // SEGQ q of one output row for GROUPS_PER_BLOCK whole groups: it stages the input
 // rows the output row's kernel rows meet, once, runs every phase's 16-pixel tiles over
 // their taps (m16n8k8: 8 input channels a K step, 8 output channels an N tile), and
-// writes the segment's output through shared memory in 16-byte channel runs, zeros
-// and bias included where no tap reaches.  The block's weights stay in shared memory
+// writes the segment's output through shared memory, zeros and bias included where no
+// tap reaches: channels_last output in 16-byte channel runs, NCHW output (OUT_NCHW; the
+// input then is a channels_last copy) in runs of adjacent pixels of each channel.  The block's weights stay in shared memory
 // as [group][tap][output channel][input channel] for every item it walks, and the
 // next item's input rows are copied in while the block computes this one.
 #include "layer.cuh"
@@ -21,6 +22,7 @@ constexpr bool HAS_BIAS = {{HAS_BIAS}};
 constexpr int GROUPS_PER_BLOCK = {{GROUPS_PER_BLOCK}};
 constexpr int SEGQ = {{SEGQ}};    // output columns of each phase a block computes at once, in whole 16-column tiles
 constexpr int WARPS = {{WARPS}};
+constexpr bool OUT_NCHW = {{OUT_NCHW}};
 constexpr int THREADS = WARPS * 32;
 constexpr int N_TILES = COUT_G / 8, K_STEPS = CIN_G / 8, TILES = SEGQ / 16;
 
@@ -42,6 +44,9 @@ constexpr int XSPAN = SEGQ + OFF_MAX - OFF_MIN;  // input columns a segment's ta
 // Staged rows in 16-byte units (8 channels); odd pitches keep ldmatrix's eight rows on distinct banks.
 constexpr int X_UNITS = GROUPS_PER_BLOCK * CIN_G / 8, O_UNITS = GROUPS_PER_BLOCK * COUT_G / 8;
 constexpr int X_PITCH = X_UNITS | 1, O_PITCH = O_UNITS | 1;
+// Bytes of a staged output pixel: whole 16-byte units for the channels_last stores; an odd number of words for the
+// NCHW stores, whose lanes read adjacent pixels of one channel.
+constexpr int O_ROW = OUT_NCHW ? O_UNITS * 16 + 4 : O_PITCH * 16;
 constexpr int X_BYTES = KH * XSPAN * X_PITCH * 16;
 constexpr int W_ELEMS = GROUPS_PER_BLOCK * TAPS * COUT_G * CIN_G;
 constexpr int W_BYTES = (W_ELEMS * 2 + 15) / 16 * 16;
@@ -131,7 +136,7 @@ conv_transpose2d_forward_grouped_mma(const scalar_t* __restrict__ x, const scala
             if (local_group >= groups_here) continue;  // past the layer's groups: nothing of it is stored
             const unsigned a_rows = x_stage + ((tile * 16 - OFF_MIN + (lane & 15)) * X_PITCH + local_group * K_STEPS) * 16;
             const unsigned short* w_group = ws + (local_group * TAPS * COUT_G + lane / 4) * CIN_G + (lane % 4) * 2;
-            unsigned char* o_tile = os + (tile * 16 + lane / 4) * SW * O_PITCH * 16
+            unsigned char* o_tile = os + (tile * 16 + lane / 4) * SW * O_ROW
                                     + (local_group * COUT_G + (lane % 4) * 2) * 2;
             const float* b_lane = bs + local_group * COUT_G + (lane % 4) * 2;
 #pragma unroll
@@ -161,17 +166,27 @@ conv_transpose2d_forward_grouped_mma(const scalar_t* __restrict__ x, const scala
                 for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
-                        *reinterpret_cast<unsigned*>(o_tile + (h * 8 * SW + r) * O_PITCH * 16 + nt * 16) =
+                        *reinterpret_cast<unsigned*>(o_tile + (h * 8 * SW + r) * O_ROW + nt * 16) =
                             pack_pair<scalar_t>(acc[nt][2 * h] + b_lane[nt * 8], acc[nt][2 * h + 1] + b_lane[nt * 8 + 1]);
             }
         }
         __syncthreads();
-        scalar_t* out_row = out + (n * H_out + oh) * W_out * COUT + g0 * COUT_G;
-        for (int v = tid; v < SW * SEGQ * O_UNITS; v += THREADS) {
-            const int p = v / O_UNITS, u = v % O_UNITS;
-            const index_t ow = q0 * SW + p;
-            if (ow < W_out && u < o_units)
-                *reinterpret_cast<uint4*>(out_row + ow * COUT + u * 8) = *reinterpret_cast<const uint4*>(os + (p * O_PITCH + u) * 16);
+        if (OUT_NCHW) {
+            scalar_t* out_rows = out + ((n * COUT + g0 * COUT_G) * H_out + oh) * W_out + q0 * SW;
+            const index_t pixels = W_out - q0 * SW < SW * SEGQ ? W_out - q0 * SW : SW * SEGQ;
+            for (int v = tid; v < SW * SEGQ * o_units * 8; v += THREADS) {
+                const int p = v % (SW * SEGQ), c = v / (SW * SEGQ);
+                if (p < pixels)
+                    out_rows[static_cast<index_t>(c) * H_out * W_out + p] = *reinterpret_cast<const scalar_t*>(os + p * O_ROW + c * 2);
+            }
+        } else {
+            scalar_t* out_row = out + (n * H_out + oh) * W_out * COUT + g0 * COUT_G;
+            for (int v = tid; v < SW * SEGQ * O_UNITS; v += THREADS) {
+                const int p = v / O_UNITS, u = v % O_UNITS;
+                const index_t ow = q0 * SW + p;
+                if (ow < W_out && u < o_units)
+                    *reinterpret_cast<uint4*>(out_row + ow * COUT + u * 8) = *reinterpret_cast<const uint4*>(os + p * O_ROW + u * 16);
+            }
         }
         // The next iteration writes the output stage only after its first __syncthreads, once these reads are done.
     }

@@ -11,7 +11,8 @@
 // staged columns p * SW + kw * DW of 16 adjacent pixels (ldmatrix, a row address a lane).
 // The block's weights stay in shared memory as [group][tap][input channel][output channel
 // pairs] for every item it walks.  A warp takes 16 pixels of one group, every input
-// channel, through every tap.
+// channel, through every tap.  grad_output is channels_last (for an NCHW layer, a copy);
+// grad_input is written channels_last, or NCHW where OUT_NCHW says.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "cp_async_pipeline.cuh"
@@ -20,6 +21,7 @@ constexpr int KIND = {{MMA_KIND}};
 constexpr int GROUPS_PER_BLOCK = {{GROUPS_PER_BLOCK}};
 constexpr int SEG = {{SEG}};  // input pixels of a row a block computes at once, in whole 16-pixel tiles
 constexpr int WARPS = {{WARPS}};
+constexpr bool OUT_NCHW = {{OUT_NCHW}};
 constexpr int THREADS = WARPS * 32;
 constexpr int N_TILES = CIN_G / 8, K_STEPS = COUT_G / 16, TILES = SEG / 16;
 constexpr int SPAN = (SEG - 1) * SW + (KW - 1) * DW + 1;  // grad_output columns a segment meets on a kernel row
@@ -143,9 +145,20 @@ conv_transpose2d_grad_input_grouped_mma(const scalar_t* __restrict__ grad_out, c
             for (int h = 0; h < 2; ++h) {
                 const index_t iw = iw0 + tile * 16 + lane / 4 + h * 8;
                 if (iw >= W) continue;
-                scalar_t* dst = grad_in + ((n * H + ih) * W + iw) * CIN + (g0 + local_group) * CIN_G + (lane % 4) * 2;
+                const index_t c = static_cast<index_t>(g0 + local_group) * CIN_G + (lane % 4) * 2;
+                if (OUT_NCHW) {
+                    // A store puts 8 adjacent pixels of 4 channels, 16-byte halves of sectors the h = 1 store mostly fills.
+                    scalar_t* dst = grad_in + ((n * CIN + c) * H + ih) * W + iw;
 #pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) store_pair(dst + nt * 8, acc[nt][2 * h], acc[nt][2 * h + 1]);
+                    for (int nt = 0; nt < N_TILES; ++nt) {
+                        store(dst + nt * 8 * H * W, acc[nt][2 * h]);
+                        store(dst + (nt * 8 + 1) * H * W, acc[nt][2 * h + 1]);
+                    }
+                } else {
+                    scalar_t* dst = grad_in + ((n * H + ih) * W + iw) * CIN + c;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt) store_pair(dst + nt * 8, acc[nt][2 * h], acc[nt][2 * h + 1]);
+                }
             }
         }
         __syncthreads();  // every warp is done with this stage before the issue after next overwrites it

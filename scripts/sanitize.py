@@ -284,6 +284,11 @@ def base_cases() -> List[Case]:
     cases.append(Case("grouped-mma-float16-nhwc-twelve-groups", (1, 96, 3, 5), (96, 16, 3, 3),
                       _kw(stride=2, padding=1, groups=12), True, "float16", layout="nhwc",
                       variants=(("forward", "grouped_mma"), ("grad_weight", "grouped_mma"))))
+    # NCHW through channels_last copies: the forward and grad_input store NCHW output, grad_output's copy is shared
+    cases.append(Case("grouped-mma-bfloat16-nchw", (2, 32, 3, 21), (32, 16, 3, 5),
+                      _kw(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4, output_padding=(1, 0)), True,
+                      "bfloat16", layout="nchw",
+                      variants=(("forward", "grouped_mma"), ("grad_input", "grouped_mma"), ("grad_weight", "grouped_mma"))))
     return cases
 
 

@@ -36,7 +36,7 @@ def test_eligibility(w_shape, kwargs, fits, why):
     assert grouped_mma.FAMILY.eligible("grad_weight", g, "bfloat16", "nhwc", ASSUMED) is fits, why
     for dtype in ("float32", "float64"):
         assert not grouped_mma.shape_fits(g, dtype)
-    assert not grouped_mma.FAMILY.eligible("grad_weight", g, "float16", "nchw", ASSUMED)
+    assert grouped_mma.FAMILY.eligible("grad_weight", g, "float16", "nchw", ASSUMED) is fits, why
 
 
 def test_needs_mma_sync_and_the_tensor_cores_on(monkeypatch):
@@ -72,9 +72,11 @@ def test_the_table_runs_it_first_on_channels_last_16_bit_layers_and_races_the_di
                              Variant.make("grouped_mma", tile="4x64"))
         assert Variant("direct") in cands
         assert all(Variant.parse(v.name) == v for v in cands)
-    for dtype, layout in (("float32", "nhwc"), ("float16", "nchw")):
+    # NCHW runs it on channels_last copies, and leads there too
+    assert table.candidates("grad_weight", GROUPED_DILATED, "bfloat16", "nchw", "strict", ASSUMED)[0] == GROUPED_MMA
+    for layout in ("nhwc", "nchw"):
         assert not any(v.family == "grouped_mma"
-                       for v in table.candidates("grad_weight", GROUPED_DILATED, dtype, layout, "tf32", ASSUMED))
+                       for v in table.candidates("grad_weight", GROUPED_DILATED, "float32", layout, "tf32", ASSUMED))
     # 16 channels a side: the GEMMs run it, and the grouped mma kernel, which can, does not race them
     wider = _layer((2, 64, 9, 7), (64, 16, 4, 4), stride=2, groups=4)
     assert grouped_mma.FAMILY.eligible("grad_weight", wider, "float16", "nhwc", ASSUMED)
@@ -144,7 +146,7 @@ def test_forward_eligibility(w_shape, kwargs, fits, why):
     assert grouped_mma.forward_fits(g, "bfloat16") is fits, why
     assert grouped_mma.FAMILY.eligible("forward", g, "float16", "nhwc", ASSUMED) is fits, why
     assert not grouped_mma.forward_fits(g, "float32")
-    assert not grouped_mma.FAMILY.eligible("forward", g, "float16", "nchw", ASSUMED)
+    assert grouped_mma.FAMILY.eligible("forward", g, "float16", "nchw", ASSUMED) is fits, why
 
 
 def test_forward_stage_bytes():
@@ -167,8 +169,9 @@ def test_the_table_runs_the_forward_first_on_thin_groups():
     cands = table.candidates("forward", GROUPED_DILATED, "float16", "nhwc", "strict", ASSUMED)
     assert cands[0] == GROUPED_MMA and Variant("direct") in cands
     assert all(Variant.parse(v.name) == v for v in cands)
-    assert not any(v.family == "grouped_mma"
-                   for v in table.candidates("forward", GROUPED_DILATED, "float16", "nchw", "strict", ASSUMED))
+    # NCHW: it steps back behind the tiled forward, and races it
+    nchw = table.candidates("forward", GROUPED_DILATED, "float16", "nchw", "strict", ASSUMED)
+    assert nchw[0].family == "tiled" and GROUPED_MMA in nchw
 
 
 def test_forward_plan_walks_items_with_resident_blocks():
@@ -216,7 +219,7 @@ def test_grad_input_eligibility(w_shape, kwargs, fits, why):
     assert grouped_mma.grad_input_fits(g, "float16") is fits, why
     assert grouped_mma.FAMILY.eligible("grad_input", g, "bfloat16", "nhwc", ASSUMED) is fits, why
     assert not grouped_mma.grad_input_fits(g, "float32")
-    assert not grouped_mma.FAMILY.eligible("grad_input", g, "float16", "nchw", ASSUMED)
+    assert grouped_mma.FAMILY.eligible("grad_input", g, "float16", "nchw", ASSUMED) is fits, why
 
 
 def test_grad_input_stage_bytes():
@@ -247,3 +250,33 @@ def test_the_table_runs_grad_input_first_on_thin_groups():
     planned = grouped_mma.FAMILY.plan("grad_input", GROUPED_MMA, GROUPED_DILATED, "float16", "nhwc", "strict", False,
                                       False, 132)
     assert planned.plans() == [direct.plan_grad_input(GROUPED_DILATED, "float16", "nhwc", None, False)]
+
+
+def test_nchw_layers_read_channels_last_copies_and_store_nchw():
+    """An NCHW layer's passes read channels_last copies (grad_output's one plan object, which a backward shares
+    between grad_input and grad_weight) whatever the alignment, and the forward and grad_input store NCHW."""
+    g = GROUPED_DILATED
+    x_copy, go_copy = gemm.plan_grad_weight_sources(g, "float16")
+    for aligned in (True, False):
+        forward = table.plan("forward", GROUPED_MMA, g, "float16", "nchw", "strict", True, aligned, 132)
+        grad_input = table.plan("grad_input", GROUPED_MMA, g, "float16", "nchw", "strict", False, aligned, 132)
+        grad_weight = table.plan("grad_weight", GROUPED_MMA, g, "float16", "nchw", "strict", False, aligned, 132)
+        assert forward.source_copy is x_copy and grad_input.source_copy is go_copy
+        assert dict(forward.main.spec.constants)["OUT_NCHW"] is True
+        assert dict(grad_input.main.spec.constants)["OUT_NCHW"] is True
+        assert isinstance(grad_weight, SplitK) and grad_weight.sources == (x_copy, go_copy)
+        assert grad_weight.partial.spec.function == "conv_transpose2d_grad_weight_grouped_mma"
+        assert go_copy in grad_input.plans() and x_copy in forward.plans()
+    cl = table.plan("forward", GROUPED_MMA, g, "float16", "nhwc", "strict", True, True, 132)
+    assert cl.source_copy is None and dict(cl.main.spec.constants)["OUT_NCHW"] is False
+
+
+def test_nchw_forward_stage_holds_the_odd_word_pitch():
+    """A staged output pixel takes the larger of its two rows: whole 16-byte units of an odd count (channels_last
+    stores), or the units and one word (NCHW stores)."""
+    g = _layer((2, 16, 9, 7), (16, 8, 3, 3), stride=2, groups=2)
+    # 16 more columns of each phase: 16 more staged input pixels on each of 3 kernel rows, in both stages (a pitch of
+    # 1 unit for one group, 3 for two), and 2 x 16 more output pixels, of 20 bytes for one group's 8 channels
+    # (NCHW; 16 channels_last) and of 48 for two groups' 16 (channels_last, 3 units; 36 NCHW)
+    assert grouped_mma.forward_stage_bytes(g, 1, 32) - grouped_mma.forward_stage_bytes(g, 1, 16) == 2 * 3 * 16 * 16 + 32 * 20
+    assert grouped_mma.forward_stage_bytes(g, 2, 32) - grouped_mma.forward_stage_bytes(g, 2, 16) == 2 * 3 * 16 * 16 * 3 + 32 * 48

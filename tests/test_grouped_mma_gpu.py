@@ -69,17 +69,19 @@ CASES = [pytest.param(name, dtype, block, weight_cl,
          for weight_cl in ((i + j + (dtype == torch.bfloat16)) % 2 == 0,)]
 
 
-def _run(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None, pass_="grad_weight"):
-    """Our grad_weight with ``pass_`` pinned to ``variant`` (the tuner's choice for None), and the launches of the
-    call; grad_input and grad_weight are checked against float64."""
+def _run(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None, pass_="grad_weight",
+         nchw=False):
+    """Our grad_weight with ``pass_`` pinned to ``variant`` (the tuner's choice for None; a dict pins passes), and
+    the launches of the call; grad_input and grad_weight are checked against float64.  ``nchw``: x and grad_output NCHW, else
+    channels_last."""
     x64, w64, b64, go64 = _data(layer, seed)
-    x, go = _arranged(x64, dtype), _arranged(go64, dtype)
+    x, go = _arranged(x64, dtype, not nchw), _arranged(go64, dtype, not nchw)
     w = _arranged(w64, dtype, weight_cl)
     b = None if b64 is None else b64.to(dtype)
     for shape in (x.shape, w.shape):
         blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
         del blocks
-    pins = tuning.pinned({} if variant is None else {pass_: variant})
+    pins = tuning.pinned(variant if isinstance(variant, dict) else {} if variant is None else {pass_: variant})
     with pins, launch.watch() as seen:
         gi, gw = _grads(ct.conv_transpose2d, x if x_view is None else x_view(x), w, b, go, layer)
         torch.cuda.synchronize()
@@ -89,6 +91,7 @@ def _run(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=N
     for what, o, t, r, m in zip(("grad_input", "grad_weight"), (gi, gw), theirs, ref, magnitude):
         _check_near_float64(o, t, r, m, dtype, what)
     assert gw.is_contiguous(memory_format=torch.channels_last) == weight_cl
+    assert gi.stride() == theirs[0].stride()   # torch's memory format
     return gw, seen
 
 
@@ -154,11 +157,11 @@ FORWARD_CASES = [pytest.param(name, dtype, block, weight_cl,
                  for weight_cl in ((i + j + (dtype == torch.bfloat16)) % 2 == 1,)]
 
 
-def _forward(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None):
+def _forward(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None, nchw=False):
     """Our forward with it pinned to ``variant`` (the tuner's choice for None) and checked against float64, and the
-    launches of the call."""
+    launches of the call.  ``nchw``: x NCHW, else channels_last."""
     x64, w64, b64, _ = _data(layer, seed)
-    x, w = _arranged(x64, dtype), _arranged(w64, dtype, weight_cl)
+    x, w = _arranged(x64, dtype, not nchw), _arranged(w64, dtype, weight_cl)
     b = None if b64 is None else b64.to(dtype)
     ref = F.conv_transpose2d(x64, w64, b64, **layer.kwargs())
     blocks = [torch.full(ref.shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
@@ -167,8 +170,9 @@ def _forward(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_vi
         y = ct.conv_transpose2d(x if x_view is None else x_view(x), w, b, **layer.kwargs())
         torch.cuda.synchronize()
     magnitude = F.conv_transpose2d(x64.abs(), w64.abs(), None if b64 is None else b64.abs(), **layer.kwargs())
-    _check_near_float64(y, F.conv_transpose2d(x, w, b, **layer.kwargs()), ref, magnitude, dtype, "forward")
-    assert y.is_contiguous(memory_format=torch.channels_last)
+    theirs = F.conv_transpose2d(x, w, b, **layer.kwargs())
+    _check_near_float64(y, theirs, ref, magnitude, dtype, "forward")
+    assert y.stride() == theirs.stride()   # torch's memory format
     return y, seen
 
 
@@ -252,3 +256,34 @@ def test_the_heuristic_runs_grad_input(ampere_or_newer, untuned):
     assert table.candidates("grad_input", g, "float16", "nhwc", "strict", ampere_or_newer)[0] == Variant("grouped_mma")
     _, seen = _run(layer, torch.float16, False, 51)
     assert any(plan.spec.function == GRAD_INPUT for _, plan in seen)
+
+
+NCHW_CASES = [pytest.param(name, dtype, id=f"{name}-{SHORT[dtype]}")
+              for name in LAYERS for dtype in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name,dtype", NCHW_CASES)
+def test_nchw_layers_run_on_channels_last_copies(name, dtype, ampere_or_newer):
+    """NCHW x, grad_output and weight: the forward reads a channels_last copy of x and writes NCHW output, grad_input
+    and grad_weight read one shared copy of grad_output (grad_weight a copy of x too), grad_input is written NCHW;
+    every block of every pass against float64.  (A channels_last weight makes torch's output channels_last.)"""
+    layer = LAYERS[name]
+    seed = 60 + list(LAYERS).index(name)
+    g = _geometry(layer, False)
+    for i, block in enumerate(grouped_mma.forward_blocks(g)):
+        _, seen = _forward(layer, dtype, False, seed, Variant.make("grouped_mma", tile=f"{block[0]}x{block[1]}"),
+                           nchw=True)
+        plans = [plan for _, plan in seen if plan.spec.function == FORWARD]
+        assert len(plans) == 1 and dict(plans[0].spec.constants)["OUT_NCHW"] is True
+        assert [stage for stage, _ in seen] == ["to_channels_last", "main"]
+    blocks = zip(grouped_mma.grad_input_blocks(g), grouped_mma.blocks(g))
+    for i, (gi_block, gw_block) in enumerate(blocks):
+        pins = {"grad_input": Variant.make("grouped_mma", tile=f"{gi_block[0]}x{gi_block[1]}"),
+                "grad_weight": Variant.make("grouped_mma", tile=f"{gw_block[0]}x{gw_block[1]}")}
+        _, seen = _run(layer, dtype, False, seed + i, pins, nchw=True)
+        functions = [plan.spec.function for _, plan in seen]
+        gi_plans = [plan for _, plan in seen if plan.spec.function == GRAD_INPUT]
+        assert len(gi_plans) == 1 and dict(gi_plans[0].spec.constants)["OUT_NCHW"] is True, functions
+        assert functions.count(FUNCTION) == 1, functions
+        # one copy of grad_output for both passes, one of x for grad_weight
+        assert functions.count("to_channels_last") == 2, functions

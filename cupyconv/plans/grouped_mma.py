@@ -5,7 +5,10 @@ A grouped layer of 8 input channels a group is too thin for the implicit GEMMs (
 a side, and they re-read every pixel for every tap), so it ran on the direct CUDA-core kernels.  These kernels stage
 a segment of one row, and the rows it meets on every kernel row, once for a few whole groups, and run every tap's
 mma out of the staged rows: ldmatrix takes a row address a lane, so a tap's stride and dilation are only
-addresses.  They take channels_last 16-bit data whose channels come in whole 16-byte runs.
+addresses.  They read channels_last 16-bit data whose channels come in whole 16-byte runs.  An NCHW layer's sources
+are copied into channels_last scratch first (grad_output's copy shared by grad_input and grad_weight), and the
+forward and grad_input write NCHW output themselves: the copies cost less than the direct NCHW kernels' gathers
+(grouped_dilated fp16 on an H200: grad_weight 836 µs direct, grad_input 417).
 """
 from __future__ import annotations
 
@@ -125,10 +128,11 @@ def forward_stage_bytes(g: Geometry, groups_per_block: int, segq: int) -> int:
     offsets = _column_offsets(g)
     xspan = segq + max(offsets) - min(offsets)
     x_pitch = (groups_per_block * g.in_per_group // 8) | 1
-    o_pitch = (groups_per_block * g.out_per_group // 8) | 1
+    o_units = groups_per_block * g.out_per_group // 8
+    o_row = max(16 * (o_units | 1), 16 * o_units + 4)   # the channels_last or the NCHW stores' staged pixel
     weights = cdiv(groups_per_block * g.kernel[0] * g.kernel[1] * g.out_per_group * g.in_per_group * 2, 16) * 16
     bias = cdiv(groups_per_block * g.out_per_group * 4, 16) * 16
-    return 2 * 16 * g.kernel[0] * xspan * x_pitch + weights + bias + 16 * g.params.stride[1] * segq * o_pitch
+    return 2 * 16 * g.kernel[0] * xspan * x_pitch + weights + bias + g.params.stride[1] * segq * o_row
 
 
 def forward_fits(g: Geometry, dtype: str) -> bool:
@@ -160,9 +164,10 @@ def forward_blocks(g: Geometry) -> List[Tuple[int, int]]:
 
 @functools.lru_cache(maxsize=512)
 def plan_forward(g: Geometry, dtype: str, has_bias: bool, sm_count: int,
-                 block: Optional[Tuple[int, int]] = None) -> Plan:
+                 block: Optional[Tuple[int, int]] = None, out_nchw: bool = False) -> Plan:
     """One kernel over (image, output row, segment) items, a grid of blocks walking them in turn.  ``block``:
-    (groups a block, output columns of each phase a segment), None for the heuristic's."""
+    (groups a block, output columns of each phase a segment), None for the heuristic's; ``out_nchw``: the output
+    is NCHW (x, a channels_last copy)."""
     if not forward_fits(g, dtype):
         raise ValueError("the grouped mma forward takes 16-bit grouped layers of 8k input channels a group (at most "
                          f"{_MAX_FORWARD_IN_CHANNELS}) and 8k output channels (at most {_MAX_FORWARD_OUT_CHANNELS})")
@@ -177,7 +182,7 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, sm_count: int,
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     constants = layer_constants(g, dtype, index_t)
     constants.update(MMA_KIND=_MMA_KINDS[dtype], HAS_BIAS=bool(has_bias), GROUPS_PER_BLOCK=gpb, SEGQ=segq,
-                     WARPS=FORWARD_WARPS)
+                     WARPS=FORWARD_WARPS, OUT_NCHW=bool(out_nchw))
     spec = KernelSpec.make("conv_transpose2d_forward_grouped_mma.cu", "conv_transpose2d_forward_grouped_mma",
                            constants)
     # As many blocks as stay resident (up to 8 an SM), each staging its weights once for the items it walks: blocks
@@ -230,9 +235,11 @@ def grad_input_blocks(g: Geometry) -> List[Tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=512)
-def plan_grad_input(g: Geometry, dtype: str, sm_count: int, block: Optional[Tuple[int, int]] = None) -> Plan:
+def plan_grad_input(g: Geometry, dtype: str, sm_count: int, block: Optional[Tuple[int, int]] = None,
+                    out_nchw: bool = False) -> Plan:
     """One kernel over (image, input row, segment) items, a grid of resident blocks walking them in turn.
-    ``block``: (groups a block, input pixels a segment), None for the heuristic's."""
+    ``block``: (groups a block, input pixels a segment), None for the heuristic's; ``out_nchw``: grad_input is NCHW
+    (grad_output, a channels_last copy)."""
     if not grad_input_fits(g, dtype):
         raise ValueError("the grouped mma grad_input takes 16-bit grouped layers of 8k input channels a group (at "
                          f"most {_MAX_GRAD_INPUT_IN_CHANNELS}) and 16k output channels (at most "
@@ -246,7 +253,8 @@ def plan_grad_input(g: Geometry, dtype: str, sm_count: int, block: Optional[Tupl
     items = g.batch * h * segs
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     constants = layer_constants(g, dtype, index_t)
-    constants.update(MMA_KIND=_MMA_KINDS[dtype], GROUPS_PER_BLOCK=gpb, SEG=seg, WARPS=GRAD_INPUT_WARPS)
+    constants.update(MMA_KIND=_MMA_KINDS[dtype], GROUPS_PER_BLOCK=gpb, SEG=seg, WARPS=GRAD_INPUT_WARPS,
+                     OUT_NCHW=bool(out_nchw))
     spec = KernelSpec.make("conv_transpose2d_grad_input_grouped_mma.cu", "conv_transpose2d_grad_input_grouped_mma",
                            constants)
     smem = grad_input_stage_bytes(g, gpb, seg)
@@ -262,10 +270,18 @@ class GroupedMmaFamily(Family):
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
                  precision: str = "strict") -> bool:
-        """sm_80 or newer with the tensor cores switched on, channels_last, and :func:`forward_fits`,
-        :func:`grad_input_fits` or :func:`shape_fits`."""
+        """sm_80 or newer with the tensor cores switched on, and :func:`forward_fits`, :func:`grad_input_fits` or
+        :func:`shape_fits`; either layout."""
         fits = {"forward": forward_fits, "grad_input": grad_input_fits}.get(pass_, shape_fits)
-        return device.tensor_cores >= MMA_SYNC and gemm.enabled() and layout == "nhwc" and fits(g, dtype)
+        return device.tensor_cores >= MMA_SYNC and gemm.enabled() and fits(g, dtype)
+
+    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw") -> bool:
+        """All but the NCHW forward, which pays a copy of x and stores NCHW output two bytes a lane: on an H200 it
+        lost to the tiled forward on grouped_dilated (378 against 326 µs, fp16) and beat it on a 3 x 3 layer of 16
+        groups (26 against 82; the direct kernel 42), so there it steps back and races.  NCHW grad_input alone
+        lost to the direct kernel on grouped_dilated (513 against 414 µs, most of it the copy of grad_output) but
+        leads: in a backward it shares that copy with grad_weight's."""
+        return not (pass_ == "forward" and layout == "nchw")
 
     def races(self, pass_: str, g: Geometry, dtype: str) -> bool:
         """Only where the implicit GEMMs cannot run the layer (fewer than 16 channels a group on a side): on a
@@ -280,14 +296,25 @@ class GroupedMmaFamily(Family):
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         tile = variant.kwargs.get("tile")
         block = None if tile is None else tile_block(tile)
+        nchw = layout == "nchw"
+        # The 16-byte copies and stores need aligned channels_last data (else the direct kernel runs the pass); an
+        # NCHW layer's kernels read aligned copies and store NCHW output an element at a time.
         if pass_ == "forward":
-            if not aligned:   # the 16-byte copies and stores need aligned data: the direct kernel runs it
+            if nchw:
+                return OneKernel(plan_forward(g, dtype, has_bias, sm_count, block, out_nchw=True),
+                                 source_copy=gemm.plan_grad_weight_sources(g, dtype)[0])
+            if not aligned:
                 return OneKernel(direct.plan_forward(g, dtype, has_bias, layout))
             return OneKernel(plan_forward(g, dtype, has_bias, sm_count, block))
         if pass_ == "grad_input":
+            if nchw:
+                return OneKernel(plan_grad_input(g, dtype, sm_count, block, out_nchw=True),
+                                 source_copy=gemm.plan_grad_weight_sources(g, dtype)[1])
             if not aligned:
                 return OneKernel(direct.plan_grad_input(g, dtype, layout, None, aligned))
             return OneKernel(plan_grad_input(g, dtype, sm_count, block))
+        if nchw:
+            return SplitK(*plan_grad_weight(g, dtype, sm_count, block), gemm.plan_grad_weight_sources(g, dtype))
         if not aligned:
             return SplitK(*direct.plan_grad_weight(g, dtype, sm_count, layout))
         return SplitK(*plan_grad_weight(g, dtype, sm_count, block))

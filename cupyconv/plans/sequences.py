@@ -37,15 +37,28 @@ class PassPlan:
 
 @dataclass(frozen=True)
 class OneKernel(PassPlan):
-    """A single kernel that reads the pass's sources and writes its output."""
+    """A single kernel that reads the pass's sources and writes its output.  With a ``source_copy`` it reads a
+    channels_last copy of its first source (x, or grad_output, whose copy is shared through ``launcher.copies``)."""
 
     main: Plan
+    source_copy: Optional[Plan] = None
 
     def plans(self) -> List[Plan]:
-        return [self.main]
+        return [self.main] + ([self.source_copy] if self.source_copy is not None else [])
 
     def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
-        launcher.launch("main", self.main, pointers)
+        copy = self.source_copy
+        if copy is None:
+            launcher.launch("main", self.main, pointers)
+            return
+        src, *rest = pointers
+        if launcher.copies is None:
+            keep, (src_cl,) = launcher.scratch([copy.scratch_bytes])
+            launcher.launch("to_channels_last", copy, (src, src_cl))
+        else:
+            keep, src_cl = None, launcher.copies.get(copy, src, launcher)
+        launcher.launch("main", self.main, (src_cl, *rest))
+        del keep
 
 
 @dataclass(frozen=True)

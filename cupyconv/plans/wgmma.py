@@ -824,7 +824,7 @@ class WgmmaFamily(Family):
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
                 and _eligible(g, dtype, pass_, precision))
 
-    def leads(self, pass_: str, g: Geometry, dtype: str) -> bool:
+    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw") -> bool:
         """grad_weight's kernels lead where a stride phase has two taps or more, which a block's tile then shares;
         with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races them.
         The TF32 grad_weight kernel beat the GEMM on all such layers measured but a 3-tap dilated one in NCHW and,
