@@ -273,7 +273,11 @@ def test_every_raced_grad_input_block(name, dtype_name, layout):
     want = torch_reference(kwargs, x, w, None, go)[1]
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     go = go.contiguous(memory_format=fmt)
-    launcher = launch.Launcher(0, torch.cuda.current_stream().cuda_stream, None)
+    def alloc(nbytes):   # the heuristic's NCHW grouped mma grad_input reads a channels_last copy
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
+        return t, t.data_ptr()
+
+    launcher = launch.Launcher(0, torch.cuda.current_stream().cuda_stream, alloc)
     for v, tile in variants:
         got = torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda").contiguous(memory_format=fmt)
         # grad_input alone: every block compiles, and nothing else needs to
