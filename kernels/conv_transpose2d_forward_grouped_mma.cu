@@ -10,9 +10,10 @@
 // their taps (m16n8k8: 8 input channels a K step, 8 output channels an N tile), and
 // writes the segment's output through shared memory, zeros and bias included where no
 // tap reaches: channels_last output in 16-byte channel runs, NCHW output (OUT_NCHW; the
-// input then is a channels_last copy) in runs of adjacent pixels of each channel.  The block's weights stay in shared memory
-// as [group][tap][output channel][input channel] for every item it walks, and the
-// next item's input rows are copied in while the block computes this one.
+// input then is a channels_last copy) in runs of adjacent pixels of each channel.  The
+// block's weights stay in shared memory as [group][tap][output channel][input channel]
+// for every item it walks, and the next item's input rows are copied in while the block
+// computes this one.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "cp_async_pipeline.cuh"
@@ -177,7 +178,8 @@ conv_transpose2d_forward_grouped_mma(const scalar_t* __restrict__ x, const scala
             for (int v = tid; v < SW * SEGQ * o_units * 8; v += THREADS) {
                 const int p = v % (SW * SEGQ), c = v / (SW * SEGQ);
                 if (p < pixels)
-                    out_rows[static_cast<index_t>(c) * H_out * W_out + p] = *reinterpret_cast<const scalar_t*>(os + p * O_ROW + c * 2);
+                    out_rows[static_cast<index_t>(c) * H_out * W_out + p] =
+                        *reinterpret_cast<const scalar_t*>(os + p * O_ROW + c * 2);
             }
         } else {
             scalar_t* out_row = out + (n * H_out + oh) * W_out * COUT + g0 * COUT_G;

@@ -274,7 +274,8 @@ def base_cases() -> List[Case]:
     # four, with a bias
     cases.append(Case("grouped-mma-float16-nhwc", (2, 16, 5, 21), (16, 16, 3, 5),
                       _kw(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=2, output_padding=(1, 0)), False,
-                      "float16", layout="nhwc", variants=(("grad_input", "grouped_mma"), ("grad_weight", "grouped_mma"))))
+                      "float16", layout="nhwc",
+                      variants=(("grad_input", "grouped_mma"), ("grad_weight", "grouped_mma"))))
     cases.append(Case("grouped-mma-bfloat16-nhwc-partial-block", (1, 48, 3, 7), (48, 16, 2, 3), _kw(groups=6),
                       True, "bfloat16", layout="nhwc",
                       variants=(("grad_input", "grouped_mma"), ("grad_weight", "grouped_mma"))))
@@ -288,7 +289,8 @@ def base_cases() -> List[Case]:
     cases.append(Case("grouped-mma-bfloat16-nchw", (2, 32, 3, 21), (32, 16, 3, 5),
                       _kw(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=4, output_padding=(1, 0)), True,
                       "bfloat16", layout="nchw",
-                      variants=(("forward", "grouped_mma"), ("grad_input", "grouped_mma"), ("grad_weight", "grouped_mma"))))
+                      variants=(("forward", "grouped_mma"), ("grad_input", "grouped_mma"),
+                                ("grad_weight", "grouped_mma"))))
     return cases
 
 

@@ -278,5 +278,8 @@ def test_nchw_forward_stage_holds_the_odd_word_pitch():
     # 16 more columns of each phase: 16 more staged input pixels on each of 3 kernel rows, in both stages (a pitch of
     # 1 unit for one group, 3 for two), and 2 x 16 more output pixels, of 20 bytes for one group's 8 channels
     # (NCHW; 16 channels_last) and of 48 for two groups' 16 (channels_last, 3 units; 36 NCHW)
-    assert grouped_mma.forward_stage_bytes(g, 1, 32) - grouped_mma.forward_stage_bytes(g, 1, 16) == 2 * 3 * 16 * 16 + 32 * 20
-    assert grouped_mma.forward_stage_bytes(g, 2, 32) - grouped_mma.forward_stage_bytes(g, 2, 16) == 2 * 3 * 16 * 16 * 3 + 32 * 48
+    def more(groups):
+        return grouped_mma.forward_stage_bytes(g, groups, 32) - grouped_mma.forward_stage_bytes(g, groups, 16)
+
+    assert more(1) == 2 * 3 * 16 * 16 + 32 * 20
+    assert more(2) == 2 * 3 * 16 * 16 * 3 + 32 * 48

@@ -72,8 +72,8 @@ CASES = [pytest.param(name, dtype, block, weight_cl,
 def _run(layer: Layer, dtype, weight_cl: bool, seed: int, variant=None, x_view=None, pass_="grad_weight",
          nchw=False):
     """Our grad_weight with ``pass_`` pinned to ``variant`` (the tuner's choice for None; a dict pins passes), and
-    the launches of the call; grad_input and grad_weight are checked against float64.  ``nchw``: x and grad_output NCHW, else
-    channels_last."""
+    the launches of the call; grad_input and grad_weight are checked against float64.  ``nchw``: x and grad_output
+    NCHW, else channels_last."""
     x64, w64, b64, go64 = _data(layer, seed)
     x, go = _arranged(x64, dtype, not nchw), _arranged(go64, dtype, not nchw)
     w = _arranged(w64, dtype, weight_cl)
