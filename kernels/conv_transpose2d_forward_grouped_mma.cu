@@ -62,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 conv_transpose2d_forward_grouped_mma(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
                                      const scalar_t* __restrict__ bias, scalar_t* __restrict__ out,
                                      index_t N, index_t H, index_t W, index_t H_out, index_t W_out, index_t segs) {
-    // two [KH][XSPAN][X_PITCH] stages of input rows, the weights, the bias, then [SW * SEGQ][O_PITCH] output pixels
+    // two [KH][XSPAN][X_PITCH] stages of input rows, the weights, the bias, then SW * SEGQ output pixels of O_ROW bytes
     extern __shared__ __align__(16) unsigned char staged[];
     unsigned short* ws = reinterpret_cast<unsigned short*>(staged + 2 * X_BYTES);
     float* bs = reinterpret_cast<float*>(staged + 2 * X_BYTES + W_BYTES);
