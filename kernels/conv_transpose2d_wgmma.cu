@@ -38,6 +38,11 @@
 // unrounded: pack_weight rounds the weight, and the channels_last copy of an NCHW source rounds
 // the source (SRC_ROUNDED).  A source read in place is rounded by the producer, which must then
 // wait for each halo to land before it hands it over, so its copies no longer run ahead.
+// Strict fp32 (MMA_KIND 3) runs as 3xTF32: every operand buffer holds the TF32 big parts followed
+// by their TF32 residuals (split_tf32_bits; pack_weight writes the weight's, the producer splits
+// each halo once it lands), and each MMA step is small x big + big x small + big x big.  Tensor-core
+// accumulation is not rounded to nearest, so as in the mma.sync kernels a step's sum is moved into
+// an ordinary fp32 total when the step's MMAs finish, before the next step starts.
 #include "layer.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -46,6 +51,9 @@
 
 constexpr int MODE = {{MODE}};
 constexpr int KIND = {{MMA_KIND}};
+constexpr bool SPLIT_TF32 = KIND == MMA_3XTF32;
+constexpr bool TF32 = KIND == MMA_TF32 || SPLIT_TF32;
+constexpr int MMA = SPLIT_TF32 ? MMA_TF32 : KIND;   // what each wgmma multiplies
 constexpr int TILE_IMAGES = {{TILE_IMAGES}}, TILE_H = {{TILE_H}}, TILE_W = {{TILE_W}};
 constexpr int CONSUMERS = {{WARPGROUPS}};   // warpgroups doing MMAs; one more produces
 constexpr int BN = {{BN}};
@@ -88,6 +96,9 @@ constexpr int HALO_PLANE = SWIZZLED ? 0 : (HALO_PIXELS | 1) * 16;
 constexpr int HALO_BYTES = SWIZZLED ? HALO_PIXELS * 128 : CHUNK_GROUPS * HALO_PLANE;
 constexpr int B_PLANE = BN * 16;
 constexpr int B_BYTES = CHUNK_GROUPS * B_PLANE;
+// 3xTF32 buffers hold two parts each: the big one, then the small one HALO_BYTES or B_BYTES after it.
+constexpr int PARTS = SPLIT_TF32 ? 2 : 1;
+constexpr int HALO_STAGE_BYTES = PARTS * HALO_BYTES, B_STAGE_BYTES = PARTS * B_BYTES;
 constexpr int HALO_VECS = CHUNK_GROUPS * HALO_PIXELS;
 // A weight read in place: the forward's B tile is BN / 64 column blocks of CK rows (input channels) of 128
 // bytes (64 output channels); grad_input's is BN rows (input channels) of 128 bytes (64 output channels, the
@@ -98,7 +109,8 @@ constexpr int B_ROW_VECS = B_MN_MAJOR ? BN / VEC : CK / VEC;
 constexpr int B_COPIES = CK * BN / VEC / 128;
 constexpr int B_COLUMN_BLOCK = CK * 128;   // MN-major: bytes from one 64-channel column block to the next
 // The halos come first; a directly read weight's buffers start on a whole swizzle period after them.
-constexpr int HALO_REGION = WEIGHT_DIRECT ? (HALO_STAGES * HALO_BYTES + 1023) / 1024 * 1024 : HALO_STAGES * HALO_BYTES;
+constexpr int HALO_REGION = WEIGHT_DIRECT ? (HALO_STAGES * HALO_BYTES + 1023) / 1024 * 1024
+                                          : HALO_STAGES * HALO_STAGE_BYTES;
 // Bytes from one core matrix (eight pixels) of an MMA block to the next along M: the next
 // halo row of an 8 x 8 block, the next eight pixels of a one-row block.
 constexpr int A_CORE_STRIDE = (BLOCK_ROWS == 8 ? HALO_W : 8) * PIXEL_BYTES;
@@ -111,13 +123,13 @@ __device__ __forceinline__ unsigned halo_vector(unsigned halo, int pixel, int gr
 // them: 56 + 2 x 224 per thread-triple fills the register file.
 constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 
-constexpr bool TF32 = KIND == MMA_TF32;
-static_assert(KIND == MMA_F16 || KIND == MMA_BF16 || (TF32 && sizeof(scalar_t) == 4), "fp16, bf16, or fp32 as TF32");
+static_assert(KIND == MMA_F16 || KIND == MMA_BF16 || (TF32 && sizeof(scalar_t) == 4),
+              "fp16, bf16, or fp32 as TF32 or 3xTF32");
 static_assert(TILE_W % BLOCK_COLS == 0 && TILE_H % BLOCK_ROWS == 0 && M_BLOCKS % CONSUMERS == 0,
               "whole 64-row MMA blocks per warpgroup");
 static_assert(CK % K_STEP == 0 && CG_K % VEC == 0, "chunks of whole MMA steps, channels in whole 16-byte groups");
 static_assert(B_STAGES >= 2 && HALO_STAGES >= 1, "pipeline depths");
-static_assert(HALO_REGION + B_STAGES * B_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
+static_assert(HALO_REGION + B_STAGES * B_STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
 static_assert(!WEIGHT_DIRECT || (WEIGHT_CL && !TF32 && COUT_G % VEC == 0 && CK * BN % (VEC * 128) == 0
                                  && (MODE == 1 || BN % 64 == 0)),
               "a weight read in place: channels_last, 16 bits, whole 16-byte output channel runs, whole copy rounds, "
@@ -234,8 +246,8 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
     __syncthreads();
     const int tap_n = tap_count;
     const unsigned smem_base = smem_addr(smem);
-    auto halo_slot = [&](int h) { return smem_base + (h % HALO_STAGES) * HALO_BYTES; };
-    auto b_slot = [&](int b) { return smem_base + HALO_REGION + (b % B_STAGES) * B_BYTES; };
+    auto halo_slot = [&](int h) { return smem_base + (h % HALO_STAGES) * HALO_STAGE_BYTES; };
+    auto b_slot = [&](int b) { return smem_base + HALO_REGION + (b % B_STAGES) * B_STAGE_BYTES; };
     const int warpgroup = tid / 128;
 
     if (warpgroup == CONSUMERS) {
@@ -243,7 +255,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
         if constexpr (CONSUMERS > 1) registers_release<PRODUCER_REGISTERS>();
         const int ptid = tid % 128;
         const index_t src_batch = H_SRC * W_SRC * C_SRC;
-        const scalar_t* w_tiles = packed_weight + (static_cast<index_t>(g) * N_PAD + n0) * TAPS * K_PAD;
+        const scalar_t* w_tiles = packed_weight + (static_cast<index_t>(g) * N_PAD + n0) * TAPS * K_PAD * PARTS;
         int h_iter = 0, b_iter = 0;
         for (index_t tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
             TileOrigin o;
@@ -274,12 +286,18 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                     for (int v = ptid; v < HALO_VECS; v += 128) copy_vector(v);
                 }
                 if constexpr (TF32 && !SRC_ROUNDED) {
-                    // The tensor cores would truncate fp32 words; each thread rounds the vectors it copied
-                    // once they land, before its arrival hands the halo to the MMAs (the async proxy).
+                    // The tensor cores would truncate fp32 words; each thread rounds (or splits) the vectors it
+                    // copied once they land, before its arrival hands the halo to the MMAs (the async proxy).
                     cp_async_commit();
                     cp_async_wait<0>();
-                    for (int v = ptid; v < HALO_VECS; v += 128)
-                        round_shared_tf32(halo_vector(halo, v / CHUNK_GROUPS, v % CHUNK_GROUPS));
+                    for (int v = ptid; v < HALO_VECS; v += 128) {
+                        const int pixel = v / CHUNK_GROUPS, group = v % CHUNK_GROUPS;
+                        if constexpr (SPLIT_TF32)
+                            split_shared_tf32(halo_vector(halo, pixel, group),
+                                              halo_vector(halo + HALO_BYTES, pixel, group));
+                        else
+                            round_shared_tf32(halo_vector(halo, pixel, group));
+                    }
                     fence_async_shared();
                     mbarrier_arrive(full);
                 } else {
@@ -293,9 +311,10 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                     } else if (ptid == 0) {
                         const unsigned bar = smem_addr(&b_full[b_iter % B_STAGES]);
                         mbarrier_wait(smem_addr(&b_empty[b_iter % B_STAGES]), ((b_iter / B_STAGES) & 1) ^ 1);
-                        mbarrier_expect_bytes(bar, B_BYTES);
-                        bulk_copy(b_slot(b_iter), w_tiles + (static_cast<index_t>(c) * TAPS + taps[t].w) * CK * BN,
-                                  B_BYTES, bar);
+                        mbarrier_expect_bytes(bar, B_STAGE_BYTES);
+                        bulk_copy(b_slot(b_iter),
+                                  w_tiles + (static_cast<index_t>(c) * TAPS + taps[t].w) * CK * BN * PARTS,
+                                  B_STAGE_BYTES, bar);
                     }
                 }
             }
@@ -318,6 +337,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
     const int lane = tid % 32, warp = tid % 128 / 32;
     const index_t dst_plane = H_DST * W_DST;
     float acc[MB][BN / 2];
+    float total[MB][BN / 2];   // 3xTF32: the steps' sums, added in fp32
     int h_iter = 0, b_iter = 0;
     for (index_t tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
         TileOrigin o;
@@ -325,7 +345,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) acc[mb][i] = 0.f;
+            for (int i = 0; i < BN / 2; ++i) acc[mb][i] = total[mb][i] = 0.f;
         // The step whose MMAs may still run: its weight buffer, and its halo if it was its chunk's last tap.
         int pending_b = -1, pending_h = -1;
         for (int c = 0; c < CHUNKS && tap_n > 0; ++c, ++h_iter) {
@@ -349,17 +369,40 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
 #pragma unroll
                     for (int mb = 0; mb < MB; ++mb) {
                         // An MMA's 32 bytes of K: two channel-group planes, or 32 bytes into the rows.
-                        const unsigned long long a_desc =
-                            SWIZZLED ? smem_descriptor_swizzle_128b(a_origin + block_offset[mb] + kk * 32, 16,
-                                                                    A_CORE_STRIDE)
-                                     : smem_descriptor(a_origin + block_offset[mb] + 2 * kk * HALO_PLANE, HALO_PLANE,
-                                                       A_CORE_STRIDE);
-                        wgmma_async<KIND, BN, 0, B_MN_MAJOR>(acc[mb], a_desc, b_desc, 1);
+                        const unsigned a_at = a_origin + block_offset[mb];
+                        auto a_descriptor = [&](unsigned at) {
+                            return SWIZZLED ? smem_descriptor_swizzle_128b(at + kk * 32, 16, A_CORE_STRIDE)
+                                            : smem_descriptor(at + 2 * kk * HALO_PLANE, HALO_PLANE, A_CORE_STRIDE);
+                        };
+                        const unsigned long long a_desc = a_descriptor(a_at);
+                        if constexpr (SPLIT_TF32) {
+                            // Small cross terms first, so they are not lost against the big product; each step
+                            // starts its sum afresh.
+                            const unsigned long long b_small = b_desc + (B_BYTES >> 4);
+                            wgmma_async<MMA, BN>(acc[mb], a_descriptor(a_at + HALO_BYTES), b_desc, kk > 0);
+                            wgmma_async<MMA, BN>(acc[mb], a_desc, b_small, 1);
+                        }
+                        wgmma_async<MMA, BN, 0, B_MN_MAJOR>(acc[mb], a_desc, b_desc, 1);
                     }
                 }
                 wgmma_commit();
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
+                if constexpr (SPLIT_TF32) {
+                    // This step's MMAs done: its sum joins the total, and its buffers go back at once.
+                    wgmma_wait<0>();
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb) {
+                        fence_registers(acc[mb]);
+#pragma unroll
+                        for (int i = 0; i < BN / 2; ++i) total[mb][i] += acc[mb][i];
+                    }
+                    if (signals) {
+                        mbarrier_arrive(smem_addr(&b_empty[b_iter % B_STAGES]));
+                        if (t == tap_n - 1) mbarrier_arrive(smem_addr(&halo_empty[h_iter % HALO_STAGES]));
+                    }
+                    continue;
+                }
                 wgmma_wait<1>();   // the previous step's MMAs are done: release its buffers
                 if (signals && pending_b >= 0) {
                     mbarrier_arrive(smem_addr(&b_empty[pending_b]));
@@ -395,7 +438,8 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
 #pragma unroll
                 for (int jn = 0; jn < BN / 8; ++jn) {
                     const int oc = n0 + jn * 8 + (lane % 4) * 2;
-                    float v0 = acc[mb][jn * 4 + h * 2], v1 = acc[mb][jn * 4 + h * 2 + 1];
+                    const float(&sum)[BN / 2] = SPLIT_TF32 ? total[mb] : acc[mb];
+                    float v0 = sum[jn * 4 + h * 2], v1 = sum[jn * 4 + h * 2 + 1];
                     if constexpr (HAS_BIAS) {
                         if (oc < CG_N) v0 += load(bias + g * CG_N + oc);
                         if (oc + 1 < CG_N) v1 += load(bias + g * CG_N + oc + 1);

@@ -9,7 +9,9 @@
 // bulk copies read them: [g][n tile][k chunk][tap][16-byte k group][n in tile][k in group],
 // TILE_N x TILE_K per (n tile, k chunk, tap), each tile one contiguous block.
 // ROUND_TF32 rounds fp32 values to TF32 (round to nearest, ties away), as the wgmma kernels, which
-// read TF32 operands straight from shared memory, need.
+// read TF32 operands straight from shared memory, need.  SPLIT_TF32 (tiled order only) writes each
+// tile twice over, for strict fp32's 3xTF32 wgmma kernels: the TF32 big parts, then right after them
+// the small parts (split_tf32_bits), [g][n tile][k chunk][tap][part][...], so that one copy moves both.
 //
 // Either order is a transpose of the weight's: k and n trade places and the taps move out.  A
 // block takes a region of REGION_K k by REGION_N n by every tap, which is a few long runs of the
@@ -35,10 +37,13 @@ constexpr int BLOCK = {{BLOCK}};
 constexpr int TILE_N = {{TILE_N}}, TILE_K = {{TILE_K}};
 constexpr int REGION_K = {{REGION_K}}, REGION_N = {{REGION_N}};
 constexpr bool ROUND_TF32 = {{ROUND_TF32}};
+constexpr bool SPLIT_TF32 = {{SPLIT_TF32}};
+constexpr int PARTS = SPLIT_TF32 ? 2 : 1;
 constexpr bool WEIGHT_CL = {{WEIGHT_CL}};
 constexpr int VEC = 16 / ELEMENT_BYTES;
 constexpr bool TILED = TILE_N > 0;
 static_assert(!ROUND_TF32 || ELEMENT_BYTES == 4, "TF32 rounding of fp32 words");
+static_assert(!SPLIT_TF32 || (ELEMENT_BYTES == 4 && !ROUND_TF32 && TILE_N > 0), "fp32 words split, tile by tile");
 static_assert(!TILED || (N_PAD % TILE_N == 0 && K_PAD % TILE_K == 0 && TILE_K % VEC == 0), "whole tiles");
 static_assert(!TILED || (TILE_N % REGION_N == 0 && TILE_K % REGION_K == 0 && REGION_K % VEC == 0),
               "regions inside one tile, of whole 16-byte k groups");
@@ -134,16 +139,24 @@ pack_weight(const bits_t* __restrict__ weight, bits_t* __restrict__ packed) {
     };
     write_t* const out = reinterpret_cast<write_t*>(packed);
     if constexpr (TILED) {
-        // [n tile][k chunk][tap][k group][n in tile][k in group]: per tap and k group, REGION_N x VEC in a row
+        // [n tile][k chunk][tap][part][k group][n in tile][k in group]: per tap and k group, REGION_N x VEC in a row
         const int n_tile = n0 / TILE_N, chunk = k0 / TILE_K;
         const index_t tile_base = ((static_cast<index_t>(g) * (N_PAD / TILE_N) + n_tile) * (K_PAD / TILE_K) + chunk)
-                                  * TAPS * TILE_K * TILE_N;
+                                  * TAPS * PARTS * TILE_K * TILE_N;
         const int n_in0 = n0 % TILE_N, group0 = k0 % TILE_K / VEC;
         for (int e = WRITE_UNIT * tid; e < REGION; e += WRITE_UNIT * BLOCK) {
             const int in_group = e % VEC, nn = e / VEC % REGION_N;
             const int kg = e / (VEC * REGION_N) % (REGION_K / VEC), t = e / (REGION_N * REGION_K);
-            out[(tile_base + ((static_cast<index_t>(t) * (TILE_K / VEC) + group0 + kg) * TILE_N + n_in0 + nn) * VEC
-                 + in_group) / WRITE_UNIT] = word(kg * VEC + in_group, nn, t);
+            const index_t at = tile_base + ((static_cast<index_t>(t) * PARTS * (TILE_K / VEC) + group0 + kg) * TILE_N
+                                            + n_in0 + nn) * VEC + in_group;
+            const write_t v = word(kg * VEC + in_group, nn, t);
+            if constexpr (SPLIT_TF32) {
+                const Tf32Parts parts = split_tf32_bits(v);
+                out[at] = parts.big;
+                out[at + TILE_K * TILE_N] = parts.small;
+            } else {
+                out[at / WRITE_UNIT] = v;
+            }
         }
     } else {
         // [tap][n][k]: per tap and n, REGION_K in a row

@@ -242,6 +242,20 @@ def _wgmma_plans():
             wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS[name], "float32", layout, precision="tf32"))
     add("wgmma_huge_64bit-grad_input-tf32-nhwc",
         wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS["wgmma_huge_64bit"], "float32", "nhwc", precision="tf32"))
+    # 3xTF32 (strict float32): the forward on the dense layer in both layouts, with a bias and without, every tile
+    # it may take there in turn; grad_input on the strided, grouped, one-row and 64-bit layers; a channels_last
+    # weight's split pack
+    for layout, bias in itertools.product(launch.LAYOUTS, (False, True)):
+        add(f"wgmma_dense_3x5-3xtf32-{layout}-{'bias' if bias else 'nobias'}",
+            wgmma.plan_forward(dense, "float32", bias, layout, precision="strict"))
+    for i, tile in enumerate(wgmma.split_tiles(dense)):
+        add(f"wgmma-3xtf32-tile-{tile.name}", wgmma.plan_forward(dense, "float32", i % 2 == 0, launch.LAYOUTS[i % 2],
+                                                                   tile, precision="strict"))
+    for i, name in enumerate(("wgmma_grad_stride2", "wgmma_grad_grouped_odd", "wgmma_one_row", "wgmma_huge_64bit")):
+        add(f"{name}-grad_input-3xtf32", wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS[name], "float32",
+                                                               launch.LAYOUTS[i % 2], precision="strict"))
+    add("wgmma_dense_3x5-weight_cl-forward-3xtf32",
+        wgmma.plan_forward(dense.with_weight_channels_last(), "float32", True, "nhwc", precision="strict"))
     # thin destinations: an RGB output layer's forward (N tiles of 8) and a 12-channel one (N tiles of 16), in both
     # 16-bit kinds, with and without a bias
     rgb = _layer((2, 64, 20, 18), (64, 3, 4, 4), stride=2, padding=1)
@@ -560,7 +574,30 @@ def _spill_plan(name):
 def test_wgmma_kernels_build_for_sm_90a_without_spilling(name, ptxas_logs):
     """NVRTC builds the wgmma kernels (forward and grad_input) to sm_90a cubins; ptxas keeps every tile in
     registers, with no stack frame and no serialised warpgroup MMAs."""
-    main = _spill_plan(name)
+    _assert_builds_without_spilling(_spill_plan(name), ptxas_logs)
+
+
+# 3xTF32 keeps two sets of accumulators: its tiles of 64 a thread (the most it takes), forward and grad_input, and
+# grad_input's smallest chunk (the stride-3 layer's nine phase planes)
+SPLIT_SPILL_CASES = {f"{pass_}-{tile.name}": (pass_, tile) for tile in wgmma.TILES.values()
+                     if tile.accumulators == wgmma.SPLIT_ACCUMULATORS for pass_ in ("forward", "grad_input")
+                     if pass_ == "forward" or wgmma._fits(WGMMA_GRAD_INPUT_LAYERS["wgmma_grad_stride3_k3"], "float32",
+                                                          tile, pass_, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_SPILL_CASES))
+def test_3xtf32_wgmma_kernels_build_for_sm_90a_without_spilling(name, ptxas_logs):
+    pass_, tile = SPLIT_SPILL_CASES[name]
+    if pass_ == "forward":
+        main = wgmma.plan_forward(_wgmma_layer("wgmma_dense_3x5"), "float32", True, "nhwc", tile, precision="strict")
+    else:
+        main = wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS["wgmma_grad_stride3_k3"], "float32", "nchw", tile,
+                                     precision="strict")
+    assert dict(main.gemm.spec.constants)["MMA_KIND"] == 3
+    _assert_builds_without_spilling(main.gemm, ptxas_logs)
+
+
+def _assert_builds_without_spilling(main, ptxas_logs):
     spec = main.spec
     assert spec.target == "sm_90a" and f"-arch={spec.target}" in spec.options
     log = ptxas_logs(spec)

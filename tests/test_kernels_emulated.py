@@ -398,6 +398,49 @@ def test_weight_packed_for_tf32_wgmma_is_rounded_to_nearest():
         gemm.plan_pack_weight_padded(g, "float16", 0, 32, 32, (32, 16), round_tf32=True)
 
 
+def test_weight_split_for_3xtf32_wgmma_into_big_and_small_parts():
+    """Strict float32's wgmma kernels read the weight as TF32 parts: each packed tile, then its residuals right
+    after it.  The big part is the nearest TF32 value (truncated where that would overflow), the small one the
+    rest rounded to TF32, together within 2^-21 of a normal value; Inf and NaN ride in the small part alone."""
+    from cupyconv.plans import gemm
+
+    g = geometry((1, 24, 3, 3), (24, 20, 3, 2), None, ConvParams.from_args(stride=2))
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal(g.weight_shape).astype(np.float32)
+    special = np.array([1 + 2 ** -11, 1 + 2 ** -11 - 2 ** -23, -3 * 2 ** -137, np.finfo(np.float32).max, 0.0,
+                        np.inf, -np.inf, np.nan], np.float32)
+    w.ravel()[:special.size] = special
+    tile = (32, 8)
+    for mode in (0, 1):
+        plain_plan = gemm.plan_pack_weight_padded(g, "float32", mode, 32, 32, tile)
+        split_plan = gemm.plan_pack_weight_padded(g, "float32", mode, 32, 32, tile, split_tf32=True)
+        assert split_plan.scratch_bytes == 2 * plain_plan.scratch_bytes
+        _, plain = cuda_emulator.run(plain_plan, [w.view(np.uint32), np.zeros(plain_plan.scratch_bytes // 4,
+                                                                             np.uint32)], ["unsigned int"] * 2)
+        _, split = cuda_emulator.run(split_plan, [w.view(np.uint32), np.zeros(split_plan.scratch_bytes // 4,
+                                                                             np.uint32)], ["unsigned int"] * 2)
+        plain = plain.view(np.float32).reshape(-1, tile[0] * tile[1])      # one row per (n tile, chunk, tap)
+        parts = split.view(np.float32).reshape(-1, 2, tile[0] * tile[1])
+        big, small = parts[:, 0], parts[:, 1]
+        finite = np.isfinite(plain)
+        rounded = _tf32_nearest_away(plain)
+        overflow = finite & ~np.isfinite(rounded)
+        assert overflow.sum() == 1, "the largest float32 rounds past TF32's range"
+        np.testing.assert_array_equal(big[finite & ~overflow], rounded[finite & ~overflow])
+        np.testing.assert_array_equal(big[overflow], (plain[overflow].view(np.uint32) & 0xFFFFE000).view(np.float32))
+        np.testing.assert_array_equal(small[finite], _tf32_nearest_away(plain[finite] - big[finite]))
+        # subnormal residuals fall below TF32's smallest unit; normal values split within 2^-21
+        normal = finite & (np.abs(plain) >= 2.0 ** -100)
+        total = big[normal].astype(np.float64) + small[normal]
+        assert (np.abs(total - plain[normal]) <= 2.0 ** -21 * np.abs(plain[normal])).all()
+        assert (big[~finite] == 0).all()
+        np.testing.assert_array_equal(small[~finite].view(np.uint32), plain[~finite].view(np.uint32))
+    with pytest.raises(ValueError, match="tile by tile"):
+        gemm.plan_pack_weight_padded(g, "float32", 0, 32, 32, split_tf32=True)
+    with pytest.raises(ValueError, match="float32"):
+        gemm.plan_pack_weight_padded(g, "float16", 0, 32, 32, (32, 16), split_tf32=True)
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("x_shape, w_shape, kwargs", [
     # a batch of 6 (a ragged image group), channels and pixels past whole 32-wide tiles

@@ -215,10 +215,53 @@ def test_the_heuristic_plans_every_eligible_layer(g, runs_wgmma):
 
 # --------------------------------------------------------------------------- eligibility
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_no_wgmma_for_wide_floats(dtype):
-    assert not wgmma.eligible(DENSE, dtype)
-    assert wgmma.FAMILY not in table.eligible("forward", DENSE, dtype, "nchw")
+def test_no_wgmma_for_float64():
+    assert not wgmma.eligible(DENSE, "float64")
+    assert wgmma.FAMILY not in table.eligible("forward", DENSE, "float64", "nchw")
+
+
+@pytest.mark.parametrize("pass_", ["forward", "grad_input"])
+def test_strict_float32_runs_as_3xtf32(pass_):
+    """Strict float32 is eligible as 3xTF32 (kind 3): the weight packed as TF32 parts, an NCHW source copied
+    unrounded (the kernel's producer splits the halo), tiles of at most 64 accumulators a thread, and buffers twice
+    the TF32 plan's; strict grad_weight stays on mma.sync."""
+    assert wgmma.eligible(DENSE, "float32", pass_, "strict")
+    assert wgmma.FAMILY in table.eligible(pass_, DENSE, "float32", "nchw", precision="strict")
+    assert not wgmma.grad_weight_eligible(DENSE, "float32", "strict")
+    plan = table.plan(pass_, Variant("wgmma"), DENSE, "float32", "nchw", "strict", pass_ == "forward")
+    c = dict(plan.gemm.spec.constants)
+    tile = wgmma.TILES[f"{c['TILE_IMAGES']}i" * (c["TILE_IMAGES"] > 1) + f"{c['TILE_H']}x{c['TILE_W']}x{c['BN']}"]
+    assert c["MMA_KIND"] == 3 and not c["SRC_ROUNDED"] and not c["WEIGHT_DIRECT"]
+    assert tile == wgmma.split_tile(DENSE, pass_) and tile.accumulators <= wgmma.SPLIT_ACCUMULATORS
+    pack = dict(plan.pack.spec.constants)
+    assert pack["SPLIT_TF32"] and not pack["ROUND_TF32"]
+    assert plan.pack.scratch_bytes == 2 * 4 * pack["GROUPS"] * pack["TAPS"] * pack["N_PAD"] * pack["K_PAD"]
+    assert not dict(plan.to_channels_last.spec.constants)["ROUND_TF32"]
+    assert plan.gemm.smem_bytes == wgmma.smem_bytes(DENSE, "float32", tile, c["CK"], c["B_STAGES"], pass_, parts=2)
+    assert plan.gemm.smem_bytes <= wgmma.SMEM_LIMIT
+    tf32 = table.plan(pass_, Variant("wgmma"), DENSE, "float32", "nchw", "tf32", pass_ == "forward")
+    assert dict(tf32.gemm.spec.constants)["MMA_KIND"] == 2 and dict(tf32.pack.spec.constants)["ROUND_TF32"]
+    with pytest.raises(ValueError, match="accumulators"):
+        wgmma.plan_forward(DENSE, "float32", False, tile=wgmma.TILES["16x16x128"], precision="strict")
+
+
+@pytest.mark.parametrize("name", SUITE)
+@pytest.mark.parametrize("pass_", ["forward", "grad_input"])
+def test_strict_float32_options_plan_within_shared_memory(name, pass_):
+    """Every 3xTF32 option of the dense suite layers plans: whole 128-byte chunks kept before deep weight rings
+    (each step waits for its MMAs), buffers within shared memory, no tile of more than 64 accumulators."""
+    g = _suite_layer(name)
+    if not wgmma.eligible(g, "float32", pass_, "strict"):
+        return
+    opts = wgmma.options(g, pass_, "float32", "strict")
+    assert opts[0] == {} and len(opts) == len({o.get("tile") for o in opts})
+    for o in opts:
+        plan = wgmma.FAMILY.plan(pass_, Variant.make("wgmma", **o), g, "float32", "nhwc", "strict", True, True, 132)
+        c = dict(plan.gemm.spec.constants)
+        assert plan.gemm.smem_bytes <= wgmma.SMEM_LIMIT and c["MMA_KIND"] == 3
+        assert c["BN"] * c["TILE_IMAGES"] * c["TILE_H"] * c["TILE_W"] // (128 * c["WARPGROUPS"]) <= 64
+        if c["CK"] < 32:
+            assert c["B_STAGES"] == 2, "the ring shrinks before the chunk"
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -522,7 +565,8 @@ def test_tf32_leads_where_it_beat_the_gemm_on_the_h100():
         cands = table.candidates(pass_, g, "float32", "nchw", "tf32")
         assert cands[0].family == ("wgmma" if leads else "gemm") and {"wgmma", "gemm"} <= {v.family for v in cands}
         assert table.candidates(pass_, g, "float16", "nchw")[0].family == "wgmma", "fp16 and bf16 lead as before"
-        assert "wgmma" not in {v.family for v in table.candidates(pass_, g, "float32", "nchw", "strict")}
+        strict = table.candidates(pass_, g, "float32", "nchw", "strict")
+        assert strict[0].family == ("wgmma" if leads else "gemm"), "3xTF32 leads where TF32 does"
 
 
 def test_every_option_of_the_suite_layers_plans():
@@ -821,7 +865,7 @@ def test_grad_input_eligibility_follows_grad_outputs_channels_per_group(dtype):
             assert (table.candidates(GRAD, g, dtype, layout)[0] == WGMMA) == runs
         assert table.eligible("forward", forward_only, dtype, layout)[0] is wgmma.FAMILY
         assert table.candidates(GRAD, forward_only, dtype, layout)[0] == GEMM
-    assert not wgmma.eligible(both, "float32", GRAD)
+    assert not wgmma.eligible(both, "float64", GRAD)
 
 
 @pytest.mark.parametrize("dtype", HALF)

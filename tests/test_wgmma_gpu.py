@@ -44,6 +44,9 @@ SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "tf32"}
 # float32 cases run at TF32 precision (torch's default for convolutions), whose inputs keep 10 mantissa bits
 EPS = {torch.float16: torch.finfo(torch.float16).eps, torch.bfloat16: torch.finfo(torch.bfloat16).eps,
        torch.float32: 2.0 ** -10}
+# strict float32 runs as 3xTF32: each product misses its residuals' product and their roundings, about 3 x 2^-22 of
+# it at worst, and fp32 adds the steps' sums
+STRICT_EPS = 2.0 ** -20
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,6 +67,7 @@ class Case:
     variant: Variant = WGMMA
     weight_channels_last: bool = False
     pass_: str = "forward"               # or "grad_input"
+    strict: bool = False                 # float32 at full precision (3xTF32), TF32 otherwise
 
     @property
     def layout(self) -> str:
@@ -91,14 +95,19 @@ class Case:
 
     @property
     def precision(self) -> str:
-        return "tf32" if self.dtype == torch.float32 else "strict"
+        return "tf32" if self.dtype == torch.float32 and not self.strict else "strict"
+
+    @property
+    def eps(self) -> float:
+        return STRICT_EPS if self.strict else EPS[self.dtype]
 
     def plan(self, dev, aligned=True):
         return table.plan(self.pass_, self.variant, self.geometry, NAMES[self.dtype], self.layout, self.precision,
                           self.layer.bias and self.pass_ == "forward", aligned, dev.sm_count)
 
     def id(self, prefix) -> str:
-        return "-".join([prefix, SHORT[self.dtype], self.layout] + [self.variant.name] * (self.variant != WGMMA))
+        kind = "fp32" if self.strict else SHORT[self.dtype]
+        return "-".join([prefix, kind, self.layout] + [self.variant.name] * (self.variant != WGMMA))
 
 
 def _params(prefix, cases):
@@ -372,7 +381,7 @@ def _compare(case: Case, y, x, w, b):
                                    **kwargs)
     theirs = F.conv_transpose2d(x, w, b, **kwargs)
     floor = None
-    if case.dtype == torch.float32:
+    if case.precision == "tf32":
         floor = F.conv_transpose2d(round_tf32(x), round_tf32(w), dbl(b), **kwargs)
     _near_float64(case, y, ref, magnitude, theirs, floor)
 
@@ -388,7 +397,7 @@ def _near_float64(case: Case, y, ref, magnitude, theirs, tf32_exact=None):
     # Per element: fp32 accumulation of exact products and one rounding to the storage type stay
     # within twice the type's epsilon of the sum of the terms' magnitudes (exactly 0 where no
     # tap and no bias reaches an output).
-    eps = EPS[case.dtype]
+    eps = case.eps
     bad = (y.double() - ref).abs() > 2 * eps * magnitude
     if bool(bad.any()):
         where = tuple(int(i) for i in bad.nonzero()[0])
@@ -570,7 +579,7 @@ def _compare_grad_input(case: Case, gi, go, x, w):
     magnitude = _torch_grad(GRAD, go.double().abs(), x.double(), w.double().abs(), kwargs)
     theirs = _torch_grad(GRAD, go, x, w, kwargs)
     floor = _torch_grad(GRAD, round_tf32(go), x.double(), round_tf32(w), kwargs) \
-        if case.dtype == torch.float32 else None
+        if case.precision == "tf32" else None
     _near_float64(case, gi, ref, magnitude, theirs, floor)
 
 
@@ -685,7 +694,6 @@ def test_tf32_matches_float64(case, hopper):
     error (at least that of an exact sum of TF32-rounded products)."""
     assert torch.backends.cudnn.allow_tf32, "torch's default: convolutions may use TF32"
     assert wgmma.eligible(case.geometry, "float32", case.pass_, "tf32")
-    assert not wgmma.eligible(case.geometry, "float32", case.pass_, "strict")
     check = _check if case.pass_ == "forward" else _check_grad_input
     check(case, seed=200 + TF32_CASES.index(case), hopper=hopper)
 
@@ -708,16 +716,16 @@ def test_one_row_patches_on_grids_of_few_rows(case, hopper):
 
 
 @pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "strict"])
-def test_float32_runs_wgmma_only_where_tf32_is_allowed(allow_tf32, hopper, monkeypatch):
-    """Untuned, a float32 layer like the suite's asym_kernel runs its forward and grad_input on the wgmma kernel
-    when torch allows TF32 for convolutions, and never when it does not (3xTF32 on the mma.sync GEMM: float32's
-    accuracy); either way the result is right."""
+def test_float32_runs_wgmma_as_torch_allows(allow_tf32, hopper, monkeypatch):
+    """Untuned, a float32 layer like the suite's asym_kernel runs its forward and grad_input on the wgmma kernel:
+    as TF32 when torch allows TF32 for convolutions, as 3xTF32 when it does not (float32's accuracy); either way
+    the result is right."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
     tuning.clear()
     try:
-        # a batch of 8 at 48 x 64: tiles for most SMs, where TF32 leads (wgmma.tf32_leads)
-        case = Case(replace(ASYM_LIKE, batch=8, size=(48, 64)), TF32, True)
+        # a batch of 8 at 48 x 64: tiles for most SMs, where float32 leads (wgmma.tf32_leads)
+        case = Case(replace(ASYM_LIKE, batch=8, size=(48, 64)), TF32, True, strict=not allow_tf32)
         assert all(wgmma.tf32_leads(case.geometry, p) for p in ("forward", GRAD))
         x, w, b = _inputs(case, *_data(case.layer, TF32, 13))
         go = _grad_data(case.layer, TF32, 14)[2].contiguous(memory_format=torch.channels_last)
@@ -728,18 +736,83 @@ def test_float32_runs_wgmma_only_where_tf32_is_allowed(allow_tf32, hopper, monke
             torch.cuda.synchronize()
         mains = [(plan.spec.function, dict(plan.spec.constants).get("MMA_KIND")) for stage, plan in seen
                  if stage == "main"]
-        assert ((FUNCTION, 2) in mains) == allow_tf32, mains
-        assert sum(function == FUNCTION for function, _ in mains) == (2 if allow_tf32 else 0), mains
-        if allow_tf32:
-            _compare(case, y.detach(), x.detach(), w, b)
-            _compare_grad_input(replace(case, pass_=GRAD), x.grad, go, x.detach(), w)
-        else:
-            kwargs = case.layer.kwargs()
-            ref = F.conv_transpose2d(x.detach().double(), w.double(), b.double(), **kwargs)
-            assert _rel(y.detach(), ref) <= 1e-5, "strict float32 (3xTF32) stays within 1e-5"
-            assert _rel(x.grad, _torch_grad(GRAD, go.double(), x.detach().double(), w.double(), kwargs)) <= 1e-5
+        assert [kind for function, kind in mains if function == FUNCTION] == [2 if allow_tf32 else 3] * 2, mains
+        _compare(case, y.detach(), x.detach(), w, b)
+        _compare_grad_input(replace(case, pass_=GRAD), x.grad, go, x.detach(), w)
     finally:
         tuning.clear()
+
+
+# ------------------------------------------------------------------------ strict float32 (3xTF32)
+#
+# float32 where torch does not allow TF32 runs the same kernel as 3xTF32: the halo split into TF32 big parts and
+# residuals in shared memory, the weight when it is packed, three MMAs a product and each step's sum added in fp32.
+
+def _strict_cases():
+    cases = [Case(layer, TF32, i % 2 == 0, strict=True) for i, layer in enumerate(wgmma_layers(6, seed=41))]
+    cases += [Case(layer, TF32, i % 2 == 1, pass_=GRAD, strict=True)
+              for i, layer in enumerate(grad_input_layers(6, seed=43))]
+    for name, (batch, size) in SUITE.items():
+        layer = _suite_layer(name, batch, size)
+        for pass_, channels_last in ((p, cl) for p in ("forward", GRAD) for cl in (False, True)):
+            case = Case(replace(layer, bias=layer.bias and pass_ == "forward"), TF32, channels_last, pass_=pass_,
+                        strict=True)
+            if wgmma.eligible(case.geometry, "float32", pass_, "strict"):
+                cases.append(case)
+    g = Case(EVERY_TILE_LAYER, TF32, False, strict=True).geometry
+    cases += [Case(EVERY_TILE_LAYER, TF32, i % 2 == 0, Variant.make("wgmma", tile=t.name), strict=True)
+              for i, t in enumerate(sorted(wgmma.split_tiles(g), key=lambda t: t.name))]
+    cases += [Case(NO_TAP_LAYERS["empty_phases"], TF32, True, strict=True), Case(UNBATCHED, TF32, False, strict=True),
+              Case(replace(UNBATCHED, bias=False), TF32, False, weight_channels_last=True, pass_=GRAD, strict=True)]
+    return cases
+
+
+STRICT_CASES = _strict_cases()
+assert len(STRICT_CASES) >= 30
+
+
+@pytest.fixture
+def strict_float32(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
+@pytest.mark.parametrize("case", _params("strict", STRICT_CASES))
+def test_strict_float32_matches_float64(case, hopper, strict_float32):
+    """3xTF32: every element within 2^-19 of float64 on the terms' magnitudes, and no worse than twice torch's
+    strict float32 error (plus 1e-6 of the result's norm)."""
+    assert wgmma.eligible(case.geometry, "float32", case.pass_, "strict")
+    plan = case.plan(hopper)
+    assert dict(plan.gemm.spec.constants)["MMA_KIND"] == 3
+    assert plan.pack is None or dict(plan.pack.spec.constants)["SPLIT_TF32"]
+    check = _check if case.pass_ == "forward" else _check_grad_input
+    check(case, seed=400 + STRICT_CASES.index(case), hopper=hopper)
+
+
+@pytest.mark.parametrize("where", ["input", "grad_output"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "minus_inf"])
+def test_strict_float32_non_finite_values_as_torch(where, value, hopper, strict_float32):
+    """A NaN or Inf in the source reaches exactly the outputs it reaches in torch, with torch's sign: the split
+    carries it in the residual part alone, so no cross term multiplies it by a zero residual."""
+    layer = replace(ASYM_LIKE, bias=False)
+    pass_ = "forward" if where == "input" else GRAD
+    case = Case(layer, TF32, True, pass_=pass_, strict=True)
+    x, w, go = _grad_inputs(case, *_grad_data(layer, TF32, 17))
+    source = x if where == "input" else go
+    source[(0, 3) + tuple(s // 2 for s in source.shape[2:])] = value
+    kwargs = layer.kwargs()
+    if where == "input":
+        got, _ = _run_ours(case, x, w, None)
+        want = F.conv_transpose2d(x.double(), w.double(), None, **kwargs)
+    else:
+        got, _ = _run_grad(case, go, x, w)
+        want = _torch_grad(GRAD, go.double(), x.double(), w.double(), kwargs)
+    got = got.double()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), "NaN where torch has NaN"
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and bool((got[torch.isinf(want)]
+                                                                     == want[torch.isinf(want)]).all())
+    assert int(torch.isnan(want).sum() + torch.isinf(want).sum()) > 0
+    finite = torch.isfinite(want)
+    assert _rel(got[finite], want[finite]) <= 1e-6
 
 
 # ------------------------------------------------------------------------ thin destinations

@@ -132,20 +132,24 @@ def plan_pack_weight(g: Geometry, dtype: str, mode: int, tile: Tile) -> Plan:
 
 
 def plan_pack_weight_padded(g: Geometry, dtype: str, mode: int, n_pad: int, k_pad: int,
-                            tile: Tuple[int, int] = (0, 0), round_tf32: bool = False) -> Plan:
+                            tile: Tuple[int, int] = (0, 0), round_tf32: bool = False, split_tf32: bool = False) -> Plan:
     """Repack the weight as [group][tap][n_pad][k_pad], zero-padded, or with ``tile`` = (n, k) as
     contiguous n x k tiles, one per (n tile, k chunk, tap) (see pack_weight.cu), from the weight in either
-    layout; ``round_tf32`` rounds float32 values to TF32 on the way."""
-    if round_tf32 and dtype != "float32":
+    layout; ``round_tf32`` rounds float32 values to TF32 on the way, ``split_tf32`` writes each tile as its TF32
+    big parts followed by their TF32 residuals (3xTF32), which takes twice the scratch."""
+    if (round_tf32 or split_tf32) and dtype != "float32":
         raise ValueError(f"only float32 weights round to TF32, got {dtype}")
+    if split_tf32 and (round_tf32 or not tile[0]):
+        raise ValueError("a weight split into TF32 parts is packed tile by tile, unrounded")
     taps = g.kernel[0] * g.kernel[1]
-    total = g.groups * taps * n_pad * k_pad
+    total = g.groups * taps * n_pad * k_pad * (2 if split_tf32 else 1)
     element = _itemsize(dtype)
     region_k, region_n = pack_region(mode, taps, element, tile)
     constants = dict(INDEX_T=index_type(total, numel(g.weight_shape)), MODE=mode, ELEMENT_BYTES=element,
                      TAPS=taps, GROUPS=g.groups, CIN_G=g.in_per_group, COUT_G=g.out_per_group, N_PAD=n_pad,
                      K_PAD=k_pad, BLOCK=ELEMENTWISE_BLOCK, TILE_N=tile[0], TILE_K=tile[1], REGION_K=region_k,
-                     REGION_N=region_n, ROUND_TF32=round_tf32, WEIGHT_CL=g.weight_channels_last)
+                     REGION_N=region_n, ROUND_TF32=round_tf32, SPLIT_TF32=split_tf32,
+                     WEIGHT_CL=g.weight_channels_last)
     spec = KernelSpec.make("pack_weight.cu", "pack_weight", constants)
     blocks = g.groups * cdiv(n_pad, region_n) * cdiv(k_pad, region_k)
     return Plan(spec, (blocks, 1, 1), (ELEMENTWISE_BLOCK, 1, 1), (), constants["INDEX_T"],

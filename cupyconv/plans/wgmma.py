@@ -33,18 +33,27 @@ from .sequences import PackedGemm, PackedSourcesSplitK, PassPlan, SplitK
 
 TARGET = "sm_90a"
 # wgmma kinds, as mma.cuh numbers them.  float32 runs as TF32 where the precision allows it (grad_weight on its
-# own kernel, whose operands are K-major as TF32 needs); 3xTF32 stays on mma.sync.
+# own kernel, whose operands are K-major as TF32 needs), and the halo-tile kernel runs strict float32 as 3xTF32;
+# strict float32's grad_weight stays on mma.sync.
 _KINDS = {"float16": 0, "bfloat16": 1}
-_TF32 = gemm.MMA_TF32
+_TF32, _3XTF32 = gemm.MMA_TF32, gemm.MMA_3XTF32
+# A 3xTF32 step's sum moves into a second set of accumulators (the fp32 total), so its tiles hold at most this
+# many a thread in each set.
+SPLIT_ACCUMULATORS = 64
 
 
 def mma_kind(dtype: str, precision: str = "strict") -> Optional[int]:
     """The halo-tile kernel's MMA kind for ``dtype`` at ``precision`` (the ``mma.sync`` GEMMs' numbering), or None
-    where it has none: float64, and 3xTF32."""
+    where it has none (float64)."""
     if dtype not in _KINDS and dtype != "float32":
         return None
-    kind = gemm.mma_kind(dtype, precision)
-    return None if kind == gemm.MMA_3XTF32 else kind
+    return gemm.mma_kind(dtype, precision)
+
+
+def operand_parts(dtype: str, precision: str = "tf32") -> int:
+    """Parts each halo and weight buffer holds: two for 3xTF32 (TF32 big parts and residuals), else one.  The
+    tile helpers below take float32 at TF32 precision unless told otherwise, as they did before 3xTF32 ran here."""
+    return 2 if dtype == "float32" and precision == "strict" else 1
 
 
 # Dynamic shared memory a block may use on an H100 (227 KB), less the kernel's static tap table.
@@ -204,19 +213,19 @@ def halo_stages(g: Geometry, b_stages: int, pass_: str = "forward") -> int:
 
 
 def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, pass_: str = "forward",
-               in_place: bool = False) -> int:
+               in_place: bool = False, parts: int = 1) -> int:
     """Dynamic shared memory of a plan: its halo and weight buffers.  A chunk of 128 bytes a pixel is a 128-byte
     row per halo pixel (the 128-byte swizzle); a narrower one, a plane per 16-byte channel group, each an odd
     number of pixels.  A weight read ``in_place`` (:func:`weight_in_place`) has its buffers start on a whole
-    1024-byte swizzle period."""
+    1024-byte swizzle period.  ``parts``: :func:`operand_parts`, each buffer that many times over."""
     halo_h, halo_w = halo_extent(g, tile, pass_)
     groups = ck * _itemsize(dtype) // 16
     pixels = tile.images * phase_planes(g, pass_) * halo_h * halo_w
     halo = pixels * 128 if groups == 8 else groups * (pixels | 1) * 16
-    halos = halo_stages(g, b_stages, pass_) * halo
+    halos = halo_stages(g, b_stages, pass_) * halo * parts
     if in_place:
         halos = cdiv(halos, 1024) * 1024
-    return halos + b_stages * groups * tile.bn * 16
+    return halos + b_stages * groups * tile.bn * 16 * parts
 
 
 def weight_in_place(g: Geometry, dtype: str, pass_: str, bn: int, ck: int) -> bool:
@@ -231,10 +240,13 @@ def weight_in_place(g: Geometry, dtype: str, pass_: str, bn: int, ck: int) -> bo
     return 128 % ((bn if forward else ck) // 8) == 0 and (bn % 64 == 0 or not forward)
 
 
-def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> HaloTile:
+def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16", precision: str = "tf32") -> HaloTile:
     """Heuristic tile: 256 destination pixels a block where the grid has them (several images of a
     small grid, one row of a grid under eight rows high), the channel side covering the destination
-    channels up to 128; where that halo does not fit shared memory, the fitting tile of the most pixels."""
+    channels up to 128; where that halo does not fit shared memory, the fitting tile of the most pixels.
+    3xTF32 (strict float32) takes :func:`split_tile`."""
+    if operand_parts(dtype, precision) == 2:
+        return split_tile(g, pass_)
     grid_h, grid_w = dst_grid(g, pass_)
     n = _channels(g, pass_)[1]
     bn = narrowest_bn(n) if n <= 32 else 64 if n <= 64 else 128
@@ -269,6 +281,49 @@ def forward_tile(g: Geometry, pass_: str = "forward", dtype: str = "float16") ->
     # fit, then the channel side nearest the preferred one
     narrow = [t for t in fitting if t.bn <= bn] or fitting
     return max(narrow, key=lambda t: (t.pixels, -abs(t.bn - bn)))
+
+
+def _tile_suits(g: Geometry, tile: HaloTile, pass_: str) -> bool:
+    """Whether a tile is worth planning for this layer: a channel side not mostly padding and thin tiles only
+    for thin destinations, a patch within the destination grid (one-row patches for grids of few rows, several
+    images for grids a patch covers)."""
+    grid_h, grid_w = dst_grid(g, pass_)
+    n = _channels(g, pass_)[1]
+    if tile.one_row and not rows_few(g, pass_):
+        return False
+    if tile.bn > 32 and n <= tile.bn // 2:
+        return False
+    if (tile.bn < 32 and n > tile.bn) or (tile.bn >= 32 and n < 16):
+        return False
+    if tile.tile_h > 8 * cdiv(grid_h, 8) or tile.tile_w > 8 * cdiv(grid_w, 8):
+        return False
+    return not (tile.images > 1 and (grid_h > tile.tile_h or grid_w > tile.tile_w or g.batch < tile.images))
+
+
+def split_tiles(g: Geometry, pass_: str = "forward") -> List[HaloTile]:
+    """The tiles 3xTF32 may run this layer on: suited to it (:func:`_tile_suits`), at most
+    :data:`SPLIT_ACCUMULATORS` accumulators a thread, and buffers of both parts that fit shared memory."""
+    return [t for t in TILES.values() if t.accumulators <= SPLIT_ACCUMULATORS and _tile_suits(g, t, pass_)
+            and _fits(g, "float32", t, pass_, 2)]
+
+
+def split_tile(g: Geometry, pass_: str = "forward") -> HaloTile:
+    """3xTF32's heuristic tile: the widest channel side up to the destination's channels (128 at most: three
+    MMAs a product make the tile MMA-bound, and wide MMAs read the least shared memory per product), then the
+    most pixels, then the smallest halo; on a grid no suited tile fits, any that fits."""
+    n = _channels(g, pass_)[1]
+    want = 128 if n > 64 else 64 if n > 32 else 32
+    found = split_tiles(g, pass_) or [t for t in TILES.values() if t.accumulators <= SPLIT_ACCUMULATORS
+                                      and _fits(g, "float32", t, pass_, 2)]
+    if not found:
+        raise ValueError("no 3xTF32 wgmma tile's halo fits shared memory for this layer")
+    narrow = [t for t in found if t.bn <= want] or found
+
+    def halo(t: HaloTile) -> int:
+        h, w = halo_extent(g, t, pass_)
+        return t.images * h * w
+
+    return max(narrow, key=lambda t: (t.bn, t.pixels, -halo(t)))
 
 
 # Small grids of wide 16-bit layers are weight-bound: each block reads its taps' weights once per tile, so the
@@ -309,16 +364,16 @@ def tf32_leads(g: Geometry, pass_: str = "forward", sm_count: int = ASSUMED.sm_c
     return weight_phases(g)[0] >= 2 and fill >= 0.5 and 2 * tiles >= sm_count
 
 
-def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str) -> bool:
+def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str, parts: int = 1) -> bool:
     """Whether the tile's buffers fit with the smallest chunk and the shallowest weight ring."""
-    return smem_bytes(g, dtype, tile, 32 // _itemsize(dtype), min(STAGE_CHOICES), pass_) <= SMEM_LIMIT
+    return smem_bytes(g, dtype, tile, 32 // _itemsize(dtype), min(STAGE_CHOICES), pass_, parts=parts) <= SMEM_LIMIT
 
 
 def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "strict") -> bool:
-    """Whether the kernel can run this pass of the layer: fp16/bf16, or float32 at TF32 precision; source
-    channels in whole 16-byte groups, 16 or more of them a group; destinations of 16 or more channels a group,
-    or, for the fp16/bf16 forward, thinner ones on N tiles of 8 and 16; a tile whose halo fits shared memory,
-    and grid limits (grad_weight: :func:`grad_weight_eligible`).
+    """Whether the kernel can run this pass of the layer: fp16/bf16, or float32 as TF32 or (strict) 3xTF32;
+    source channels in whole 16-byte groups, 16 or more of them a group; destinations of 16 or more channels a
+    group, or, for the fp16/bf16 forward, thinner ones on N tiles of 8 and 16; a tile whose halo fits shared
+    memory, and grid limits (grad_weight: :func:`grad_weight_eligible`).
 
     Thin destinations are measured on RGB output layers' forward only (NOTES v13).  In float32 they stay on the
     direct kernels, which were 3.4x faster on pix2pix's and exact to float32 where TF32 is not; grad_input into
@@ -327,7 +382,7 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "
         return grad_weight_eligible(g, dtype, precision)
     src, dst = _channels(g, pass_)
     kind = mma_kind(dtype, precision)
-    thin_ok = kind != _TF32 and _mode(pass_) == 0
+    thin_ok = dtype in _KINDS and _mode(pass_) == 0
     if kind is None or src % (16 // _itemsize(dtype)) or src < 16 or (dst < 16 and not thin_ok):
         return False
     if not gemm.gemm_fits(g, dtype):
@@ -335,7 +390,10 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "
     sh, sw = g.params.stride
     if sh * sw > GRID_YZ_LIMIT:
         return False
-    if not any(_fits(g, dtype, t, pass_) for t in TILES.values()):
+    if kind == _3XTF32:
+        if not any(t.accumulators <= SPLIT_ACCUMULATORS and _fits(g, dtype, t, pass_, 2) for t in TILES.values()):
+            return False
+    elif not any(_fits(g, dtype, t, pass_) for t in TILES.values()):
         return False
     return g.groups * cdiv(dst, narrowest_bn(dst)) <= GRID_YZ_LIMIT
 
@@ -370,20 +428,30 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     mode = _mode(pass_)
     kind = mma_kind(dtype, precision)
     if kind is None:
-        raise ValueError(f"the wgmma kernels take float16, bfloat16, or float32 at TF32 precision; got {dtype} "
-                         f"at {precision!r} precision")
-    tile = tile or forward_tile(g, pass_, dtype)
+        raise ValueError(f"the wgmma kernels take float16, bfloat16, or float32; got {dtype}")
+    parts = operand_parts(dtype, precision)
+    tile = tile or forward_tile(g, pass_, dtype, precision)
+    if parts == 2 and tile.accumulators > SPLIT_ACCUMULATORS:
+        raise ValueError(f"3xTF32 tiles hold at most {SPLIT_ACCUMULATORS} accumulators a thread; "
+                         f"tile {tile.name} holds {tile.accumulators}")
     if stages is not None and stages not in STAGE_CHOICES:
         raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
     ck = chunk_channels(g, dtype, pass_)
     b_stages = stages or B_STAGES
-    # Shrink the chunk, then (unless asked for) the weight ring, until the buffers fit.
+
+    def over(ck_: int, b_stages_: int) -> bool:
+        return smem_bytes(g, dtype, tile, ck_, b_stages_, pass_, parts=parts) > SMEM_LIMIT
+
+    # Shrink the chunk, then (unless asked for) the weight ring, until the buffers fit; 3xTF32 the other way
+    # round, since each of its steps waits for its MMAs: whole 128-byte chunks halve the steps.
     step = 32 // _itemsize(dtype)   # channels of one MMA: chunks stay whole multiples of it
-    while smem_bytes(g, dtype, tile, ck, b_stages, pass_) > SMEM_LIMIT and ck > step:
-        ck = max(step, ck // 2 // step * step)
-    while stages is None and smem_bytes(g, dtype, tile, ck, b_stages, pass_) > SMEM_LIMIT and b_stages > 2:
+    while parts == 2 and stages is None and over(ck, b_stages) and b_stages > 2:
         b_stages -= 1
-    smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_)
+    while over(ck, b_stages) and ck > step:
+        ck = max(step, ck // 2 // step * step)
+    while stages is None and over(ck, b_stages) and b_stages > 2:
+        b_stages -= 1
+    smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_, parts=parts)
     if smem > SMEM_LIMIT:
         raise ValueError(f"the halo of tile {tile.name} does not fit shared memory")
     in_place = False
@@ -422,18 +490,21 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     main = Plan(spec, (blocks, g.groups * n_tiles, phases), (128 * (tile.warpgroups + 1), 1, 1), sizes, index_t,
                 smem_bytes=smem)
     pack = None if in_place else gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck),
-                                                              round_tf32=kind == _TF32)
+                                                              round_tf32=kind == _TF32, split_tf32=kind == _3XTF32)
     to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype, round_tf32=rounded_copy) \
         if layout == "nchw" else None
     return PackedGemm(pack, main, to_cl)
 
 
-def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List[Dict[str, object]]:
+def options(g: Geometry, pass_: str = "forward", dtype: str = "float16", precision: str = "tf32"
+            ) -> List[Dict[str, object]]:
     """Planner options worth timing: the heuristic, the deepest weight ring with the heuristic tile,
     then the largest tiles whose N side fits the channels, whose patch fits the destination grid
-    and whose halo fits shared memory."""
-    grid_h, grid_w = dst_grid(g, pass_)
-    n = _channels(g, pass_)[1]
+    and whose halo fits shared memory.  3xTF32: the heuristic, then the largest of :func:`split_tiles`."""
+    if operand_parts(dtype, precision) == 2:
+        heuristic = split_tile(g, pass_)
+        return [{}] + [{"tile": t.name} for t in sorted(split_tiles(g, pass_), key=lambda t: -t.pixels * t.bn)
+                       if t != heuristic]
     # Of the other ring depths only the deepest is raced: on the H100 the shallower ones never beat the
     # default by more than noise on the dense suite layers (benchmarks/NOTES.md, v10), and each
     # candidate costs a compile on a layer's first call.
@@ -441,20 +512,8 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16") -> List
     few = rows_few(g, pass_)
     # Larger patches first: they read the weights fewer times; on a grid of few rows, one-row patches first.
     for tile in sorted(TILES.values(), key=lambda t: (few and not t.one_row, -t.pixels * t.bn)):
-        if tile.one_row and not few:
-            continue
-        if tile.bn > 32 and n <= tile.bn // 2:
-            continue
-        # the thin tiles for thin destinations, not wider tiles that would be mostly padding
-        if (tile.bn < 32 and n > tile.bn) or (tile.bn >= 32 and n < 16):
-            continue
-        if tile.tile_h > 8 * cdiv(grid_h, 8) or tile.tile_w > 8 * cdiv(grid_w, 8):
-            continue
-        if tile.images > 1 and (grid_h > tile.tile_h or grid_w > tile.tile_w or g.batch < tile.images):
-            continue
-        if not _fits(g, dtype, tile, pass_):
-            continue
-        found.append({"tile": tile.name})
+        if _tile_suits(g, tile, pass_) and _fits(g, dtype, tile, pass_):
+            found.append({"tile": tile.name})
     return found
 
 
@@ -845,7 +904,7 @@ class WgmmaFamily(Family):
         if pass_ == "grad_weight":
             found = tf32_weight_options(g) if dtype == "float32" else grad_weight_options(g)
         else:
-            found = options(g, pass_, dtype)
+            found = options(g, pass_, dtype, precision)
         return [Variant.make(self.name, **opts) for opts in found]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,

@@ -7,6 +7,7 @@
 // word read by ldmatrix as two b16 halves lands exactly where the m16n8k8 TF32
 // fragment wants it, so fp16, bf16 and TF32 share one fragment loader.
 #pragma once
+#include "tf32_round.cuh"
 
 #define MMA_F16 0
 #define MMA_BF16 1
@@ -48,6 +49,21 @@ __device__ __forceinline__ void round_shared_tf32(unsigned address) {
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3) : "r"(address));
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
                  ::"r"(address), "r"(to_tf32(v0)), "r"(to_tf32(v1)), "r"(to_tf32(v2)), "r"(to_tf32(v3)) : "memory");
+}
+
+// Splits the four fp32 words at a 16-byte aligned shared-memory address into TF32 parts (split_tf32_bits): the
+// big parts in place, the small ones at `small_address`, for the 3xTF32 wgmma kernels.
+__device__ __forceinline__ void split_shared_tf32(unsigned address, unsigned small_address) {
+    unsigned v[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(address));
+    Tf32Parts p[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = split_tf32_bits(v[i]);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                 ::"r"(address), "r"(p[0].big), "r"(p[1].big), "r"(p[2].big), "r"(p[3].big) : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                 ::"r"(small_address), "r"(p[0].small), "r"(p[1].small), "r"(p[2].small), "r"(p[3].small) : "memory");
 }
 
 __device__ __forceinline__ unsigned finite_or_zero(unsigned bits) {
