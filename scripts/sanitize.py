@@ -172,6 +172,12 @@ def base_cases() -> List[Case]:
         tag = "tf32" if precision == "tf32" else dtype
         cases.append(Case(f"wgmma-persistent-{tag}-{layout}", (256, 16, 1, 2), (16, 64, 3, 3), _kw(), True,
                           dtype, precision, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
+    # strict float32 runs them as 3xTF32, its producer splitting each halo vector into two parts in shared memory,
+    # the forward and grad_input pinned in both layouts, and once with NaN and Inf in the sources
+    for layout, nonfinite in (("nhwc", False), ("nchw", False), ("nhwc", True)):
+        cases.append(Case(f"wgmma-3xtf32-{layout}{'-nonfinite' if nonfinite else ''}", (256, 16, 1, 2),
+                          (16, 64, 3, 3), _kw(), True, "float32", layout=layout, nonfinite=nonfinite,
+                          variants=(("forward", "wgmma:8x8x64"), ("grad_input", "wgmma"))))
     # a thin destination (three output channels) on N tiles of 8, persistent as above
     cases.append(Case("wgmma-persistent-thin-bfloat16-nhwc", (256, 16, 1, 2), (16, 3, 4, 4), _kw(stride=2, padding=1),
                       True, "bfloat16", layout="nhwc", variants=(("forward", "wgmma:4i8x8x8"),)))
