@@ -175,7 +175,7 @@ def base_cases() -> List[Case]:
     # strict float32 runs them as 3xTF32, its producer splitting each halo vector into two parts in shared memory,
     # the forward and grad_input pinned in both layouts, and once with NaN and Inf in the sources
     for layout, nonfinite in (("nhwc", False), ("nchw", False), ("nhwc", True)):
-        cases.append(Case(f"wgmma-3xtf32-{layout}{'-nonfinite' if nonfinite else ''}", (256, 16, 1, 2),
+        cases.append(Case(f"wgmma-persistent-3xtf32-{layout}{'-nonfinite' if nonfinite else ''}", (256, 16, 1, 2),
                           (16, 64, 3, 3), _kw(), True, "float32", layout=layout, nonfinite=nonfinite,
                           variants=(("forward", "wgmma:8x8x64"), ("grad_input", "wgmma"))))
     # a thin destination (three output channels) on N tiles of 8, persistent as above
