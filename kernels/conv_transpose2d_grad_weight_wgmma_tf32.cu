@@ -17,6 +17,11 @@
 // the copies coalesce.  (Read in place, every word was its own 4-byte cp.async, an L2 request of one sector, and
 // a landed stage needed a rounding pass: 1.3-2.3x slower on every layer measured.)
 //
+// Strict float32 (SPLIT_TF32) runs as 3xTF32: both packed sources come as two copies, TF32 big parts and their
+// TF32 residuals, and a stage holds both parts of both operands.  Each K tile issues small x big, big x small and
+// big x big into fresh accumulators, waits for them and adds them into an fp32 total (the tensor cores' own
+// accumulation is not rounded to nearest), so its tiles hold at most 64 accumulators a thread in each set.
+//
 // Split-K, the tap-major partials and their fixed-order reduction are the 16-bit kernel's.
 #include "layer.cuh"
 #include "mma.cuh"
@@ -32,6 +37,8 @@ constexpr int QUADS = {{QUADS}};             // groups of four images in a K ste
 constexpr int SPAN_H = {{SPAN_H}}, SPAN_W = {{SPAN_W}};   // the widest spread of one phase's tap shifts
 constexpr int STAGES = {{STAGES}};
 constexpr bool SINGLE_CHUNK = {{SINGLE_CHUNK}};
+constexpr bool SPLIT_TF32 = {{SPLIT_TF32}};
+constexpr int PARTS = SPLIT_TF32 ? 2 : 1;
 constexpr int TAP_CHUNKS = {{TAP_CHUNKS}};   // tap groups of the phase with the most taps
 typedef PartialOut<SINGLE_CHUNK, scalar_t, float>::type partial_t;
 
@@ -44,13 +51,16 @@ constexpr int HALO_H = TILE_H + SPAN_H, HALO_W = TILE_W + SPAN_W, HALO_PIXELS = 
 constexpr int HALO_SLOTS = QUADS * HALO_PIXELS;
 constexpr int A_PLANE = BM * 16 + 16, B_PLANE = BN * 16 + 16;
 constexpr int A_BYTES = SLOTS * A_PLANE, B_BYTES = HALO_SLOTS * B_PLANE;
-constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int PART_BYTES = A_BYTES + B_BYTES;   // a stage: [x tile, grad_out halo] per part
+constexpr int STAGE_BYTES = PARTS * PART_BYTES;
 
 static_assert(sizeof(scalar_t) == 4, "TF32 operands are fp32 words");
 static_assert(TILE_W % 2 == 0, "one MMA takes two neighbouring pixels of a row");
 static_assert(TAP_GROUP >= 1 && TAP_GROUP <= 4, "a block accumulates one to four taps");
+static_assert(!SPLIT_TF32 || TAP_GROUP * BN / 2 <= 64, "3xTF32 keeps two sets of at most 64 accumulators");
 static_assert(!SINGLE_CHUNK || TAPS == 1 || WEIGHT_CL, "tap-major partials are the weight's layout only for one tap");
-static_assert(STAGES >= 3, "one tile copied ahead and one whose MMAs are in flight");
+static_assert(STAGES >= (SPLIT_TF32 ? 2 : 3), "one tile copied ahead, and one whose MMAs are in flight unless each "
+                                              "K tile waits for its own (3xTF32)");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
 static_assert(THREADS % BM == 0 && THREADS % BN == 0, "whole planes per copy round");
 
@@ -81,14 +91,15 @@ __device__ __forceinline__ void copy_packed(unsigned dst, const float4* src, int
 }
 
 // The 16-bit kernel's ring (STAGES buffers, STAGES - 2 tiles copied ahead, one step's MMAs in flight
-// while the next waits).
+// while the next waits); 3xTF32's steps wait for their MMAs, so it copies STAGES - 1 tiles ahead.
 // A block with fewer taps than TAP_GROUP still runs every tap's MMAs, its idle taps reading the
 // first tap's window into accumulators that are never stored: a branch between the MMAs makes
 // ptxas serialise them (C7515), which measured slower on the large ragged layer (NOTES v14).
-constexpr int LOOKAHEAD = STAGES - 2;
+constexpr int LOOKAHEAD = SPLIT_TF32 ? STAGES - 1 : STAGES - 2;
 template <typename Issue>
-__device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], const int (&offsets)[TAP_GROUP],
-                                           unsigned char* smem, int k_tiles, int wg, Issue& issue) {
+__device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], float (&total)[TAP_GROUP][BN / 2],
+                                           const int (&offsets)[TAP_GROUP], unsigned char* smem, int k_tiles, int wg,
+                                           Issue& issue) {
 #pragma unroll
     for (int s = 0; s < LOOKAHEAD; ++s) {
         if (s < k_tiles) issue(s, s);
@@ -118,13 +129,29 @@ __device__ __forceinline__ void accumulate(float (&acc)[TAP_GROUP][BN / 2], cons
                     const int halo = q * HALO_PIXELS + p / TILE_W * HALO_W + p % TILE_W;
                     const unsigned long long a = smem_descriptor(a_base + (q * TILE_PIXELS + p) * A_PLANE, A_PLANE, 128);
                     const unsigned long long b = smem_descriptor(b_base + offsets[t] + halo * B_PLANE, B_PLANE, 128);
+                    if constexpr (SPLIT_TF32) {
+                        // Small cross terms first; each K tile starts its sum afresh.
+                        constexpr unsigned long long SMALL = PART_BYTES >> 4;   // descriptors count 16 bytes
+                        wgmma_async<MMA_TF32, BN>(acc[t], a + SMALL, b, q > 0 || p > 0);
+                        wgmma_async<MMA_TF32, BN>(acc[t], a, b + SMALL, 1);
+                    }
                     wgmma_async<MMA_TF32, BN>(acc[t], a, b, 1);
                 }
         }
         wgmma_commit();
-        wgmma_wait<1>();
+        if constexpr (SPLIT_TF32) {
+            wgmma_wait<0>();
 #pragma unroll
-        for (int t = 0; t < TAP_GROUP; ++t) fence_registers(acc[t]);
+            for (int t = 0; t < TAP_GROUP; ++t) {
+                fence_registers(acc[t]);
+#pragma unroll
+                for (int e = 0; e < BN / 2; ++e) total[t][e] += acc[t][e];
+            }
+        } else {
+            wgmma_wait<1>();
+#pragma unroll
+            for (int t = 0; t < TAP_GROUP; ++t) fence_registers(acc[t]);
+        }
     }
     wgmma_wait<0>();
 #pragma unroll
@@ -160,6 +187,9 @@ conv_transpose2d_grad_weight_wgmma_tf32(const float4* __restrict__ x_quads, cons
     const index_t ic0 = static_cast<index_t>(g) * CIN_G + m0, oc0 = static_cast<index_t>(g) * COUT_G + n0;
 
     const int channels_a = CIN_G - m0 < BM ? CIN_G - m0 : BM, channels_b = COUT_G - n0 < BN ? COUT_G - n0 : BN;
+    // 3xTF32: the residuals' copy of each source right after its big parts
+    const index_t quads_all = (N + IMAGES - 1) / IMAGES;
+    const index_t x_part = quads_all * H * W * CIN, go_part = quads_all * H_out * W_out * COUT;
     auto issue = [&](int kt, int s) {
         const unsigned a_tile = smem_addr(smem + s * STAGE_BYTES), b_tile = a_tile + A_BYTES;
         const index_t tile = kt0 + kt;
@@ -180,23 +210,28 @@ conv_transpose2d_grad_weight_wgmma_tf32(const float4* __restrict__ x_quads, cons
             return q < quads && oh >= 0 && oh < H_out;
         };
         auto go_col = [&](int col) { return ow0 + SW * col >= 0 && ow0 + SW * col < W_out; };
-        copy_packed<BM, QUADS * TILE_H, TILE_W, A_PLANE, CIN>(a_tile, x_quads, channels_a, x_row, x_col, tid);
-        copy_packed<BN, QUADS * HALO_H, HALO_W, B_PLANE, SW * COUT>(b_tile, grad_out_quads, channels_b, go_row,
-                                                                    go_col, tid);
+#pragma unroll
+        for (int part = 0; part < PARTS; ++part) {
+            copy_packed<BM, QUADS * TILE_H, TILE_W, A_PLANE, CIN>(a_tile + part * PART_BYTES, x_quads + part * x_part,
+                                                                  channels_a, x_row, x_col, tid);
+            copy_packed<BN, QUADS * HALO_H, HALO_W, B_PLANE, SW * COUT>(b_tile + part * PART_BYTES,
+                                                                        grad_out_quads + part * go_part, channels_b,
+                                                                        go_row, go_col, tid);
+        }
     };
 
     int offsets[TAP_GROUP];   // the taps' halo origins in bytes, in registers for the descriptors
 #pragma unroll
     for (int t = 0; t < TAP_GROUP; ++t) offsets[t] = tap_origins[t < taps ? t : 0] * B_PLANE;
-    float acc[TAP_GROUP][BN / 2];
+    float acc[TAP_GROUP][BN / 2], total[TAP_GROUP][BN / 2];   // total: 3xTF32's fp32 sums of its K tiles
 #pragma unroll
     for (int t = 0; t < TAP_GROUP; ++t)
 #pragma unroll
-        for (int e = 0; e < BN / 2; ++e) acc[t][e] = 0.0f;
+        for (int e = 0; e < BN / 2; ++e) acc[t][e] = total[t][e] = 0.0f;
 
-    accumulate(acc, offsets, smem, k_tiles, wg, issue);
+    accumulate(acc, total, offsets, smem, k_tiles, wg, issue);
 
     // one copy of the partials per split (grad_weight itself for SINGLE_CHUNK)
     partial_t* out = partial + static_cast<index_t>(blockIdx.z) * TAPS * CIN * COUT_G;
-    store_tap_partials<TAP_GROUP, BN>(acc, taps, tap_ids, out, g, m0, n0, wg, warp, lane);
+    store_tap_partials<TAP_GROUP, BN>(SPLIT_TF32 ? total : acc, taps, tap_ids, out, g, m0, n0, wg, warp, lane);
 }

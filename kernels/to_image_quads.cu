@@ -6,6 +6,9 @@
 // word was its own 4-byte copy.  Packed, a pixel's slots for a tile's channels are one contiguous run, copied in
 // 16-byte pieces, already rounded, so the kernel needs no rounding pass over shared memory either.
 //
+// SPLIT_TF32 (strict float32's 3xTF32) writes each word's TF32 big part there and its TF32 residual
+// (split_tf32_bits) in a second copy right after the first, [2][n / 4][p][c][n % 4].
+//
 // Both operands of a call are packed in one launch: blocks [0, x_blocks) pack x, the rest grad_output.  A block
 // packs four images x 32 channels x 32 pixels through shared memory: the loads run along the source's contiguous
 // axis (pixels or channels), the stores along channels, a warp's 32 slots one 512-byte run.
@@ -14,6 +17,7 @@
 typedef {{INDEX_T}} index_t;
 
 constexpr bool NHWC = {{NHWC}};
+constexpr bool SPLIT_TF32 = {{SPLIT_TF32}};
 constexpr int TILE = 32, WARPS = 8, IMAGES = 4;
 
 __device__ __forceinline__ unsigned word(float v) { return round_tf32_bits(__float_as_uint(v)); }
@@ -47,11 +51,21 @@ to_image_quads(const float* __restrict__ x, const float* __restrict__ grad_out, 
     }
     __syncthreads();
     const index_t c = c0 + lane;
+    const index_t part = (N + IMAGES - 1) / IMAGES * P * C;   // slots of one packed copy
 #pragma unroll
     for (int row = warp; row < TILE; row += WARPS) {
         const index_t p = p0 + row;
-        if (p < P && c < C)
-            dst[(quad * P + p) * C + c] = make_uint4(word(stage[0][lane][row]), word(stage[1][lane][row]),
-                                                     word(stage[2][lane][row]), word(stage[3][lane][row]));
+        if (p >= P || c >= C) continue;
+        const index_t at = (quad * P + p) * C + c;
+        if constexpr (SPLIT_TF32) {
+            Tf32Parts v[IMAGES];
+#pragma unroll
+            for (int i = 0; i < IMAGES; ++i) v[i] = split_tf32_bits(__float_as_uint(stage[i][lane][row]));
+            dst[at] = make_uint4(v[0].big, v[1].big, v[2].big, v[3].big);
+            dst[part + at] = make_uint4(v[0].small, v[1].small, v[2].small, v[3].small);
+        } else {
+            dst[at] = make_uint4(word(stage[0][lane][row]), word(stage[1][lane][row]), word(stage[2][lane][row]),
+                                 word(stage[3][lane][row]));
+        }
     }
 }

@@ -197,6 +197,11 @@ def base_cases() -> List[Case]:
                       "float32", "tf32", layout="nchw", variants=(("grad_weight", "wgmma"),)))
     cases.append(Case("wgmma-grad-weight-tf32-nhwc", (5, 20, 6, 6), (20, 17, 3, 3), _kw(padding=1), False,
                       "float32", "tf32", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
+    # 3xTF32: sources packed in two parts, both copied into each stage
+    cases.append(Case("wgmma-grad-weight-3xtf32-nchw", (3, 16, 9, 9), (16, 24, 4, 4), _kw(stride=2, padding=1), False,
+                      "float32", layout="nchw", variants=(("grad_weight", "wgmma"),)))
+    cases.append(Case("wgmma-grad-weight-3xtf32-nhwc", (5, 20, 6, 6), (20, 17, 3, 3), _kw(padding=1), False,
+                      "float32", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
     # one-row patches (1-D layers and grids under eight rows): a 70-column row (a last patch part outside), in
     # each 16-bit type and TF32; three rows on a 1 x 128 x 256 tile; grad_weight's 1 x 64 K steps, split over K
     xs, ws, kw = (2, 16, 1, 70), (16, 32, 1, 4), _kw(stride=(1, 2), padding=(0, 1))

@@ -276,6 +276,13 @@ def _wgmma_plans():
             layout = launch.LAYOUTS[i % 2]
             add(f"{name}-grad_weight-tf32-{opts.get('tile', 'heuristic')}-{layout}",
                 wgmma.plan_grad_weight_tf32(g, 132, layout, wgmma.TF32_WEIGHT_TILES.get(opts.get("tile"))))
+    # 3xTF32 grad_weight: the heuristic on each layer where it fits, the layouts in turn, both ring depths
+    for i, (name, g) in enumerate(WGMMA_TF32_WEIGHT_LAYERS.items()):
+        if wgmma.grad_weight_eligible(g, "float32", "strict"):
+            add(f"{name}-grad_weight-3xtf32-{launch.LAYOUTS[i % 2]}",
+                wgmma.plan_grad_weight_tf32(g, 132, launch.LAYOUTS[i % 2], precision="strict"))
+    add("4x4_stride2-grad_weight-3xtf32-stages-2",
+        wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS["4x4_stride2"], 132, "nhwc", stages=2, precision="strict"))
     # a channels_last weight: tiles packed from it, and grad_weight's partials in its layout (several K ranges,
     # one range of many taps writing grad_weight itself, and a one-tap layer)
     for name in ("wgmma_dense_3x5", "wgmma_small_grid"):
@@ -754,19 +761,28 @@ def test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile
     assert split.partial.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
 
 
-TF32_WEIGHT_SPILL_CASES = [(layer, opts.get("tile"), layout) for layer, g in WGMMA_TF32_WEIGHT_LAYERS.items()
+TF32_WEIGHT_SPILL_CASES = [(layer, opts.get("tile"), layout, "tf32") for layer, g in WGMMA_TF32_WEIGHT_LAYERS.items()
                            for opts in wgmma.tf32_weight_options(g) for layout in launch.LAYOUTS
                            if layer != "huge_64bit"]
+# 3xTF32 (strict float32): every tile it offers on each layer where it fits, the layouts in turn
+TF32_WEIGHT_SPILL_CASES += [(layer, opts.get("tile"), launch.LAYOUTS[i % 2], "strict")
+                            for layer, g in WGMMA_TF32_WEIGHT_LAYERS.items()
+                            if layer != "huge_64bit" and wgmma.grad_weight_eligible(g, "float32", "strict")
+                            for i, opts in enumerate(wgmma.tf32_weight_options(g, "strict"))]
 
 
-def _tf32_weight_split(layer, tile, layout):
-    return wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS[layer], 132, layout, wgmma.TF32_WEIGHT_TILES.get(tile))
+def _tf32_weight_split(layer, tile, layout, precision="tf32"):
+    tiles = wgmma.TF32_WEIGHT_TILES if precision == "tf32" else wgmma.SPLIT_WEIGHT_TILES
+    return wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS[layer], 132, layout, tiles.get(tile),
+                                       precision=precision)
 
 
-@pytest.mark.parametrize("layer,tile,layout", TF32_WEIGHT_SPILL_CASES,
-                         ids=[f"{layer}-{tile or 'heuristic'}-{layout}" for layer, tile, layout in TF32_WEIGHT_SPILL_CASES])
-def test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile, layout, ptxas_logs):
-    split = _tf32_weight_split(layer, tile, layout)
+@pytest.mark.parametrize("layer,tile,layout,precision", TF32_WEIGHT_SPILL_CASES,
+                         ids=[f"{layer}-{tile or 'heuristic'}-{layout}-{precision}"
+                              for layer, tile, layout, precision in TF32_WEIGHT_SPILL_CASES])
+def test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling(layer, tile, layout, precision, ptxas_logs):
+    split = _tf32_weight_split(layer, tile, layout, precision)
+    assert dict(split.partial.spec.constants)["SPLIT_TF32"] == (precision == "strict")
     log = ptxas_logs(split.partial.spec)
     found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert found and found.groups() == ("0", "0", "0"), log
@@ -870,7 +886,7 @@ _PTXAS_SPECS = {
     "test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling":
         lambda layer, tile, dtype: [_weight_split(layer, tile, dtype).partial.spec],
     "test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling":
-        lambda layer, tile, layout: [_tf32_weight_split(layer, tile, layout).partial.spec],
+        lambda layer, tile, layout, precision: [_tf32_weight_split(layer, tile, layout, precision).partial.spec],
     "test_grad_weight_kernels_writing_a_channels_last_weight_build_without_spilling":
         lambda layer: [split.partial.spec for split in _channels_last_weight_splits(layer)],
     "test_scatter_gemm_kernels_build_for_sm_90a_without_spilling":

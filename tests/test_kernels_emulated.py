@@ -441,6 +441,7 @@ def test_weight_split_for_3xtf32_wgmma_into_big_and_small_parts():
         gemm.plan_pack_weight_padded(g, "float16", 0, 32, 32, (32, 16), split_tf32=True)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["tf32", "3xtf32"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("x_shape, w_shape, kwargs", [
     # a batch of 6 (a ragged image group), channels and pixels past whole 32-wide tiles
@@ -448,13 +449,14 @@ def test_weight_split_for_3xtf32_wgmma_into_big_and_small_parts():
     # one image, one pixel
     ((1, 16, 1, 1), (16, 24, 2, 2), dict(stride=2)),
 ])
-def test_sources_packed_into_image_quads_for_tf32_grad_weight(x_shape, w_shape, kwargs, layout):
+def test_sources_packed_into_image_quads_for_tf32_grad_weight(x_shape, w_shape, kwargs, layout, split):
     """x and grad_output in one launch, each as [n / 4][pixel][channel][n % 4], rounded to TF32 as cvt.rna
-    rounds, the images past the batch zero, grad_output's copy from the aligned offset the plan gives."""
+    rounds, the images past the batch zero, grad_output's copy from the aligned offset the plan gives; split
+    (3xTF32), each copy the big parts and then their residuals (as pack_weight splits the weight)."""
     from cupyconv.plans import wgmma
 
     g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
-    plan, (x_bytes, go_bytes) = wgmma.plan_to_image_quads(g, layout)
+    plan, (x_bytes, go_bytes) = wgmma.plan_to_image_quads(g, layout, split)
     rng = np.random.default_rng(sum(x_shape))
     x = rng.standard_normal(g.input_shape).astype(np.float32)
     go = rng.standard_normal(g.output_shape).astype(np.float32)
@@ -471,8 +473,19 @@ def test_sources_packed_into_image_quads_for_tf32_grad_weight(x_shape, w_shape, 
         padded = np.zeros((quads * 4,) + source.shape[1:], np.float32)
         padded[:n] = source
         want = padded.reshape(quads, 4, c, -1).transpose(0, 3, 2, 1)   # [quad][pixel][channel][image]
-        np.testing.assert_array_equal(got.view(np.float32).reshape(want.shape), _tf32_nearest_away(want),
-                                      err_msg=name)
+        if not split:
+            np.testing.assert_array_equal(got.view(np.float32).reshape(want.shape), _tf32_nearest_away(want),
+                                          err_msg=name)
+            continue
+        big, small = got.view(np.float32).reshape((2,) + want.shape)
+        finite = np.isfinite(want)
+        rounded = _tf32_nearest_away(want)
+        fits = finite & np.isfinite(rounded)
+        np.testing.assert_array_equal(big[fits], rounded[fits], err_msg=name)
+        np.testing.assert_array_equal(big[finite & ~fits],
+                                      (want[finite & ~fits].view(np.uint32) & 0xFFFFE000).view(np.float32))
+        np.testing.assert_array_equal(small[finite], _tf32_nearest_away(want[finite] - big[finite]), err_msg=name)
+        assert (big[~finite] == 0).all() and np.array_equal(small[~finite], want[~finite])
 
 
 def _weight_channels_last(w):

@@ -59,14 +59,14 @@ def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_no_layout()
     # wgmma.cuh, cp.async, and the phase-tap helpers shared with the 16-bit kernel
     assert "wgmma_async" in text and "cp_async_16" in text and "find_phase_taps" in text
     tile = {"WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "TILE_H", "TILE_W", "QUADS", "SPAN_H", "SPAN_W",
-            "STAGES", "SINGLE_CHUNK"}
+            "STAGES", "SINGLE_CHUNK", "SPLIT_TF32"}
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name), "its sources come packed"
 
 
 def test_the_image_quad_pack_rounds_by_bits_and_takes_the_layout():
     text = templates.expanded("to_image_quads.cu")
     assert "#include" not in text and "round_tf32_bits" in text and "asm" not in text, "builds for any architecture"
-    assert templates.placeholders("to_image_quads.cu") == {"INDEX_T", "NHWC"}
+    assert templates.placeholders("to_image_quads.cu") == {"INDEX_T", "NHWC", "SPLIT_TF32"}
 
 
 def test_the_tiled_forward_takes_the_layer_and_its_tile():

@@ -237,10 +237,9 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
             assert isinstance(cands, tuple)
             # on the assumed H100 the fp16/bf16 passes run Hopper's wgmma kernels, ahead of the GEMMs (these
             # layers have whole 16-byte channel groups on both sides, and stride phases of several taps, where
-            # grad_weight's wgmma kernels lead too); float32 at TF32 precision runs every pass on them, strict
-            # float32 (3xTF32) its forward and grad_input
+            # grad_weight's wgmma kernels lead too); float32 runs every pass on them, as TF32 or 3xTF32
             assert wgmma.weight_phases(g)[0] >= 2
-            hopper = dtype != "float32" or precision == "tf32" or pass_ != "grad_weight"
+            hopper = True
             assert hopper == wgmma.eligible(g, dtype, pass_, precision)
             # the float32 forward and grad_input lead on layers with tiles for half the SMs (these small ones have
             # fewer), else race the GEMM; TF32 grad_weight leads as the 16-bit one does

@@ -224,14 +224,15 @@ def test_no_wgmma_for_float64():
 def test_strict_float32_runs_as_3xtf32(pass_):
     """Strict float32 is eligible as 3xTF32 (kind 3): the weight packed as TF32 parts, an NCHW source copied
     unrounded (the kernel's producer splits the halo), tiles of at most 64 accumulators a thread, and buffers twice
-    the TF32 plan's; strict grad_weight stays on mma.sync."""
+    the TF32 plan's."""
     assert wgmma.eligible(DENSE, "float32", pass_, "strict")
     assert wgmma.FAMILY in table.eligible(pass_, DENSE, "float32", "nchw", precision="strict")
-    assert not wgmma.grad_weight_eligible(DENSE, "float32", "strict")
     plan = table.plan(pass_, Variant("wgmma"), DENSE, "float32", "nchw", "strict", pass_ == "forward")
     c = dict(plan.gemm.spec.constants)
     tile = wgmma.TILES[f"{c['TILE_IMAGES']}i" * (c["TILE_IMAGES"] > 1) + f"{c['TILE_H']}x{c['TILE_W']}x{c['BN']}"]
     assert c["MMA_KIND"] == 3 and not c["SRC_ROUNDED"] and not c["WEIGHT_DIRECT"]
+    assert wgmma.grad_weight_eligible(DENSE, "float32", "strict") == (
+        wgmma.split_weight_step(DENSE, wgmma.SPLIT_WEIGHT_TILES["64x64x2"]) is not None)
     assert tile == wgmma.split_tile(DENSE, pass_) and tile.accumulators <= wgmma.SPLIT_ACCUMULATORS
     pack = dict(plan.pack.spec.constants)
     assert pack["SPLIT_TF32"] and not pack["ROUND_TF32"]
@@ -1126,7 +1127,8 @@ def test_grad_weight_heuristic_tiles_and_options():
 def test_grad_weight_eligibility():
     g = _g((2, 64, 8, 8), (64, 48, 4, 4), stride=2, padding=1)
     assert wgmma.grad_weight_eligible(g, "float16") and wgmma.grad_weight_eligible(g, "bfloat16")
-    assert not wgmma.grad_weight_eligible(g, "float32")
+    assert wgmma.grad_weight_eligible(g, "float32") and wgmma.grad_weight_eligible(g, "float32", "tf32")
+    assert not wgmma.grad_weight_eligible(g, "float64")
     assert not wgmma.grad_weight_eligible(_g((2, 60, 8, 8), (60, 48, 4, 4), stride=2), "float16"), "runs of 8"
     assert not wgmma.grad_weight_eligible(_g((2, 64, 8, 8), (64, 12, 4, 4), stride=2), "float16"), "16 or more"
     assert wgmma.eligible(g, "float16", "grad_weight") == wgmma.grad_weight_eligible(g, "float16")
@@ -1271,12 +1273,46 @@ def test_unaligned_channels_last_grad_weight_runs_the_gemm():
 def test_tf32_grad_weight_eligibility_takes_any_channel_count_of_16_or_more():
     g = _g((2, 60, 8, 8), (60, 17, 4, 4), stride=2, padding=1)
     assert wgmma.grad_weight_eligible(g, "float32", "tf32"), "packed word by word: no 16-byte runs needed"
-    assert not wgmma.grad_weight_eligible(g, "float32", "strict"), "3xTF32 stays on mma.sync"
+    assert wgmma.grad_weight_eligible(g, "float32", "strict"), "3xTF32 packs the same way"
     assert not wgmma.grad_weight_eligible(g, "float16", "tf32"), "16-bit kinds still need whole 16-byte runs"
     assert not wgmma.grad_weight_eligible(_g((2, 64, 8, 8), (64, 12, 4, 4), stride=2), "float32", "tf32")
-    assert wgmma.eligible(g, "float32", "grad_weight", "tf32") and not wgmma.eligible(g, "float32", "grad_weight")
-    # a 9 x 9 kernel at stride 1 spreads a halo of 10 x 16 pixels a step: 64 x 64 tiles fit no three-stage ring
-    assert not wgmma.grad_weight_eligible(_g((2, 64, 16, 16), (64, 64, 9, 9)), "float32", "tf32")
+    assert wgmma.eligible(g, "float32", "grad_weight", "tf32") and wgmma.eligible(g, "float32", "grad_weight")
+    # a 9 x 9 kernel at stride 1 spreads a halo of 10 x 16 pixels a step: 64 x 64 tiles fit no three-stage ring,
+    # nor 3xTF32's two-deep ring of both parts even at 4 slots a step (a halo of 9 x 12 pixels)
+    wide_halo = _g((2, 64, 16, 16), (64, 64, 9, 9))
+    assert not wgmma.grad_weight_eligible(wide_halo, "float32", "tf32")
+    assert not wgmma.grad_weight_eligible(wide_halo, "float32", "strict")
+    # a 5 x 5 one takes 4 slots a step in 3xTF32 (a halo of 5 x 8), where TF32 takes 16
+    five = _g((2, 64, 16, 16), (64, 64, 5, 5))
+    assert wgmma.split_weight_step(five, wgmma.SPLIT_WEIGHT_TILES["64x64x2"]) == wgmma.ImageStep(1, 4, 1)
+    assert wgmma.tf32_weight_step(five) == wgmma.ImageStep(2, 8, 1)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_3xtf32_grad_weight_plans_both_parts(layout):
+    """Strict float32's grad_weight: sources packed as TF32 parts (twice the copies), a tile of at most 64
+    accumulators a thread, the largest K step whose two-deep ring of both parts fits, a ring two or three deep."""
+    for name in SUITE:
+        g = _suite_layer(name)
+        if not wgmma.grad_weight_eligible(g, "float32", "strict"):
+            continue
+        plan = table.plan("grad_weight", WGMMA, g, "float32", layout, "strict")
+        tf32 = table.plan("grad_weight", WGMMA, g, "float32", layout, "tf32")
+        c, pack = dict(plan.partial.spec.constants), dict(plan.pack.spec.constants)
+        assert c["SPLIT_TF32"] and pack["SPLIT_TF32"] and not dict(tf32.partial.spec.constants)["SPLIT_TF32"]
+        assert plan.copy_bytes == tuple(2 * b for b in tf32.copy_bytes)
+        tile = wgmma.split_weight_tile(g)
+        assert c["TAP_GROUP"] * c["BN"] // 2 <= 64 and (c["TAP_GROUP"], c["BN"]) == (tile.taps, tile.bn)
+        step = wgmma.split_weight_step(g, tile)
+        assert (c["TILE_H"], c["TILE_W"], c["QUADS"]) == (step.rows, step.cols, step.quads)
+        assert c["STAGES"] in wgmma.SPLIT_WEIGHT_STAGE_CHOICES
+        assert plan.partial.smem_bytes == wgmma.tf32_weight_smem_bytes(g, tile, c["STAGES"], 2, step)
+        assert plan.partial.smem_bytes <= wgmma.SMEM_LIMIT
+        for o in wgmma.tf32_weight_options(g, "strict"):
+            table.plan("grad_weight", Variant.make("wgmma", **o), g, "float32", layout, "strict")
+    with pytest.raises(ValueError, match="64 accumulators"):
+        wgmma.plan_grad_weight_tf32(_suite_layer("dcgan_up"), 132, layout, wgmma.TF32_WEIGHT_TILES["64x64x4"],
+                                    precision="strict")
 
 
 @pytest.mark.parametrize("size, batch, step", [
@@ -1362,7 +1398,8 @@ def test_tf32_grad_weight_candidates_follow_the_precision(layout):
     g = _suite_layer("dcgan_up")
     tf32 = table.candidates("grad_weight", g, "float32", layout, "tf32")
     assert tf32[0] == WGMMA and GEMM in tf32
-    assert all(v.family != "wgmma" for v in table.candidates("grad_weight", g, "float32", layout, "strict"))
+    strict = table.candidates("grad_weight", g, "float32", layout, "strict")
+    assert strict[0] == WGMMA and GEMM in strict, "3xTF32 grad_weight leads where TF32's does"
     plan = table.plan("grad_weight", WGMMA, g, "float32", layout, "tf32", aligned=False)
     assert plan.partial.spec.function == "conv_transpose2d_grad_weight_wgmma_tf32", "unaligned views are packed too"
 

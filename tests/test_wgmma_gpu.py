@@ -47,6 +47,9 @@ EPS = {torch.float16: torch.finfo(torch.float16).eps, torch.bfloat16: torch.finf
 # strict float32 runs as 3xTF32: each product misses its residuals' product and their roundings, about 3 x 2^-22 of
 # it at worst, and fp32 adds the steps' sums
 STRICT_EPS = 2.0 ** -20
+# grad_weight sums every image's pixels (thousands of terms, each K tile's sum added in fp32), whose rounding errors
+# alone reach 2^-20 of the terms' magnitudes; the norm check (twice torch's error) is the accuracy test there
+STRICT_WEIGHT_EPS = 2.0 ** -16
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,7 +102,9 @@ class Case:
 
     @property
     def eps(self) -> float:
-        return STRICT_EPS if self.strict else EPS[self.dtype]
+        if self.strict:
+            return STRICT_WEIGHT_EPS if self.pass_ == "grad_weight" else STRICT_EPS
+        return EPS[self.dtype]
 
     def plan(self, dev, aligned=True):
         return table.plan(self.pass_, self.variant, self.geometry, NAMES[self.dtype], self.layout, self.precision,
@@ -891,7 +896,7 @@ def _check_grad_weight(case: Case, seed=0, hopper=None):
     magnitude = _torch_grad(WEIGHT, go.double().abs(), x.double().abs(), w.double(), kwargs)
     theirs = _torch_grad(WEIGHT, go, x, w, kwargs)
     floor = _torch_grad(WEIGHT, round_tf32(go), round_tf32(x), w.double(), kwargs) \
-        if case.dtype == torch.float32 else None
+        if case.precision == "tf32" else None
     # grad_weight's layout is the weight's own (cupyconv returns it contiguous or as the weight is)
     check = replace(case, channels_last=False) if not w.is_contiguous(memory_format=torch.channels_last) else case
     _near_float64(check, gw, ref, magnitude, theirs, floor)
@@ -1014,8 +1019,40 @@ def test_tf32_grad_weight_matches_float64(case, hopper):
     than twice torch's error (at least that of an exact sum of TF32-rounded products); only at TF32 precision."""
     assert torch.backends.cudnn.allow_tf32
     assert wgmma.grad_weight_eligible(case.geometry, "float32", "tf32")
-    assert not wgmma.grad_weight_eligible(case.geometry, "float32", "strict")
     _check_grad_weight(case, seed=300 + TF32_WEIGHT_CASES.index(case), hopper=hopper)
+
+
+def _strict_weight_cases():
+    """3xTF32 grad_weight: random layers, the odd batches and small inputs of the TF32 cases, every option of the
+    suite layers."""
+    layers = grad_input_layers(10, 47, TF32_WEIGHT_PER_GROUP, TF32_WEIGHT_PER_GROUP)
+    layers += [Layer(6, 64, 40, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (16, 16), ""),
+               Layer(5, 48, 64, (4, 4), (2, 2), (1, 1), (1, 0), (1, 1), 1, False, (2, 2), ""),
+               Layer(9, 34, 34, (3, 3), (1, 1), (1, 1), (0, 0), (1, 1), 2, False, (1, 1), ""),
+               Layer(7, 136, 72, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (4, 4), ""),
+               replace(UNBATCHED, bias=False)]
+    cases = [Case(layer, TF32, i % 2 == 1, pass_=WEIGHT, strict=True) for i, layer in enumerate(layers)
+             if wgmma.grad_weight_eligible(Case(layer, TF32, False).geometry, "float32", "strict")]
+    for name, (batch, size) in SUITE.items():
+        layer = replace(_suite_layer(name, batch, size), bias=False)
+        g = Case(layer, TF32, False).geometry
+        if wgmma.grad_weight_eligible(g, "float32", "strict"):
+            for i, opts in enumerate(wgmma.tf32_weight_options(g, "strict")):
+                cases.append(Case(layer, TF32, i % 2 == 0, Variant.make("wgmma", **opts), pass_=WEIGHT, strict=True))
+    return cases
+
+
+STRICT_WEIGHT_CASES = _strict_weight_cases()
+assert len(STRICT_WEIGHT_CASES) >= 15
+
+
+@pytest.mark.parametrize("case", _params("strict_gw", STRICT_WEIGHT_CASES))
+def test_strict_float32_grad_weight_matches_float64(case, hopper, strict_float32):
+    """3xTF32 grad_weight: every element within 2^-19 of float64 on the terms' magnitudes, and no worse than twice
+    torch's strict float32 error."""
+    plan = case.plan(hopper)
+    assert dict(plan.partial.spec.constants)["SPLIT_TF32"] and dict(plan.pack.spec.constants)["SPLIT_TF32"]
+    _check_grad_weight(case, seed=500 + STRICT_WEIGHT_CASES.index(case), hopper=hopper)
 
 
 def test_tf32_grad_weight_splits_in_fixed_order(hopper):
@@ -1030,9 +1067,9 @@ def test_tf32_grad_weight_splits_in_fixed_order(hopper):
 
 
 @pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "strict"])
-def test_float32_grad_weight_runs_wgmma_only_at_tf32(allow_tf32, hopper, monkeypatch):
-    """autograd's backward of a float32 layer runs the TF32 grad_weight kernel where torch allows TF32, and the
-    mma.sync GEMM (3xTF32) where it does not; w.grad is right either way."""
+def test_float32_grad_weight_runs_wgmma_as_torch_allows(allow_tf32, hopper, monkeypatch):
+    """autograd's backward of a float32 layer runs the image-quad grad_weight kernel, as TF32 where torch allows
+    TF32 and as 3xTF32 where it does not; w.grad is right either way."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
     tuning.clear()
@@ -1045,12 +1082,13 @@ def test_float32_grad_weight_runs_wgmma_only_at_tf32(allow_tf32, hopper, monkeyp
         with launch.watch() as seen:
             y.backward(go)
             torch.cuda.synchronize()
-        ran = {plan.spec.function for _, plan in seen}
-        assert (WEIGHT_TF32_FUNCTION in ran) == allow_tf32, ran
+        kernels = [dict(plan.spec.constants)["SPLIT_TF32"] for _, plan in seen
+                   if plan.spec.function == WEIGHT_TF32_FUNCTION]
+        assert kernels == [not allow_tf32], kernels
         ref = _torch_grad(WEIGHT, go.double(), x.double(), w.double(), case.layer.kwargs())
         theirs = _torch_grad(WEIGHT, go, x, w, case.layer.kwargs())
         floor = _torch_grad(WEIGHT, round_tf32(go), round_tf32(x), w.double(), case.layer.kwargs())
-        bound = 2 * max(_rel(theirs, ref), _rel(floor, ref)) if allow_tf32 else 1e-5
+        bound = 2 * (max(_rel(theirs, ref), _rel(floor, ref)) if allow_tf32 else _rel(theirs, ref))
         assert _rel(w.grad, ref) <= bound + 1e-6
     finally:
         tuning.clear()

@@ -33,8 +33,7 @@ from .sequences import PackedGemm, PackedSourcesSplitK, PassPlan, SplitK
 
 TARGET = "sm_90a"
 # wgmma kinds, as mma.cuh numbers them.  float32 runs as TF32 where the precision allows it (grad_weight on its
-# own kernel, whose operands are K-major as TF32 needs), and the halo-tile kernel runs strict float32 as 3xTF32;
-# strict float32's grad_weight stays on mma.sync.
+# own kernel, whose operands are K-major as TF32 needs), and strict float32 as 3xTF32 on the same kernels.
 _KINDS = {"float16": 0, "bfloat16": 1}
 _TF32, _3XTF32 = gemm.MMA_TF32, gemm.MMA_3XTF32
 # A 3xTF32 step's sum moves into a second set of accumulators (the fp32 total), so its tiles hold at most this
@@ -633,24 +632,26 @@ def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
 
 def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> bool:
     """16 or more channels a group on both sides, the GEMMs' grid limits, and a halo that fits shared memory;
-    fp16/bf16 with whole 16-byte channel runs (:func:`plan_grad_weight`), or float32 at TF32 precision
+    fp16/bf16 with whole 16-byte channel runs (:func:`plan_grad_weight`), or float32, TF32 or strict (3xTF32)
     (:func:`plan_grad_weight_tf32`)."""
     if min(g.in_per_group, g.out_per_group) < 16 or not gemm.gemm_fits(g, dtype):
         return False
     if dtype == "float32":
-        return (mma_kind(dtype, precision) == _TF32
-                and tf32_weight_smem_bytes(g, TF32_WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT)
+        if operand_parts(dtype, precision) == 2:
+            return split_weight_step(g, SPLIT_WEIGHT_TILES["64x64x2"]) is not None
+        return tf32_weight_smem_bytes(g, TF32_WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT
     return (dtype in _KINDS and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
             and weight_smem_bytes(g, WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT)
 
 
-def _weight_ring(tile: WeightTile, stages: Optional[int], default: int, smem_of) -> Tuple[int, int]:
-    """(ring depth, shared memory) of a grad_weight kernel: ``stages``, else ``default`` less whatever shared
-    memory cannot hold, down to the shortest ring; ``smem_of(depth)`` is the ring's bytes."""
-    if stages is not None and stages not in WEIGHT_STAGE_CHOICES:
-        raise ValueError(f"stages must be one of {WEIGHT_STAGE_CHOICES} for grad_weight, got {stages}")
+def _weight_ring(tile: WeightTile, stages: Optional[int], default: int, smem_of,
+                 choices: Tuple[int, ...] = WEIGHT_STAGE_CHOICES) -> Tuple[int, int]:
+    """(ring depth, shared memory) of a grad_weight kernel: ``stages`` (one of ``choices``), else ``default`` less
+    whatever shared memory cannot hold, down to the shortest ring; ``smem_of(depth)`` is the ring's bytes."""
+    if stages is not None and stages not in choices:
+        raise ValueError(f"stages must be one of {choices} for grad_weight, got {stages}")
     ring = stages or default
-    while stages is None and ring > min(WEIGHT_STAGE_CHOICES) and smem_of(ring) > SMEM_LIMIT:
+    while stages is None and ring > min(choices) and smem_of(ring) > SMEM_LIMIT:
         ring -= 1
     smem = smem_of(ring)
     if smem > SMEM_LIMIT:
@@ -728,6 +729,12 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
 TF32_WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(128, 64, 4), WeightTile(64, 128, 2),
                                          WeightTile(128, 128, 2), WeightTile(128, 128, 1))}
 TF32_STEP_SLOTS = 16   # (pixel, image group) slots in a K step: 64 words of K, eight MMAs a tap
+# 3xTF32 keeps a second set of accumulators (its fp32 total), so its tiles hold at most 64 a thread in each; its
+# stages hold both parts of both operands, and each K tile waits for its MMAs, so its ring may be two deep (one
+# tile copied ahead) and its K steps shrink where a phase's halo is wide.
+SPLIT_WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 2), WeightTile(128, 64, 2), WeightTile(64, 128, 1),
+                                          WeightTile(128, 128, 1))}
+SPLIT_WEIGHT_STAGE_CHOICES = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -743,24 +750,36 @@ class ImageStep:
             raise ValueError(f"a TF32 grad_weight step is rows x cols x image groups, cols even, got {self}")
 
 
-def tf32_weight_step(g: Geometry) -> ImageStep:
-    """The widest pixel patch of :data:`TF32_STEP_SLOTS` slots that the input fills (an MMA takes two pixels of
-    a row, so at least two columns), with image groups making up the rest, up to the batch's."""
+def tf32_weight_step(g: Geometry, slots: int = TF32_STEP_SLOTS) -> ImageStep:
+    """The widest pixel patch of ``slots`` slots that the input fills (an MMA takes two pixels of a row, so at
+    least two columns), with image groups making up the rest, up to the batch's."""
     h, w = g.in_size
-    cols = 8 if w >= 6 else 4 if w >= 3 else 2
-    rows = min(TF32_STEP_SLOTS // cols, 1 << (h.bit_length() - 1))
-    quads = max(1, min(TF32_STEP_SLOTS // (rows * cols), cdiv(g.batch, 4)))
+    cols = min(8 if w >= 6 else 4 if w >= 3 else 2, slots)
+    rows = min(slots // cols, 1 << (h.bit_length() - 1))
+    quads = max(1, min(slots // (rows * cols), cdiv(g.batch, 4)))
     return ImageStep(rows, cols, quads)
 
 
-def tf32_weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
+def split_weight_step(g: Geometry, tile: WeightTile) -> Optional[ImageStep]:
+    """3xTF32's K step for ``tile``: :func:`tf32_weight_step` of 16 slots, else 8 or 4, the first whose two-deep
+    ring of both parts fits shared memory; None where none does."""
+    for slots in (TF32_STEP_SLOTS, TF32_STEP_SLOTS // 2, TF32_STEP_SLOTS // 4):
+        step = tf32_weight_step(g, slots)
+        if tf32_weight_smem_bytes(g, tile, min(SPLIT_WEIGHT_STAGE_CHOICES), 2, step) <= SMEM_LIMIT:
+            return step
+    return None
+
+
+def tf32_weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int, parts: int = 1,
+                           step: Optional[ImageStep] = None) -> int:
     """Shared memory of the TF32 grad_weight ring: per stage a 16-byte slot per (channel, slot) of the x tile
-    and of the grad_output halo, each slot's plane padded by 16 bytes."""
-    step = tf32_weight_step(g)
+    and of the grad_output halo, each slot's plane padded by 16 bytes; ``parts`` (:func:`operand_parts`) times
+    over.  ``step``: the K step, :func:`tf32_weight_step`'s by default."""
+    step = step or tf32_weight_step(g)
     _, span_h, span_w = weight_phases(g)
     slots = step.quads * step.rows * step.cols
     halo_slots = step.quads * (step.rows + span_h) * (step.cols + span_w)
-    return stages * (slots * (tile.bm * 16 + 16) + halo_slots * (tile.bn * 16 + 16))
+    return stages * parts * (slots * (tile.bm * 16 + 16) + halo_slots * (tile.bn * 16 + 16))
 
 
 def tf32_weight_tile(g: Geometry) -> WeightTile:
@@ -781,19 +800,37 @@ def tf32_weight_tile(g: Geometry) -> WeightTile:
     return TF32_WEIGHT_TILES["64x64x4"]
 
 
+def split_weight_tile(g: Geometry) -> WeightTile:
+    """3xTF32's grad_weight tile: :func:`tf32_weight_tile`'s choices at 64 accumulators a thread, two taps where a
+    stride phase has two or more, else one; 128 input channels where a group has more than 64, the first with a
+    K step (:func:`split_weight_step`), else 64 x 64 x 2 (which :func:`grad_weight_eligible` requires to fit)."""
+    wide = g.in_per_group > 64
+    if weight_phases(g)[0] >= 2:
+        names = ["128x64x2"] * wide + ["64x64x2"]
+    else:
+        names = ["128x128x1"] * wide + ["64x128x1", "64x64x2"]
+    for name in names:
+        if split_weight_step(g, SPLIT_WEIGHT_TILES[name]) is not None:
+            return SPLIT_WEIGHT_TILES[name]
+    return SPLIT_WEIGHT_TILES["64x64x2"]
+
+
 _QUAD_TILE = 32   # to_image_quads.cu packs four images x 32 channels x 32 pixels a block
 
 
-def plan_to_image_quads(g: Geometry, layout: str) -> Tuple[Plan, Tuple[int, int]]:
+def plan_to_image_quads(g: Geometry, layout: str, split: bool = False) -> Tuple[Plan, Tuple[int, int]]:
     """The launch that packs x and grad_output for the TF32 grad_weight kernel as [n / 4][pixel][channel][n % 4]
     words rounded to TF32 (``kernels/to_image_quads.cu``), and the bytes of the two copies (grad_output's
-    starts 256-byte aligned after x's in the launch's scratch)."""
+    starts 256-byte aligned after x's in the launch's scratch).  ``split`` (3xTF32): each copy holds the words'
+    TF32 big parts, then their residuals."""
     quads = cdiv(g.batch, 4)
     sources = ((g.in_channels, g.in_size[0] * g.in_size[1]), (g.out_channels, g.out_size[0] * g.out_size[1]))
-    elems = [quads * 4 * c * p for c, p in sources]
+    parts = 2 if split else 1
+    elems = [parts * quads * 4 * c * p for c, p in sources]
     blocks = [quads * cdiv(c, _QUAD_TILE) * cdiv(p, _QUAD_TILE) for c, p in sources]
     index_t = index_type(*elems)   # the padded copies hold every offset the sources have
-    spec = KernelSpec.make("to_image_quads.cu", "to_image_quads", dict(INDEX_T=index_t, NHWC=layout == "nhwc"))
+    spec = KernelSpec.make("to_image_quads.cu", "to_image_quads",
+                           dict(INDEX_T=index_t, NHWC=layout == "nhwc", SPLIT_TF32=split))
     copy_bytes = (elems[0] * 4, elems[1] * 4)
     plan = Plan(spec, (sum(blocks), 1, 1), (256, 1, 1), (g.batch,) + sources[0] + sources[1] + (blocks[0],),
                 index_t, scratch_bytes=aligned_size(copy_bytes[0]) + copy_bytes[1])
@@ -802,35 +839,55 @@ def plan_to_image_quads(g: Geometry, layout: str) -> Tuple[Plan, Tuple[int, int]
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw", tile: Optional[WeightTile] = None,
-                          stages: Optional[int] = None) -> PackedSourcesSplitK:
+                          stages: Optional[int] = None, precision: str = "tf32") -> PackedSourcesSplitK:
     """float32 grad_weight at TF32 precision: x and grad_output packed into image quads in ``layout`` order
     (:func:`plan_to_image_quads`), then split-K wgmma GEMMs per (group, stride phase, group of taps) on the packed
     copies (one kernel for both layouts), K in :func:`tf32_weight_step`'s steps, and the fixed-order reduction.
-    ``stages`` defaults to the deepest ring up to :data:`WEIGHT_STAGES` that fits shared memory."""
-    tile = tile or tf32_weight_tile(g)
-    step = tf32_weight_step(g)
-    ring, smem = _weight_ring(tile, stages, WEIGHT_STAGES, lambda depth: tf32_weight_smem_bytes(g, tile, depth))
+    ``stages`` defaults to the deepest ring up to :data:`WEIGHT_STAGES` that fits shared memory.  Strict
+    ``precision`` runs as 3xTF32: sources packed in two parts, tiles of :data:`SPLIT_WEIGHT_TILES`."""
+    parts = operand_parts("float32", precision)
+    tile = tile or (tf32_weight_tile(g) if parts == 1 else split_weight_tile(g))
+    if parts == 1:
+        step = tf32_weight_step(g)
+        ring, smem = _weight_ring(tile, stages, WEIGHT_STAGES, lambda depth: tf32_weight_smem_bytes(g, tile, depth))
+    else:
+        if tile.taps * tile.bn // 2 > 64:
+            raise ValueError(f"3xTF32 grad_weight tiles hold at most 64 accumulators a thread; tile {tile.name} "
+                             f"holds {tile.taps * tile.bn // 2}")
+        step = split_weight_step(g, tile)
+        if step is None:
+            raise ValueError(f"3xTF32 grad_weight tile {tile.name} does not fit shared memory")
+        ring, smem = _weight_ring(tile, stages, max(SPLIT_WEIGHT_STAGE_CHOICES),
+                                  lambda depth: tf32_weight_smem_bytes(g, tile, depth, 2, step),
+                                  SPLIT_WEIGHT_STAGE_CHOICES)
     h, w = g.in_size
     k_tiles = cdiv(g.batch, 4 * step.quads) * cdiv(h, step.rows) * cdiv(w, step.cols)
-    # Packed offsets count slots of four images, from the tile's image group up to QUADS groups past the last.
+    # Packed offsets count slots of four images, from the tile's image group up to QUADS groups past the last
+    # (and, split, through the residuals' copy after the big parts').
+    quads = cdiv(g.batch, 4)
     partial, reduce = _weight_split_k(g, "float32", tile, k_tiles, sm_count, smem,
                                       "conv_transpose2d_grad_weight_wgmma_tf32",
-                                      dict(TILE_H=step.rows, TILE_W=step.cols, QUADS=step.quads, STAGES=ring),
-                                      batch_bound=cdiv(g.batch, 4) + step.quads)
-    pack, copy_bytes = plan_to_image_quads(g, layout)
+                                      dict(TILE_H=step.rows, TILE_W=step.cols, QUADS=step.quads, STAGES=ring,
+                                           SPLIT_TF32=parts == 2),
+                                      batch_bound=parts * quads + step.quads)
+    pack, copy_bytes = plan_to_image_quads(g, layout, parts == 2)
     return PackedSourcesSplitK(pack, SplitK(partial, reduce), copy_bytes)
 
 
-def tf32_weight_options(g: Geometry) -> List[Dict[str, object]]:
-    """The heuristic, then the other TF32 tiles whose channel sides the layer fills at least halfway, whose tap
-    groups its stride phases fill, and whose shortest ring fits shared memory."""
+def tf32_weight_options(g: Geometry, precision: str = "tf32") -> List[Dict[str, object]]:
+    """The heuristic, then the other TF32 tiles (3xTF32's, for strict ``precision``) whose channel sides the layer
+    fills at least halfway, whose tap groups its stride phases fill, and whose shortest ring fits shared memory."""
+    parts = operand_parts("float32", precision)
     found: List[Dict[str, object]] = [{}]
-    heuristic = tf32_weight_tile(g)
+    heuristic, tiles = (tf32_weight_tile(g), TF32_WEIGHT_TILES) if parts == 1 else \
+        (split_weight_tile(g), SPLIT_WEIGHT_TILES)
     phase_taps = weight_phases(g)[0]
-    for tile in TF32_WEIGHT_TILES.values():
+    for tile in tiles.values():
+        fits = tf32_weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT if parts == 1 \
+            else split_weight_step(g, tile) is not None
         if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
                 or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps) \
-                or tf32_weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) > SMEM_LIMIT:
+                or not fits:
             continue
         found.append({"tile": tile.name})
     return found
@@ -904,7 +961,7 @@ class WgmmaFamily(Family):
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
         if pass_ == "grad_weight":
-            found = tf32_weight_options(g) if dtype == "float32" else grad_weight_options(g)
+            found = tf32_weight_options(g, precision) if dtype == "float32" else grad_weight_options(g)
         else:
             found = options(g, pass_, dtype, precision)
         return [Variant.make(self.name, **opts) for opts in found]
@@ -913,8 +970,9 @@ class WgmmaFamily(Family):
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         kwargs = dict(variant.kwargs)
         if pass_ == "grad_weight" and dtype == "float32":
-            tile = TF32_WEIGHT_TILES[kwargs["tile"]] if "tile" in kwargs else None
-            return plan_grad_weight_tf32(g, sm_count, layout, tile, kwargs.get("stages"))
+            tiles = TF32_WEIGHT_TILES if operand_parts(dtype, precision) == 1 else SPLIT_WEIGHT_TILES
+            tile = tiles[kwargs["tile"]] if "tile" in kwargs else None
+            return plan_grad_weight_tf32(g, sm_count, layout, tile, kwargs.get("stages"), precision)
         if pass_ == "grad_weight":
             if layout == "nhwc" and not aligned:
                 partial, reduce = gemm.plan_grad_weight_gemm(g, dtype, sm_count, layout, aligned=False)
