@@ -242,8 +242,12 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
             hopper = True
             assert hopper == wgmma.eligible(g, dtype, pass_, precision)
             # the float32 forward and grad_input lead on layers with tiles for half the SMs (these small ones have
-            # fewer), else race the GEMM; TF32 grad_weight leads as the 16-bit one does
-            leads = hopper and (dtype != "float32" or pass_ == "grad_weight" or wgmma.tf32_leads(g, pass_))
+            # fewer), else race the GEMM; TF32 grad_weight leads as the 16-bit one does, 3xTF32's where its halos
+            # stay small
+            if dtype == "float32" and pass_ == "grad_weight" and precision == "strict":
+                leads = wgmma.split_weight_leads(g)
+            else:
+                leads = dtype != "float32" or pass_ == "grad_weight" or wgmma.tf32_leads(g, pass_)
             assert cands[0] == (WGMMA if leads else GEMM), \
                 "the heuristic must come first: it is the fallback and tie-breaker"
             assert len(cands) == len(set(cands))

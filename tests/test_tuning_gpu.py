@@ -237,7 +237,7 @@ def test_every_candidate_matches_float64(layer, case, layout, tuned):
         assert hopper == (dev.arch == "90") or dt == "float32", "fp16/bf16 layers of 16 channels or more"
         if dt == "float32" and not tf32 and pass_ == "grad_weight":
             assert not hopper, "strict float32's grad_weight (3xTF32) stays on mma.sync"
-        first = wgmma.FAMILY if hopper and wgmma.FAMILY.leads(pass_, g, dt) else gemm.FAMILY
+        first = wgmma.FAMILY if hopper and wgmma.FAMILY.leads(pass_, g, dt, layout, precision) else gemm.FAMILY
         fams = table.eligible(pass_, g, dt, layout, dev, precision)
         assert fams[0] is first and gemm.FAMILY in fams, "this GPU runs the tensor-core GEMMs"
         assert (wgmma.FAMILY in fams) == hopper

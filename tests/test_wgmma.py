@@ -1288,6 +1288,22 @@ def test_tf32_grad_weight_eligibility_takes_any_channel_count_of_16_or_more():
     assert wgmma.tf32_weight_step(five) == wgmma.ImageStep(2, 8, 1)
 
 
+def test_3xtf32_grad_weight_leads_where_its_halos_stay_small():
+    """Strict float32's grad_weight kernel leads the GEMM on the upsampling layers whose phases' taps spread at most
+    a pixel (dcgan_up, unet_up2x2, outpad_up3x), and races it from behind on stride-1 kernels (asym_kernel,
+    big_square), where it measured slower; TF32's leads by its own rule."""
+    for name, leads in (("dcgan_up", True), ("unet_up2x2", True), ("outpad_up3x", True), ("asym_kernel", False),
+                        ("big_square", False)):
+        g = _suite_layer(name)
+        assert wgmma.split_weight_leads(g) == leads, name
+        for layout in ("nchw", "nhwc"):
+            strict = table.candidates("grad_weight", g, "float32", layout, "strict")
+            assert strict[0].family == ("wgmma" if leads else "gemm") and {"wgmma", "gemm"} <= {v.family
+                                                                                                 for v in strict}
+            tf32 = table.candidates("grad_weight", g, "float32", layout, "tf32")
+            assert (tf32[0].family == "wgmma") == (wgmma.weight_phases(g)[0] >= 2)
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_3xtf32_grad_weight_plans_both_parts(layout):
     """Strict float32's grad_weight: sources packed as TF32 parts (twice the copies), a tile of at most 64

@@ -22,7 +22,7 @@ class Family:
         ``"tf32"`` or ``"strict"``)."""
         return True
 
-    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw") -> bool:
+    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
         """Whether its heuristic runs ahead of the families after it in the table; one that steps back for a
         layer where it is known to lose still races them."""
         return True

@@ -276,7 +276,7 @@ class GroupedMmaFamily(Family):
         fits = {"forward": forward_fits, "grad_input": grad_input_fits}.get(pass_, shape_fits)
         return device.tensor_cores >= MMA_SYNC and gemm.enabled() and fits(g, dtype)
 
-    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw") -> bool:
+    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
         """All but the NCHW forward, which pays a copy of x and stores NCHW output two bytes a lane: on an H200 it
         lost to the tiled forward on grouped_dilated (378 against 326 µs, fp16) and beat it on a 3 x 3 layer of 16
         groups (26 against 82; the direct kernel 42), so there it steps back and races.  NCHW grad_input alone

@@ -134,7 +134,7 @@ class ScatterGemmFamily(Family):
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
                 and _eligible(g, dtype))
 
-    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw") -> bool:
+    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
         """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more, so that each consumer warpgroup
         stores one tile while the other multiplies the next.  On an H100 (NOTES v25) it then beat the halo-tile
         kernel on U-Net's upsampling layers by up to 1.7x; on fewer tiles (a 16 x 16 grid of 1024 channels, a 1 x 1

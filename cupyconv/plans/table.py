@@ -58,7 +58,7 @@ def eligible(pass_: str, g: Geometry, dtype: str, layout: str, device: Device = 
     for f in families(pass_):
         if not f.eligible(pass_, g, dtype, layout, device, precision):
             continue
-        if f.leads(pass_, g, dtype, layout):
+        if f.leads(pass_, g, dtype, layout, precision):
             ordered += [f] + stepped_back
             stepped_back = []
         else:

@@ -361,7 +361,7 @@ class TiledFamily(Family):
                  precision: str = "strict") -> bool:
         return layout == "nchw" and eligible(g, dtype)
 
-    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw") -> bool:
+    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
         # Measured ahead of the direct kernels on depthwise and grouped layers (NOTES.md); wider groups race them.
         return max(g.in_per_group, g.out_per_group) <= LEADS_UP_TO_CHANNELS
 

@@ -874,6 +874,16 @@ def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw"
     return PackedSourcesSplitK(pack, SplitK(partial, reduce), copy_bytes)
 
 
+def split_weight_leads(g: Geometry) -> bool:
+    """Whether 3xTF32's grad_weight kernel runs ahead of the ``mma.sync`` GEMM: where each stride phase's tap shifts
+    spread at most one pixel each way, so that its two-part halos stay small.  On the H200 (v32 notes, channels_last)
+    it took 0.47x the GEMM's time on dcgan_up (4 x 4, stride 2) and 0.25x on unet_up2x2 (2 x 2, stride 2), but
+    1.07x on asym_kernel (3 x 5, stride 1) and 2.2x on big_square (3 x 3, stride 1), whose halos a K step of
+    eight pixels reads are four to five times its x tile."""
+    _, span_h, span_w = weight_phases(g)
+    return max(span_h, span_w) <= 1
+
+
 def tf32_weight_options(g: Geometry, precision: str = "tf32") -> List[Dict[str, object]]:
     """The heuristic, then the other TF32 tiles (3xTF32's, for strict ``precision``) whose channel sides the layer
     fills at least halfway, whose tap groups its stride phases fill, and whose shortest ring fits shared memory."""
@@ -942,7 +952,7 @@ class WgmmaFamily(Family):
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
                 and _eligible(g, dtype, pass_, precision))
 
-    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw") -> bool:
+    def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
         """grad_weight's kernels lead where a stride phase has two taps or more, which a block's tile then shares;
         with one tap a phase the mma.sync GEMM was as fast or faster on the H100 (v12 notes), so it races them.
         The TF32 grad_weight kernel beat the GEMM on all such layers measured but a 3-tap dilated one in NCHW and,
@@ -950,8 +960,11 @@ class WgmmaFamily(Family):
         forward and grad_input lead as :func:`tf32_leads` says; fp16 and bf16 ones unless the GEMM would split K
         :data:`SPLIT_GEMM_LEADS` ways or more (a weight-bound grid, whose few halo tiles each read the weight whole:
         on pix2pix's 1², 2² and 4² grids the split GEMM took 0.5-0.9x their time forward, 0.3-0.5x for grad_input),
-        or for grad_input :data:`SPLIT_GEMM_LEADS_IN_PLACE` ways where they read the weight in place."""
+        or for grad_input :data:`SPLIT_GEMM_LEADS_IN_PLACE` ways where they read the weight in place.  Strict
+        float32's grad_weight (3xTF32) leads as :func:`split_weight_leads` says."""
         if pass_ == "grad_weight":
+            if dtype == "float32" and precision == "strict":
+                return split_weight_leads(g)
             return weight_phases(g)[0] >= 2
         if dtype == "float32":
             return tf32_leads(g, pass_)
