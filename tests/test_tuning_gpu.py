@@ -230,13 +230,11 @@ def test_every_candidate_matches_float64(layer, case, layout, tuned):
     wants = {"forward": y_ref, "grad_input": gi_ref, "grad_weight": gw_ref}
     tried = 0
     for pass_ in TUNED_PASSES:
-        # an sm_90 GPU runs the fp16/bf16 passes on Hopper's wgmma kernels, and float32 at TF32 precision where
-        # they take it, ahead of the GEMMs where the family leads (grad_weight: two taps or more a stride phase;
-        # the float32 forward and grad_input, TF32 or 3xTF32: wgmma.tf32_leads), else racing them
+        # an sm_90 GPU runs the fp16/bf16 passes on Hopper's wgmma kernels, and float32 (TF32 or 3xTF32) where
+        # they take it, ahead of the GEMMs where the family leads (grad_weight: two taps or more a stride phase,
+        # 3xTF32's wgmma.split_weight_leads; the float32 forward and grad_input: wgmma.tf32_leads), else racing them
         hopper = dev.arch == "90" and wgmma.eligible(g, dt, pass_, precision)
         assert hopper == (dev.arch == "90") or dt == "float32", "fp16/bf16 layers of 16 channels or more"
-        if dt == "float32" and not tf32 and pass_ == "grad_weight":
-            assert not hopper, "strict float32's grad_weight (3xTF32) stays on mma.sync"
         first = wgmma.FAMILY if hopper and wgmma.FAMILY.leads(pass_, g, dt, layout, precision) else gemm.FAMILY
         fams = table.eligible(pass_, g, dt, layout, dev, precision)
         assert fams[0] is first and gemm.FAMILY in fams, "this GPU runs the tensor-core GEMMs"
