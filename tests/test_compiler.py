@@ -427,15 +427,17 @@ def test_variants_reach_every_template_and_both_index_widths():
     tf32_weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_TF32_WEIGHT_TEMPLATE]
     assert {(c["TILE_H"], c["TILE_W"], c["QUADS"]) for c in tf32_weights} >= {(2, 8, 1), (4, 4, 1), (2, 2, 4),
                                                                                (1, 2, 3)}
-    assert {c["STAGES"] for c in tf32_weights} == {3, 4}
+    assert {c["STAGES"] for c in tf32_weights if not c["SPLIT_TF32"]} == {3, 4}
+    assert {c["STAGES"] for c in tf32_weights if c["SPLIT_TF32"]} == {2, 3}, "3xTF32's two- and three-deep rings"
+    assert {c["TILE_W"] for c in tf32_weights if c["SPLIT_TF32"]} >= {8}
     quad_packs = [dict(s.constants) for s in PLANS if s.template == "to_image_quads.cu"]
-    assert {c["NHWC"] for c in quad_packs} == {True, False}
+    assert {c["NHWC"] for c in quad_packs} == {True, False} and {c["SPLIT_TF32"] for c in quad_packs} == {True, False}
     assert {c["INDEX_T"] for c in quad_packs} == {"int", "long long"}
     assert {c["TAP_GROUP"] for c in tf32_weights} == {t.taps for t in wgmma.TF32_WEIGHT_TILES.values()}
     assert {c["SINGLE_CHUNK"] for c in tf32_weights} == {True, False}
     assert {c["INDEX_T"] for c in tf32_weights} == {"int", "long long"}
     assert any(c["CIN_G"] % 8 or c["COUT_G"] % 8 for c in tf32_weights), "channels in no whole 16-byte runs"
-    assert {c["MMA_KIND"] for c in hopper} == {0, 1, 2} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
+    assert {c["MMA_KIND"] for c in hopper} == {0, 1, 2, 3} and {c["INDEX_T"] for c in hopper} == {"int", "long long"}
     tf32 = [c for c in hopper if c["MMA_KIND"] == 2]
     assert {c["SRC_ROUNDED"] for c in tf32} == {True, False} and not any(c["SRC_ROUNDED"] for c in hopper
                                                                          if c["MMA_KIND"] != 2)
@@ -454,7 +456,7 @@ def test_variants_reach_every_template_and_both_index_widths():
     grad = [c for c in hopper if c["MODE"] == 1]
     assert {c["MODE"] for c in hopper} == {0, 1} and not any(c["HAS_BIAS"] for c in grad)
     assert {max(c["SH"], c["SW"]) for c in grad} >= {1, 2, 3} and any(c["SH"] == c["KH"] == 3 for c in grad)
-    assert {c["MMA_KIND"] for c in grad} == {0, 1, 2} and {c["DST_CL"] for c in grad} == {True, False}
+    assert {c["MMA_KIND"] for c in grad} == {0, 1, 2, 3} and {c["DST_CL"] for c in grad} == {True, False}
     assert {c["INDEX_T"] for c in grad} == {"int", "long long"} and {c["WARPGROUPS"] for c in grad} == {1, 2}
     assert any(c["CIN_G"] % 2 for c in grad) and any(c["TILE_IMAGES"] > 1 for c in grad)
     packs = [dict(s.constants) for s in PLANS if s.template == "pack_weight.cu"]
