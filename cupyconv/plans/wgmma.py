@@ -299,11 +299,15 @@ def _tile_suits(g: Geometry, tile: HaloTile, pass_: str) -> bool:
     return not (tile.images > 1 and (grid_h > tile.tile_h or grid_w > tile.tile_w or g.batch < tile.images))
 
 
+def _split_fitting(g: Geometry, pass_: str) -> List[HaloTile]:
+    """The tiles of at most :data:`SPLIT_ACCUMULATORS` accumulators a thread whose buffers of both parts fit."""
+    return [t for t in TILES.values() if t.accumulators <= SPLIT_ACCUMULATORS and _fits(g, "float32", t, pass_, 2)]
+
+
 def split_tiles(g: Geometry, pass_: str = "forward") -> List[HaloTile]:
     """The tiles 3xTF32 may run this layer on: suited to it (:func:`_tile_suits`), at most
     :data:`SPLIT_ACCUMULATORS` accumulators a thread, and buffers of both parts that fit shared memory."""
-    return [t for t in TILES.values() if t.accumulators <= SPLIT_ACCUMULATORS and _tile_suits(g, t, pass_)
-            and _fits(g, "float32", t, pass_, 2)]
+    return [t for t in _split_fitting(g, pass_) if _tile_suits(g, t, pass_)]
 
 
 def split_tile(g: Geometry, pass_: str = "forward") -> HaloTile:
@@ -314,8 +318,7 @@ def split_tile(g: Geometry, pass_: str = "forward") -> HaloTile:
     on a grid no suited tile fits, any that fits."""
     n = _channels(g, pass_)[1]
     want = 128 if n > 64 else 64 if n > 32 else 32
-    found = split_tiles(g, pass_) or [t for t in TILES.values() if t.accumulators <= SPLIT_ACCUMULATORS
-                                      and _fits(g, "float32", t, pass_, 2)]
+    found = split_tiles(g, pass_) or _split_fitting(g, pass_)
     if not found:
         raise ValueError("no 3xTF32 wgmma tile's halo fits shared memory for this layer")
     narrow = [t for t in found if t.bn <= want] or found
@@ -391,10 +394,7 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "
     sh, sw = g.params.stride
     if sh * sw > GRID_YZ_LIMIT:
         return False
-    if kind == _3XTF32:
-        if not any(t.accumulators <= SPLIT_ACCUMULATORS and _fits(g, dtype, t, pass_, 2) for t in TILES.values()):
-            return False
-    elif not any(_fits(g, dtype, t, pass_) for t in TILES.values()):
+    if not (_split_fitting(g, pass_) if kind == _3XTF32 else any(_fits(g, dtype, t, pass_) for t in TILES.values())):
         return False
     return g.groups * cdiv(dst, narrowest_bn(dst)) <= GRID_YZ_LIMIT
 
@@ -637,9 +637,8 @@ def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> 
     if min(g.in_per_group, g.out_per_group) < 16 or not gemm.gemm_fits(g, dtype):
         return False
     if dtype == "float32":
-        if operand_parts(dtype, precision) == 2:
-            return split_weight_step(g, SPLIT_WEIGHT_TILES["64x64x2"]) is not None
-        return tf32_weight_smem_bytes(g, TF32_WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT
+        parts = operand_parts(dtype, precision)
+        return _tf32_weight_fits(g, (TF32_WEIGHT_TILES["64x64x4"], SPLIT_WEIGHT_TILES["64x64x2"])[parts - 1], parts)
     return (dtype in _KINDS and g.in_per_group % 8 == 0 and g.out_per_group % 8 == 0
             and weight_smem_bytes(g, WEIGHT_TILES["64x64x4"], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT)
 
@@ -760,6 +759,14 @@ def tf32_weight_step(g: Geometry, slots: int = TF32_STEP_SLOTS) -> ImageStep:
     return ImageStep(rows, cols, quads)
 
 
+def _tf32_weight_fits(g: Geometry, tile: WeightTile, parts: int) -> bool:
+    """Whether the image-quad grad_weight kernel can run ``tile``: its shortest ring in shared memory, with
+    :func:`split_weight_step`'s K step for 3xTF32 (``parts`` 2)."""
+    if parts == 2:
+        return split_weight_step(g, tile) is not None
+    return tf32_weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT
+
+
 def split_weight_step(g: Geometry, tile: WeightTile) -> Optional[ImageStep]:
     """3xTF32's K step for ``tile``: :func:`tf32_weight_step` of 16 slots, else 8 or 4, the first whose two-deep
     ring of both parts fits shared memory; None where none does."""
@@ -795,7 +802,7 @@ def tf32_weight_tile(g: Geometry) -> WeightTile:
     else:
         names = ["128x128x1"]
     for name in names:
-        if tf32_weight_smem_bytes(g, TF32_WEIGHT_TILES[name], min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT:
+        if _tf32_weight_fits(g, TF32_WEIGHT_TILES[name], 1):
             return TF32_WEIGHT_TILES[name]
     return TF32_WEIGHT_TILES["64x64x4"]
 
@@ -810,7 +817,7 @@ def split_weight_tile(g: Geometry) -> WeightTile:
     else:
         names = ["128x128x1"] * wide + ["64x128x1", "64x64x2"]
     for name in names:
-        if split_weight_step(g, SPLIT_WEIGHT_TILES[name]) is not None:
+        if _tf32_weight_fits(g, SPLIT_WEIGHT_TILES[name], 2):
             return SPLIT_WEIGHT_TILES[name]
     return SPLIT_WEIGHT_TILES["64x64x2"]
 
@@ -893,11 +900,9 @@ def tf32_weight_options(g: Geometry, precision: str = "tf32") -> List[Dict[str, 
         (split_weight_tile(g), SPLIT_WEIGHT_TILES)
     phase_taps = weight_phases(g)[0]
     for tile in tiles.values():
-        fits = tf32_weight_smem_bytes(g, tile, min(WEIGHT_STAGE_CHOICES)) <= SMEM_LIMIT if parts == 1 \
-            else split_weight_step(g, tile) is not None
         if tile == heuristic or (tile.bm > 64 and g.in_per_group <= tile.bm // 2) \
                 or (tile.bn > 64 and g.out_per_group <= tile.bn // 2) or (tile.taps > 1 and phase_taps < tile.taps) \
-                or not fits:
+                or not _tf32_weight_fits(g, tile, parts):
             continue
         found.append({"tile": tile.name})
     return found
