@@ -238,22 +238,79 @@ def _params_key(stride, padding, output_padding, groups, dilation):
     return None
 
 
-def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation):
+class _ForwardEntry:
+    """What a forward of one configuration needs, worked out on its first call.
+
+    The cache key holds the tensors' strides, so every layout decision (torch's memory
+    format for the output, which inputs must be copied into the kernels' layout) is made
+    here once, and a repeated call only allocates, launches and copies what this says.
+    """
+
+    __slots__ = ("g", "dtype", "device", "index", "out_shape", "out_strides", "layout", "x_ready", "w_ready",
+                 "b_ready", "alloc")
+
+    def __init__(self, g, x, w, b):
+        device = x.device
+        self.device = device
+        self.index = device.index if device.type == "cuda" else -1
+        self.dtype = _DTYPE_NAMES[x.dtype]
+        self.out_shape = g.user_shape(g.output_shape)
+        self.layout = _layout_for(x, w)
+        self.out_strides = _layout_strides(self.out_shape, self.layout)
+        self.x_ready = _is_in_layout(x, self.layout)
+        # A channels_last weight is read in place; any other is read as (C_in, C_out/groups, kH, kW).
+        weight_channels_last = _is_channels_last(w)
+        self.g = g.with_weight_channels_last(weight_channels_last)
+        self.w_ready = weight_channels_last or w.is_contiguous()
+        self.b_ready = b is None or b.is_contiguous()
+        self.alloc = _scratch_allocator(device)
+
+
+class _BackwardEntry:
+    """What a backward of one configuration needs (as :class:`_ForwardEntry`, for the three gradients)."""
+
+    __slots__ = ("g", "dtype", "device", "index", "layout", "go_ready", "x_ready", "w_ready", "gi_strides",
+                 "gw_strides", "gw_channels_last", "alloc")
+
+    def __init__(self, g, go, x, w):
+        device = x.device
+        self.device = device
+        self.index = device.index if device.type == "cuda" else -1
+        self.dtype = _DTYPE_NAMES[x.dtype]
+        layout = self.layout = _layout_for(x, w)
+        self.go_ready = _is_in_layout(go, layout)
+        self.x_ready = _is_in_layout(x, layout)
+        # The kernels read the weight, and write grad_weight, in the weight's layout: (C_in, C_out/groups, kH, kW)
+        # contiguous, or channels_last in place (what model.to(memory_format=torch.channels_last) gives).
+        weight_channels_last = _is_channels_last(w)
+        self.g = g.with_weight_channels_last(weight_channels_last)
+        self.w_ready = weight_channels_last or w.is_contiguous()
+        self.gi_strides = _layout_strides(tuple(x.shape), layout)
+        self.gw_strides = _layout_strides(tuple(w.shape), "nhwc" if weight_channels_last else "nchw")
+        # torch's memory format for grad_weight, where the kernels' differs from it
+        gw_channels_last = layout == "nhwc" and _grad_weight_channels_last(x, w)
+        self.gw_channels_last = None if gw_channels_last == weight_channels_last else gw_channels_last
+        self.alloc = _scratch_allocator(device)
+
+
+def _tensor_key(t):
+    """What of a tensor the validation and the layout decisions look at (RuntimeError for one without strides)."""
+    return t.shape, t.stride(), t.dtype, t.device, t.layout
+
+
+def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation) -> _ForwardEntry:
     params = _params_key(stride, padding, output_padding, groups, dilation)
     key = entry = None
     if params is not None:
         try:
             # the layouts too: a sparse tensor of a cached shape must still meet validation
-            bias_key = (None, None, None, None) if b is None else (b.shape, b.dtype, b.device, b.layout)
-            key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, x.layout, w.layout, bias_key) + params
+            key = (_tensor_key(x), _tensor_key(w), None if b is None else _tensor_key(b)) + params
             entry = _forward_cache.get(key)
-        except RuntimeError:  # a tensor without sizes: validation names it
+        except RuntimeError:  # a tensor without sizes or strides: validation names it
             key = entry = None
     if entry is None:
         g = _validate_forward(x, w, b, stride, padding, output_padding, groups, dilation)
-        device = x.device
-        entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1,
-                 g.user_shape(g.output_shape), g.with_weight_channels_last())
+        entry = _ForwardEntry(g, x, w, b)
         if key is not None:
             if len(_forward_cache) >= _CACHE_LIMIT:
                 _forward_cache.clear()
@@ -261,21 +318,18 @@ def _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation):
     return entry
 
 
-def _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation, output_mask):
+def _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation, output_mask) -> _BackwardEntry:
     params = _params_key(stride, padding, output_padding, groups, dilation)
     key = entry = None
     if params is not None:
         try:
-            key = (go.shape, x.shape, w.shape, go.dtype, x.dtype, w.dtype, go.device, x.device, w.device,
-                   go.layout, x.layout, w.layout) + params
+            key = (_tensor_key(go), _tensor_key(x), _tensor_key(w)) + params
             entry = _backward_cache.get(key)
         except RuntimeError:
             key = entry = None
     if entry is None:
         g = _validate_backward(go, x, w, stride, padding, output_padding, groups, dilation, output_mask)
-        device = x.device
-        entry = (g, _DTYPE_NAMES[x.dtype], device, device.index if device.type == "cuda" else -1,
-                 g.with_weight_channels_last())
+        entry = _BackwardEntry(g, go, x, w)
         if key is not None:
             if len(_backward_cache) >= _CACHE_LIMIT:
                 _backward_cache.clear()
@@ -336,70 +390,72 @@ def _in_layout(t: Tensor, layout: str) -> Tensor:
     return _as_channels_last(t) if layout == "nhwc" else t.contiguous()
 
 
-def _empty(shape, like: Tensor, device, layout: str) -> Tensor:
+def _is_in_layout(t: Tensor, layout: str) -> bool:
+    """Whether ``_in_layout`` would hand ``t`` back as it is."""
     if layout == "nchw":
-        return torch.empty(shape, dtype=like.dtype, device=device)
+        return t.is_contiguous()
+    if t.dim() == 3:
+        return t.stride() == _unbatched_channels_last_strides(t.shape)
+    return t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _layout_strides(shape, layout: str) -> Tuple[int, ...]:
+    """The strides of a new tensor of ``shape`` in ``layout``, as torch lays it out (asked of a meta tensor)."""
+    if layout == "nchw":
+        return torch.empty(shape, device="meta").stride()
     if len(shape) == 3:
-        return _empty_unbatched_channels_last(shape, like.dtype, device)
-    return torch.empty(shape, dtype=like.dtype, device=device, memory_format=torch.channels_last)
+        return _unbatched_channels_last_strides(shape)
+    return torch.empty(shape, device="meta", memory_format=torch.channels_last).stride()
 
 
-def _cuda_forward(x, w, b, entry):
-    g, dt, device, index, out_shape, g_weight_channels_last = entry
+def _cuda_forward(x, w, b, entry: _ForwardEntry):
     # Tensors that want gradients let a configuration's first forward start compiling the backward.
     wants = (x.requires_grad, w.requires_grad, b is not None and b.requires_grad)
-    layout = _layout_for(x, w)
-    x = _in_layout(x, layout)
-    if _is_channels_last(w):
-        g = g_weight_channels_last   # read in place
-    else:
+    if not entry.x_ready:
+        x = _in_layout(x, entry.layout)
+    if not entry.w_ready:
         w = w.contiguous()
-    if b is not None:
+    if not entry.b_ready:
         b = b.contiguous()
-    out = _empty(out_shape, x, device, layout)
+    out = x.new_empty_strided(entry.out_shape, entry.out_strides)
+    index = entry.index
     prev = _enter_device(index)
     try:
-        _engine.forward(g, dt, x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-                        _Launcher(index, _raw_stream(index), _scratch_allocator(device)), layout, _precision(dt),
-                        wants if wants[0] or wants[1] or wants[2] else None)
+        _engine.forward(entry.g, entry.dtype, x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
+                        out.data_ptr(), _Launcher(index, _raw_stream(index), entry.alloc), entry.layout,
+                        _precision(entry.dtype), wants if wants[0] or wants[1] or wants[2] else None)
     finally:
         if prev != index:
             _set_device(prev)
     return out
 
 
-def _cuda_backward(go, x, w, mask, entry):
-    g, dt, device, index, g_weight_channels_last = entry
-    layout = _layout_for(x, w)
-    gw_channels_last = layout == "nhwc" and _grad_weight_channels_last(x, w)   # torch's memory format for it
-    precision = _precision(dt)
-    go = _in_layout(go, layout)
+def _cuda_backward(go, x, w, mask, entry: _BackwardEntry):
+    if not entry.go_ready:
+        go = _in_layout(go, entry.layout)
     gi = gw = gb = None
-    # The kernels read the weight, and write grad_weight, in the weight's layout: (C_in, C_out/groups, kH, kW)
-    # contiguous, or channels_last in place (what model.to(memory_format=torch.channels_last) gives).
-    weight_channels_last = _is_channels_last(w)
-    if weight_channels_last:
-        g = g_weight_channels_last
     if mask[0]:
-        if not weight_channels_last:
+        if not entry.w_ready:
             w = w.contiguous()
-        gi = _empty(x.shape, x, device, layout)
+        gi = x.new_empty_strided(x.shape, entry.gi_strides)
     if mask[1]:
-        x = _in_layout(x, layout)
-        gw = torch.empty(w.shape, dtype=w.dtype, device=device,
-                         memory_format=torch.channels_last if weight_channels_last else torch.contiguous_format)
+        if not entry.x_ready:
+            x = _in_layout(x, entry.layout)
+        gw = w.new_empty_strided(w.shape, entry.gw_strides)
     if mask[2]:
-        gb = torch.empty((g.out_channels,), dtype=go.dtype, device=device)
+        gb = go.new_empty((entry.g.out_channels,))
+    index = entry.index
     prev = _enter_device(index)
     try:
-        _engine.backward(g, dt, go.data_ptr(), x.data_ptr(), w.data_ptr(), None if gi is None else gi.data_ptr(),
-                         None if gw is None else gw.data_ptr(), None if gb is None else gb.data_ptr(),
-                         _Launcher(index, _raw_stream(index), _scratch_allocator(device)), layout, precision)
+        _engine.backward(entry.g, entry.dtype, go.data_ptr(), x.data_ptr(), w.data_ptr(),
+                         None if gi is None else gi.data_ptr(), None if gw is None else gw.data_ptr(),
+                         None if gb is None else gb.data_ptr(), _Launcher(index, _raw_stream(index), entry.alloc),
+                         entry.layout, _precision(entry.dtype))
     finally:
         if prev != index:
             _set_device(prev)
-    if gw is not None and gw_channels_last != weight_channels_last:
-        gw = _as_channels_last(gw) if gw_channels_last else gw.contiguous()
+    if gw is not None and entry.gw_channels_last is not None:
+        gw = _as_channels_last(gw) if entry.gw_channels_last else gw.contiguous()
     return gi, gw, gb
 
 
@@ -415,18 +471,18 @@ def _from_numpy(a, like: Tensor, shape) -> Tensor:
     return torch.from_numpy(_np.ascontiguousarray(a).reshape(shape)).to(like.dtype)
 
 
-def _cpu_forward(x, w, b, entry):
-    g = entry[0]
+def _cpu_forward(x, w, b, entry: _ForwardEntry):
+    g = entry.g
     p = g.params
     xn = _to_numpy64(x).reshape(g.input_shape)
     y = _reference.conv_transpose2d(xn, _to_numpy64(w), None if b is None else _to_numpy64(b), p.stride,
                                     p.padding, p.output_padding, p.groups, p.dilation)
-    out = _from_numpy(y, x, entry[4])
+    out = _from_numpy(y, x, entry.out_shape)
     return _as_channels_last(out) if _channels_last(x, w) else out
 
 
-def _cpu_backward(go, x, w, mask, entry):
-    g = entry[0]
+def _cpu_backward(go, x, w, mask, entry: _BackwardEntry):
+    g = entry.g
     p = g.params
     gi, gw, gb = _reference.conv_transpose2d_backward(
         _to_numpy64(go).reshape(g.output_shape), _to_numpy64(x).reshape(g.input_shape), _to_numpy64(w),
@@ -446,12 +502,12 @@ def _cpu_backward(go, x, w, mask, entry):
 
 def _forward_impl(x, w, b, stride, padding, output_padding, groups, dilation) -> Tensor:
     entry = _forward_entry(x, w, b, stride, padding, output_padding, groups, dilation)
-    if entry[3] >= 0:
+    if entry.index >= 0:
         return _cuda_forward(x, w, b, entry)
-    if entry[2].type == "meta":
+    if entry.device.type == "meta":
         return _conv_transpose2d_fake(x, w, b, stride, padding, output_padding, groups, dilation)
-    if entry[2].type != "cpu":
-        raise NotImplementedError(f"cupyconv runs CUDA and CPU tensors, got a tensor on {entry[2]}")
+    if entry.device.type != "cpu":
+        raise NotImplementedError(f"cupyconv runs CUDA and CPU tensors, got a tensor on {entry.device}")
     return _cpu_forward(x, w, b, entry)
 
 
@@ -459,13 +515,13 @@ def _backward_impl(go, x, w, stride, padding, output_padding, groups, dilation, 
     entry = _backward_entry(go, x, w, stride, padding, output_padding, groups, dilation, output_mask)
     if not (output_mask[0] or output_mask[1] or output_mask[2]):
         return None, None, None
-    if entry[3] >= 0:
+    if entry.index >= 0:
         return _cuda_backward(go, x, w, output_mask, entry)
-    if entry[2].type == "meta":
+    if entry.device.type == "meta":
         return _conv_transpose2d_backward_fake(go, x, w, stride, padding, output_padding, groups, dilation,
                                                output_mask)
-    if entry[2].type != "cpu":
-        raise NotImplementedError(f"cupyconv runs CUDA and CPU tensors, got a tensor on {entry[2]}")
+    if entry.device.type != "cpu":
+        raise NotImplementedError(f"cupyconv runs CUDA and CPU tensors, got a tensor on {entry.device}")
     return _cpu_backward(go, x, w, output_mask, entry)
 
 
@@ -908,11 +964,30 @@ class _ConvTranspose2dBackwardFunction(torch.autograd.Function):
         return backward_rule(_backward, info.batch_size, in_dims, go, x, w, params, mask)
 
 
+class _EagerConvTranspose2d(_ConvTranspose2dFunction):
+    """The node plain eager calls apply: their callers have made the checks of the general forward, but for
+    the legacy vmap's batched tensors, which only the operator can take."""
+
+    @staticmethod
+    def forward(x, w, b, params):
+        if _is_legacy_batched(x) or _is_legacy_batched(w) or (b is not None and _is_legacy_batched(b)):
+            return _op_forward(x, w, b, params)
+        return _forward_impl(x, w, b, *params)
+
+
+class _EagerConvTranspose2dBackward(_ConvTranspose2dBackwardFunction):
+    """The backward's node for plain eager calls, which apply it once ``_kernels_can_run`` holds."""
+
+    @staticmethod
+    def forward(go, x, w, params, mask):
+        return _backward_impl(go, x, w, *params, mask)
+
+
 # Function.apply's Python wrapper re-checks what _plain_eager already established
 # (no functorch transform active) and binds default args we don't have; its C++ base
 # does the actual work.  Calling the base directly saves several microseconds a call.
-_apply_forward = _FunctionBase_apply.__get__(None, _ConvTranspose2dFunction)
-_apply_backward = _FunctionBase_apply.__get__(None, _ConvTranspose2dBackwardFunction)
+_apply_forward = _FunctionBase_apply.__get__(None, _EagerConvTranspose2d)
+_apply_backward = _FunctionBase_apply.__get__(None, _EagerConvTranspose2dBackward)
 _unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", lambda t: t)
 
 

@@ -90,7 +90,7 @@ def test_explain_follows_the_tuners_remembered_choice():
     """A choice the tuner holds for a configuration (not the heuristic) is what explain lists and what runs."""
     m = ct.ConvTranspose2d(32, 48, 3, stride=2, padding=1).to("cuda", torch.float16)
     x = torch.randn(4, 32, 12, 12, device="cuda", dtype=torch.float16)
-    g = ct._forward_entry(x, m.weight, m.bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation)[0]
+    g = ct._forward_entry(x, m.weight, m.bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation).g
     dev = device.get(0)
     cands = table.candidates("forward", g, "float16", "nchw", "strict", dev)
     assert len(cands) > 1

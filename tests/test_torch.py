@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import shutil
 import sys
 
@@ -638,12 +639,15 @@ class _EngineCalls:
 
     def __init__(self):
         self.calls = []
+        self.pointers = []   # each call's tensor pointers, in the engine's argument order
 
     def forward(self, g, dt, x, w, b, out, launcher, layout, precision, mask=None):
         self.calls.append(("forward", g, layout, w))
+        self.pointers.append((x, w, b, out))
 
     def backward(self, g, dt, go, x, w, gi, gw, gb, launcher, layout, precision):
         self.calls.append(("backward", g, layout, w))
+        self.pointers.append((go, x, w, gi, gw, gb))
 
 
 @pytest.fixture
@@ -659,11 +663,17 @@ def cuda_glue(monkeypatch):
 
 def _glue_call(x, w, mask):
     """The forward and a backward of ``mask`` through the CUDA glue (the engine faked); returns grad_weight."""
-    entry = ct._forward_entry(x, w, None, 2, 1, 1, 1, 1)
-    g, dt, device, _, out_shape, g_weight_cl = entry
-    ct._cuda_forward(x, w, None, (g, dt, device, 0, out_shape, g_weight_cl))
-    go = torch.randn(out_shape, dtype=x.dtype)
-    return ct._cuda_backward(go, x, w, mask, (g, dt, device, 0, g_weight_cl))[1]
+    entry = _as_if_on_cuda(ct._forward_entry(x, w, None, 2, 1, 1, 1, 1))
+    ct._cuda_forward(x, w, None, entry)
+    go = torch.randn(entry.out_shape, dtype=x.dtype)
+    return ct._cuda_backward(go, x, w, mask, _as_if_on_cuda(ct._backward_entry(go, x, w, 2, 1, 1, 1, 1, mask)))[1]
+
+
+def _as_if_on_cuda(entry):
+    """A copy of a CPU configuration's entry that the CUDA glue takes for one on device 0."""
+    entry = copy.copy(entry)
+    entry.index = 0
+    return entry
 
 
 @pytest.mark.parametrize("mask", [(True, True, False), (False, True, False)])
@@ -688,10 +698,57 @@ def test_the_weight_is_handed_to_the_kernels_in_its_own_layout(cuda_glue, x_cl, 
     assert gw.is_contiguous() != (torch_format and gw.shape[1] > 1)
 
 
+def _strided(t, kind):
+    """``t``'s values as a contiguous, a channels_last or a non-dense (every other element) tensor."""
+    if kind == "contiguous":
+        return t.contiguous()
+    if kind == "channels_last":
+        return t.contiguous(memory_format=torch.channels_last)
+    wide = torch.zeros(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def test_a_configuration_cached_for_one_layout_still_copies_another(cuda_glue):
+    """The per-configuration entries decide once which inputs the kernels can read in place; tensors of the
+    same shapes in other memory (channels_last, or not dense) get entries of their own, copies where the
+    kernels need them, and outputs in torch's memory format."""
+    base_x, base_w, base_b = torch.randn(2, 8, 5, 6), torch.randn(8, 4, 3, 3), torch.randn(4)
+    for kinds in itertools.product(("contiguous", "channels_last", "strided"), repeat=2):
+        x, w = _strided(base_x, kinds[0]), _strided(base_w, kinds[1])
+        b = _strided(base_b.reshape(1, 1, 1, 4), "strided").reshape(4) if kinds[0] == "strided" else base_b
+        entry = _as_if_on_cuda(ct._forward_entry(x, w, b, 2, 1, 1, 1, 1))
+        out = ct._cuda_forward(x, w, b, entry)
+        x_ptr, w_ptr, b_ptr, out_ptr = cuda_glue.pointers[-1]
+        layout = ct._layout_for(x, w)
+        assert (x_ptr == x.data_ptr()) == (x.is_contiguous(memory_format=torch.channels_last if layout == "nhwc"
+                                                           else torch.contiguous_format)), kinds
+        assert (w_ptr == w.data_ptr()) == (kinds[1] != "strided"), kinds
+        assert (b_ptr == b.data_ptr()) == b.is_contiguous(), kinds
+        assert out_ptr == out.data_ptr()
+        expected = torch.nn.functional.conv_transpose2d(x, w, b, 2, 1, 1)
+        assert out.shape == expected.shape and out.stride() == expected.stride(), kinds
+
+        go = _strided(torch.randn(out.shape), "strided")
+        mask = (True, True, True)
+        gi, gw, gb = ct._cuda_backward(go, x, w, mask, _as_if_on_cuda(ct._backward_entry(go, x, w, 2, 1, 1, 1, 1,
+                                                                                          mask)))
+        go_ptr, x_ptr, w_ptr = cuda_glue.pointers[-1][:3]
+        assert go_ptr != go.data_ptr(), "a grad_output that is not dense is copied"
+        assert (w_ptr == w.data_ptr()) == (kinds[1] != "strided"), kinds
+        x_in_layout = kinds[0] == ("channels_last" if layout == "nhwc" else "contiguous")
+        assert (x_ptr == x.data_ptr()) == x_in_layout, kinds
+        torch_gi, torch_gw, torch_gb = torch.ops.aten.convolution_backward(
+            go, x, w, [4], [2, 2], [1, 1], [1, 1], True, [1, 1], 1, list(mask))
+        for ours, theirs in ((gi, torch_gi), (gw, torch_gw), (gb, torch_gb)):
+            assert ours.shape == theirs.shape and ours.stride() == theirs.stride(), kinds
+
+
 def test_grad_weight_written_channels_last_is_made_contiguous_where_torch_keeps_it_so(cuda_glue, monkeypatch):
     """Where torch's grad_weight is contiguous beside a channels_last weight (float64 on CUDA, an unbatched
     channels_last input), the kernels still write the weight's layout and the glue converts."""
     monkeypatch.setattr(ct, "_grad_weight_channels_last", lambda x, w: False)
+    monkeypatch.setattr(ct, "_backward_cache", {})   # entries keep the format they were made with
     x = torch.randn(2, 8, 5, 6).contiguous(memory_format=torch.channels_last)
     w = torch.randn(8, 4, 3, 3).contiguous(memory_format=torch.channels_last)
     gw = _glue_call(x, w, (True, True, False))

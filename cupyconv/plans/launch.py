@@ -346,7 +346,7 @@ def pointer_signature(pointers: Sequence[int]) -> Tuple[int, ...]:
 
     Plans test alignment up to 16 bytes and scratch is aligned to 256; the low byte covers both.
     """
-    return tuple(p & _LOW_BYTE if p else -1 for p in pointers)
+    return tuple([p & _LOW_BYTE if p else -1 for p in pointers])   # a list is built faster than a generator runs
 
 
 class Tape(Recorder):
