@@ -228,3 +228,15 @@ def test_carving_nothing_calls_no_allocator():
         raise AssertionError("allocated")
     assert launch.carve(alloc, []) == (None, [])
     assert launch.carve(alloc, [0, 0]) == (None, [0, 0])
+
+
+def test_the_tensor_core_switch_follows_the_environment_as_it_changes(monkeypatch):
+    """``CUPYCONV_TENSOR_CORES`` is read at each call (through the mapping behind os.environ): set, changed,
+    padded with spaces and removed within one process."""
+    monkeypatch.delenv(gemm.TENSOR_CORES_ENV, raising=False)
+    assert gemm.enabled()
+    for value, on in (("0", False), (" 0 ", False), ("1", True), ("", True), ("off", True)):
+        monkeypatch.setenv(gemm.TENSOR_CORES_ENV, value)
+        assert gemm.enabled() is on, value
+    monkeypatch.delenv(gemm.TENSOR_CORES_ENV)
+    assert gemm.enabled()

@@ -2,6 +2,8 @@
 the tilings the direct planners choose."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 from cupyconv.core import device, dtypes
@@ -308,3 +310,25 @@ def test_a_pointer_before_its_source_is_not_taped():
     first, second = tape.stand_ins
     tape.launch("main", _plan("k"), (second - 64,))   # would decode as far past the first pointer
     assert not tape.final
+
+
+@pytest.mark.parametrize("index_t,scalar_type", [("int", ctypes.c_int32), ("long long", ctypes.c_int64)])
+def test_a_launch_hands_the_driver_each_pointer_then_each_scalar(monkeypatch, index_t, scalar_type):
+    """The parameter block cuLaunchKernel reads: one address a parameter, pointing at this launch's pointers (None
+    as a null one) and the plan's scalars in the kernel's index type, rewritten launch after launch."""
+    seen = []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        pointers = [ctypes.cast(slots[i], ctypes.POINTER(ctypes.c_uint64))[0] for i in range(3)]
+        scalars = [ctypes.cast(slots[3 + i], ctypes.POINTER(scalar_type))[0] for i in range(2)]
+        seen.append((function, (gx, gy, gz, bx, by, bz, smem), stream, pointers, scalars, extra))
+
+    monkeypatch.setattr(launch, "_launch_kernel", launch_kernel)
+    block = launch._ParamBlock(3, (7, -(2 ** 31) if index_t == "int" else 2 ** 40), index_t)
+    args = (11, 1, 2, 3, 128, 1, 1, 4096)
+    block.launch(args, (2 ** 48 + 16, 0, 2 ** 33), 99)
+    block.launch(args, [5, None, 6], 98)
+    big = -(2 ** 31) if index_t == "int" else 2 ** 40
+    assert seen == [(11, (1, 2, 3, 128, 1, 1, 4096), 99, [2 ** 48 + 16, 0, 2 ** 33], [7, big], 0),
+                    (11, (1, 2, 3, 128, 1, 1, 4096), 98, [5, 0, 6], [7, big], 0)]

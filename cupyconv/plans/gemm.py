@@ -403,8 +403,19 @@ def gemm_shape(g: Geometry, dtype: str) -> bool:
     return min(g.in_per_group, g.out_per_group) >= 16 and gemm_fits(g, dtype)
 
 
+# Every call of a layer reads the switch.  os.environ.get runs a few Python frames for it (about 2 µs);
+# the mapping os.environ keeps its values in (and updates with it) answers in one lookup.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_TENSOR_CORES_KEY = os.environ.encodekey(TENSOR_CORES_ENV) if hasattr(os.environ, "encodekey") else None
+
+
 def enabled() -> bool:
     """Whether ``CUPYCONV_TENSOR_CORES`` leaves the tensor-core kernels on (it does unless it is 0)."""
+    if _ENVIRON_DATA is not None and _TENSOR_CORES_KEY is not None:
+        raw = _ENVIRON_DATA.get(_TENSOR_CORES_KEY)
+        if raw is None:
+            return True
+        return os.environ.decodevalue(raw).strip() != "0"
     return os.environ.get(TENSOR_CORES_ENV, "1").strip() != "0"
 
 
