@@ -1,6 +1,7 @@
 """Run a planned kernel on the CPU: its rendered CUDA source compiled as C++.
 
-A small shim stands in for CUDA: each CUDA thread of a block is a ``std::thread``,
+A small shim stands in for CUDA: each CUDA thread of a block (of up to three dimensions, x
+fastest, numbered into warps as on the GPU) is a ``std::thread``,
 ``__syncthreads`` is a block-wide ``std::barrier``, and warp shuffles and
 ``__syncwarp`` go through a per-warp barrier and exchange slots.  Blocks run one after
 another, so ``__shared__`` arrays are plain statics.  The two inline-PTX conversions of
@@ -98,8 +99,8 @@ int main(int argc, char** argv) {
         std::fclose(f);
     }
     gridDim = {GRID_X, GRID_Y, GRID_Z};
-    blockDim = {THREADS, 1u, 1u};
-    const int threads = THREADS;
+    blockDim = {BLOCK_X, BLOCK_Y, BLOCK_Z};
+    const int threads = BLOCK_X * BLOCK_Y * BLOCK_Z;
     const long long blocks = static_cast<long long>(gridDim.x) * gridDim.y * gridDim.z;
     // One OS thread per CUDA thread, kept for every block: thread 0 sets each block up
     // between two pool-wide barriers, and blocks run one after another.
@@ -107,7 +108,9 @@ int main(int argc, char** argv) {
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t)
         pool.emplace_back([&, t] {
-            threadIdx = {static_cast<unsigned>(t), 0u, 0u};
+            // x fastest, as CUDA numbers a block's threads into warps
+            threadIdx = {static_cast<unsigned>(t) % blockDim.x, static_cast<unsigned>(t) / blockDim.x % blockDim.y,
+                         static_cast<unsigned>(t) / (blockDim.x * blockDim.y)};
             emu_lane = t % 32;
             emu_warp = t / 32;
             for (long long b = 0; b < blocks; ++b) {
@@ -165,7 +168,8 @@ def _source(plan, pointer_types: Sequence[str]) -> str:
     arguments = [f"reinterpret_cast<{t}*>(data[{i}])" for i, t in enumerate(pointer_types)]
     arguments += [f"static_cast<index_t>({s}LL)" for s in plan.scalars]
     main = (_MAIN.replace("GRID_X", f"{plan.grid[0]}u").replace("GRID_Y", f"{plan.grid[1]}u")
-            .replace("GRID_Z", f"{plan.grid[2]}u").replace("THREADS", str(plan.block[0]))
+            .replace("GRID_Z", f"{plan.grid[2]}u").replace("BLOCK_X", f"{plan.block[0]}u")
+            .replace("BLOCK_Y", f"{plan.block[1]}u").replace("BLOCK_Z", f"{plan.block[2]}u")
             .replace("KERNEL_CALL", f"{spec.function}({', '.join(arguments)})"))
     return _SHIM + kernel + main
 

@@ -15,7 +15,7 @@ import pytest
 
 from cupyconv import reference
 from cupyconv.jit import templates
-from cupyconv.plans import direct, reduction
+from cupyconv.plans import direct, gemm, reduction
 from cupyconv.core.geometry import ConvParams, geometry
 
 import cuda_emulator
@@ -600,3 +600,29 @@ def test_weight_packs_match_the_layout_written_out(bits, kernel, pads, tile, mod
     out = np.full(plan.scratch_bytes // w.itemsize, 2 ** (8 * w.itemsize) - 1, bits)   # unwritten words show
     _, out = cuda_emulator.run(plan, [memory, out], ["unsigned int" if bits == np.uint32 else "unsigned short"] * 2)
     np.testing.assert_array_equal(out, _packed_reference(w, groups, mode, n_pad, k_pad, tile))
+
+
+@pytest.mark.parametrize("dtype,round_tf32,batch,channels,pixels", [
+    ("float16", False, 2, 31, 97),     # odd channels and planes: 16-bit pairs fall back to single elements
+    ("float16", False, 1, 130, 128),   # three channel tiles, two pixel tiles, pairs both ways
+    ("float32", False, 2, 31, 97),
+    ("float32", True, 1, 130, 65),     # rounded to TF32 on the way
+])
+def test_to_channels_last_moves_every_element_to_its_place(dtype, round_tf32, batch, channels, pixels):
+    """The NCHW -> channels_last copy in front of the GEMMs, bit for bit: tiles cut at the channel and pixel
+    edges, rows of a tile past the edge staged but never stored, and TF32 rounding by bits."""
+    bits = np.uint16 if dtype == "float16" else np.uint32
+    rng = np.random.default_rng(batch * 1000 + channels * 10 + pixels)
+    src = rng.integers(0, np.iinfo(bits).max, size=(batch, channels, pixels), dtype=np.uint64).astype(bits)
+    if round_tf32:
+        src.reshape(-1)[:4] = [0x7F800000, 0x7FC00001, 0x3F801000, 0x7F7FFFFF]   # Inf, NaN, a tie, the largest
+    sentinel = np.full((batch, pixels, channels), 0xAAAA, dtype=bits)
+    plan = gemm.plan_to_channels_last(batch, channels, pixels, dtype, round_tf32=round_tf32)
+    c_type = "unsigned short" if bits is np.uint16 else "unsigned int"
+    _, out = cuda_emulator.run(plan, [src, sentinel], [c_type, c_type])
+    want = src.transpose(0, 2, 1)
+    if round_tf32:
+        finite = (want & 0x7F800000) != 0x7F800000
+        want = np.where(finite, (want.astype(np.uint64) + 0x1000) & 0xFFFFE000, want).astype(bits)
+        assert out[0, :4, 0].tolist() == [0x7F800000, 0x7FC00001, 0x3F802000, 0x7F800000]
+    np.testing.assert_array_equal(out, want)
