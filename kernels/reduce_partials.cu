@@ -1,6 +1,6 @@
 // Second pass of the deterministic split-K reductions (grad_weight, grad_bias, and the GEMMs'
 // forward and grad_input): out[e] = sum over chunks c, in order, of partial[c][e], rounded once
-// to the output dtype.  One thread per element keeps the summation order fixed.
+// to the output dtype.  One thread adds each element's chunks, which keeps their order fixed.
 #include "common.cuh"
 
 typedef {{SCALAR_T}} scalar_t;
@@ -8,6 +8,8 @@ typedef Accumulator<scalar_t>::type acc_t;
 typedef {{INDEX_T}} index_t;
 
 constexpr int BLOCK = {{BLOCK}};
+constexpr int VEC = {{VEC}};   // reduce_partials' run of elements a thread adds; the other kernels take 1
+static_assert(VEC == 1 || (VEC == 4 && sizeof(acc_t) == 4), "single elements, or runs of four fp32 partials");
 
 __device__ __forceinline__ acc_t sum_chunks(const acc_t* __restrict__ partial, index_t e, index_t elements,
                                             index_t chunks) {
@@ -16,11 +18,33 @@ __device__ __forceinline__ acc_t sum_chunks(const acc_t* __restrict__ partial, i
     return s;
 }
 
+// VEC 4: elements is a multiple of four and the partials are fp32, so a thread adds runs of four elements with
+// 16-byte loads of the (256-byte aligned) scratch, several chunks' loads in flight at once; each element's chunks
+// are still added in order.  A pass over a large weight gradient is bound by the bytes in flight.
 extern "C" __global__ void __launch_bounds__(BLOCK)
 reduce_partials(const acc_t* __restrict__ partial, scalar_t* __restrict__ out, index_t elements, index_t chunks) {
-    for (index_t e = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; e < elements;
-         e += static_cast<index_t>(gridDim.x) * BLOCK)
-        store(out + e, sum_chunks(partial, e, elements, chunks));
+    if constexpr (VEC == 1) {
+        for (index_t e = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; e < elements;
+             e += static_cast<index_t>(gridDim.x) * BLOCK)
+            store(out + e, sum_chunks(partial, e, elements, chunks));
+    } else {
+        const index_t runs = elements / VEC;
+        for (index_t r = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; r < runs;
+             r += static_cast<index_t>(gridDim.x) * BLOCK) {
+            const acc_t* run = partial + r * VEC;
+            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+            for (index_t c = 0; c < chunks; ++c) {
+                const float4 q = __ldg(reinterpret_cast<const float4*>(run + c * elements));
+                s[0] += q.x;
+                s[1] += q.y;
+                s[2] += q.z;
+                s[3] += q.w;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) store(out + r * VEC + j, s[j]);
+        }
+    }
 }
 
 // The split GEMMs' output: the bias of element e's channel, (e / channel_stride) % channels, is added after

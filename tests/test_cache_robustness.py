@@ -58,7 +58,7 @@ def fake_build(monkeypatch):
 def _spec(i: int) -> KernelSpec:
     # a block size no real plan uses, so a stand-in kernel can never be launched
     return KernelSpec.make("reduce_partials.cu", "reduce_partials",
-                           dict(SCALAR_T="float", INDEX_T="int", BLOCK=4096 + 32 * i))
+                           dict(SCALAR_T="float", INDEX_T="int", BLOCK=4096 + 32 * i, VEC=1))
 
 
 def test_sixteen_threads_build_each_configuration_once(fake_build):

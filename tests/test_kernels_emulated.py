@@ -317,12 +317,32 @@ def test_grad_bias_cases_reach_every_branch():
     assert {block for *_, block in seen} == {None, 256, 1024}
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows, taps, chunks", [(64 * 48, 16, 3), (37, 9, 1), (70, 49, 2), (5, 1, 4)])
-def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(rows, taps, chunks, dtype):
+TAP_MAJOR_CASES = [(64 * 48, 16, 3), (37, 9, 1), (70, 49, 2), (5, 1, 4), (1100, 9, 6), (4 * 53, 49, 5), (8, 81, 1)]
+
+
+@pytest.fixture
+def longer_reduce_runs(monkeypatch):
+    """The reduces plan their longer runs for any grid (the emulated layers are too small to earn them)."""
+    monkeypatch.setattr(reduction, "_REDUCE_BLOCKS", 0)
+    for plan in (reduction.plan_tap_major_reduce, reduction.plan_reduce):
+        plan.cache_clear()
+    yield
+    for plan in (reduction.plan_tap_major_reduce, reduction.plan_reduce):
+        plan.cache_clear()
+
+
+@pytest.mark.parametrize("dtype, tiles", [("float32", "planned"), ("float16", "planned"), ("bfloat16", "planned"),
+                                          ("bfloat16", "large")])
+@pytest.mark.parametrize("rows, taps, chunks", TAP_MAJOR_CASES)
+def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(rows, taps, chunks, dtype, tiles, request):
     """grad_weight's wgmma partials are [chunk][tap][row]; the reduce writes [row][tap], the chunks added in
-    order in fp32 and rounded once (several 32 x 32 tiles of taps, ragged rows, one chunk, one tap)."""
+    order in fp32 and rounded once: 16-byte and single rows, both tile sizes, ragged row tiles, taps split over
+    two and three tiles, more chunks than a thread's loads in flight, one chunk, one tap."""
+    if tiles == "large":
+        request.getfixturevalue("longer_reduce_runs")
     plan = reduction.plan_tap_major_reduce(dtype, rows, taps, chunks, "int")
+    if tiles == "large":
+        assert dict(plan.spec.constants)["RUNS"] == 1024
     partials = np.random.default_rng(rows + taps).standard_normal((chunks, taps, rows)).astype(np.float32)
     _, out = cuda_emulator.run(plan, [partials.ravel(), _empty(rows * taps, dtype)], ["float", C_TYPE[dtype]])
     total = partials[0].copy()
@@ -330,6 +350,67 @@ def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(rows, taps, c
         total += partials[c]   # fp32, in chunk order, as the kernel adds them
     expected = _values(_storage(total.T.astype(np.float64), dtype), dtype).ravel()
     np.testing.assert_array_equal(_values(out, dtype), expected)
+
+
+@pytest.mark.parametrize("rows, taps, chunks", TAP_MAJOR_CASES + [(1024 * 512, 16, 1), (256 * 128, 16, 9),
+                                                                 (64 * 64, 16, 64), (1024 * 512, 9, 2)])
+def test_tap_major_reduce_takes_the_larger_tile_where_it_leaves_enough_blocks(rows, taps, chunks):
+    plan = reduction.plan_tap_major_reduce("float16", rows, taps, chunks, "int")
+    constants = dict(plan.spec.constants)
+    vec = constants["VEC"]
+    assert vec == (4 if rows % 4 == 0 else 1) and constants["CHUNKS_AT_ONCE"] == (1 if chunks == 1 else 4)
+    tap_tile, large_rows = reduction.tap_major_tile(taps, vec, 1024)
+    large = -(-rows // large_rows) * -(-taps // tap_tile) >= reduction._REDUCE_BLOCKS
+    assert constants["RUNS"] == (1024 if large else 256)
+    tap_tile, row_tile = reduction.tap_major_tile(taps, vec, constants["RUNS"])
+    assert plan.grid == (-(-rows // row_tile), -(-taps // tap_tile), 1)
+    runs_a_tap = row_tile // vec
+    assert tap_tile <= 32 and tap_tile * (runs_a_tap - 1) < constants["RUNS"] <= tap_tile * runs_a_tap
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("elements", [1024 * 512 * 16, 256 * 256 * 4, 256 * 256 * 4 - 4, 256 * 256 * 4 + 2, 1000])
+def test_split_k_reduce_takes_runs_of_four_where_they_fill_the_blocks(elements, dtype):
+    plan = reduction.plan_reduce(dtype, elements, 3, "int")
+    runs = dtype != "float64" and elements % 4 == 0 and elements // 4 >= reduction._REDUCE_BLOCKS * 256
+    vec = 4 if runs else 1
+    assert dict(plan.spec.constants)["VEC"] == vec
+    assert plan.grid == (min(-(-elements // vec // 256), 8192), 1, 1) and plan.block == (256, 1, 1)
+    assert runs == (dtype != "float64" and elements in (1024 * 512 * 16, 256 * 256 * 4))
+
+
+def test_tap_major_cases_reach_every_tile_shape():
+    """The emulated cases take 16-byte and single-row loads, one to three tap tiles, ragged last tiles of rows
+    and of taps, and one chunk, a partial set of four and several sets (the larger tiles are forced on them)."""
+    seen = set()
+    for rows, taps, chunks in TAP_MAJOR_CASES:
+        plan = reduction.plan_tap_major_reduce("float16", rows, taps, chunks, "int")
+        constants = dict(plan.spec.constants)
+        tap_tile, row_tile = reduction.tap_major_tile(taps, constants["VEC"], constants["RUNS"])
+        seen.update({("vec", constants["VEC"]), ("tap tiles", plan.grid[1]), ("ragged rows", rows % row_tile != 0),
+                     ("ragged taps", taps % tap_tile != 0),
+                     ("chunks", "one" if chunks == 1 else "under four" if chunks < 4 else "over four")})
+    assert seen >= {("vec", 1), ("vec", 4), ("tap tiles", 1), ("tap tiles", 2), ("tap tiles", 3),
+                    ("ragged rows", True), ("ragged taps", True), ("chunks", "one"), ("chunks", "under four"),
+                    ("chunks", "over four")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("elements, chunks", [(1000, 3), (1001, 6), (2052, 5), (4, 1)])
+def test_split_k_reduce_adds_chunks_in_order(elements, chunks, dtype, request):
+    """The reduce that finishes a split-K pass: each element's chunks added in order and rounded once, four
+    elements a thread where their count is a multiple of four and they sum in fp32 (runs from every chunk in
+    flight at once), else one."""
+    acc = ACC_TYPE[dtype]
+    request.getfixturevalue("longer_reduce_runs")
+    plan = reduction.plan_reduce(dtype, elements, chunks, "int")
+    assert dict(plan.spec.constants)["VEC"] == (4 if elements % 4 == 0 and acc == "float" else 1)
+    partials = np.random.default_rng(elements + chunks).standard_normal((chunks, elements)).astype(ACC_DTYPE[acc])
+    _, out = cuda_emulator.run(plan, [partials.ravel(), _empty(elements, dtype)], [acc, C_TYPE[dtype]])
+    total = partials[0].copy()
+    for c in range(1, chunks):
+        total += partials[c]
+    np.testing.assert_array_equal(_values(out, dtype), _values(_storage(total.astype(np.float64), dtype), dtype))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -76,10 +76,10 @@ def test_the_tiled_forward_takes_the_layer_and_its_tile():
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 
-def test_the_tap_major_reduce_takes_its_types_and_tap_count():
+def test_the_tap_major_reduce_takes_its_types_tap_count_and_loads():
     name, = TAP_MAJOR_REDUCE
     assert "#include" not in templates.expanded(name) and "store(" in templates.expanded(name)
-    assert templates.placeholders(name) == {"SCALAR_T", "INDEX_T", "TAPS"}
+    assert templates.placeholders(name) == {"SCALAR_T", "INDEX_T", "TAPS", "VEC", "CHUNKS_AT_ONCE", "RUNS"}
 
 
 @pytest.mark.parametrize("name", sorted(WGMMA))

@@ -105,22 +105,47 @@ def finishing_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Op
     return plan_reduce(dtype, elements, chunks, index_t)
 
 
+# The reduces take their longer runs (16-byte loads, tiles of 1024 runs) only where those still make this many
+# blocks: few elements over many chunks (a small layer split over its pixels) need the blocks more.
+_REDUCE_BLOCKS = 256
+
+
+def tap_major_tile(taps: int, vec: int, runs: int) -> Tuple[int, int]:
+    """(taps, rows) of a tap-major reduce block's tile: every tap of a layer of up to 32 (more split evenly
+    over tiles), and as many rows, in runs of ``vec``, as make about ``runs`` runs."""
+    tap_tiles = cdiv(taps, 32)
+    tap_tile = cdiv(taps, tap_tiles)
+    return tap_tile, cdiv(runs, tap_tile) * vec
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_tap_major_reduce(dtype: str, rows: int, taps: int, chunks: int, index_t: str) -> Plan:
     """The reduce of partials written tap-major, ``[chunk][tap][row]``: adds the chunks in order and writes
-    ``out[row][tap]`` (the weight's layout), through tiles of 1024 values: the taps, up to 32, rounded up to a
-    power of two, by as many rows as make 1024."""
-    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, TAPS=taps)
+    ``out[row][tap]`` (the weight's layout), through tiles of :func:`tap_major_tile`.  Rows are read four at
+    a time (16-byte loads of the 256-byte aligned scratch) where their count is a multiple of four, and the
+    loads of four chunks are in flight before any is added."""
+    vec = 4 if rows % 4 == 0 else 1
+    for runs in (1024, 256):
+        tap_tile, row_tile = tap_major_tile(taps, vec, runs)
+        grid = (cdiv(rows, row_tile), cdiv(taps, tap_tile), 1)
+        if grid[0] * grid[1] >= _REDUCE_BLOCKS:
+            break
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, TAPS=taps, VEC=vec,
+                     CHUNKS_AT_ONCE=1 if chunks == 1 else 4, RUNS=runs)
     spec = KernelSpec.make("reduce_tap_major_partials.cu", "reduce_tap_major_partials", constants)
-    tap_tile = min(32, 1 << (taps - 1).bit_length())
-    return Plan(spec, (cdiv(rows, 1024 // tap_tile), cdiv(taps, tap_tile), 1), (256, 1, 1), (rows, chunks), index_t)
+    return Plan(spec, grid, (256, 1, 1), (rows, chunks), index_t)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
-    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK)
+    """The reduce of partials ``[chunk][element]``: a thread adds runs of four elements (16-byte loads of the
+    256-byte aligned scratch) where their count is a multiple of four, they sum in fp32 and the runs still fill
+    :data:`_REDUCE_BLOCKS` blocks, else one."""
+    fp32 = dtypes.get(dtype).accumulator_bytes == 4
+    vec = 4 if fp32 and elements % 4 == 0 and elements // 4 >= _REDUCE_BLOCKS * ELEMENTWISE_BLOCK else 1
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK, VEC=vec)
     spec = KernelSpec.make("reduce_partials.cu", "reduce_partials", constants)
-    grid = (min(cdiv(elements, ELEMENTWISE_BLOCK), 8192), 1, 1)
+    grid = (min(cdiv(elements // vec, ELEMENTWISE_BLOCK), 8192), 1, 1)
     return Plan(spec, grid, (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks), index_t)
 
 
@@ -128,7 +153,7 @@ def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
 def plan_wide_reduce(dtype: str, elements: int, chunks: int, index_t: str, block: int = ELEMENTWISE_BLOCK) -> Plan:
     """The reduce for few elements over many chunks: a block of 32 elements whose ``block / 32`` warps each add
     every ``block / 32``-th chunk, in a fixed order."""
-    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=block)
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=block, VEC=1)
     spec = KernelSpec.make("reduce_partials.cu", "reduce_partials_wide", constants)
     return Plan(spec, (cdiv(elements, 32), 1, 1), (block, 1, 1), (elements, chunks), index_t)
 
@@ -138,7 +163,7 @@ def plan_reduce_with_bias(dtype: str, elements: int, chunks: int, channels: int,
                           index_t: str) -> Plan:
     """The reduce of a split GEMM's partials in the destination's layout: the chunks in order, then the bias of
     each element's channel, ``(element // channel_stride) % channels``, where the launch passes a bias."""
-    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK)
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK, VEC=1)
     spec = KernelSpec.make("reduce_partials.cu", "reduce_partials_bias", constants)
     grid = (min(cdiv(elements, ELEMENTWISE_BLOCK), 8192), 1, 1)
     return Plan(spec, grid, (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks, channels, channel_stride), index_t)
