@@ -331,13 +331,19 @@ def longer_reduce_runs(monkeypatch):
         plan.cache_clear()
 
 
-@pytest.mark.parametrize("dtype, tiles", [("float32", "planned"), ("float16", "planned"), ("bfloat16", "planned"),
-                                          ("bfloat16", "large")])
-@pytest.mark.parametrize("rows, taps, chunks", TAP_MAJOR_CASES)
-def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(rows, taps, chunks, dtype, tiles, request):
+# Each case in bf16 with the tile its plan takes and with the larger one, and in fp32 and fp16 on a few (each
+# emulated program costs the CPU suite about a second to build).
+TAP_MAJOR_RUNS = ([(case, "bfloat16", tiles) for case in TAP_MAJOR_CASES for tiles in ("planned", "large")]
+                  + [(TAP_MAJOR_CASES[i], dtype, "planned") for i, dtype in ((0, "float32"), (1, "float16"),
+                                                                             (4, "float32"), (5, "float16"))])
+
+
+@pytest.mark.parametrize("case, dtype, tiles", TAP_MAJOR_RUNS)
+def test_tap_major_reduce_adds_chunks_in_order_and_moves_taps_last(case, dtype, tiles, request):
     """grad_weight's wgmma partials are [chunk][tap][row]; the reduce writes [row][tap], the chunks added in
     order in fp32 and rounded once: 16-byte and single rows, both tile sizes, ragged row tiles, taps split over
     two and three tiles, more chunks than a thread's loads in flight, one chunk, one tap."""
+    rows, taps, chunks = case
     if tiles == "large":
         request.getfixturevalue("longer_reduce_runs")
     plan = reduction.plan_tap_major_reduce(dtype, rows, taps, chunks, "int")
@@ -395,8 +401,9 @@ def test_tap_major_cases_reach_every_tile_shape():
                     ("chunks", "over four")}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
-@pytest.mark.parametrize("elements, chunks", [(1000, 3), (1001, 6), (2052, 5), (4, 1)])
+@pytest.mark.parametrize("elements, chunks, dtype", [(1000, 3, "float32"), (1000, 3, "float16"), (1000, 3, "bfloat16"),
+                                                    (1000, 3, "float64"), (1001, 6, "float32"), (1001, 6, "bfloat16"),
+                                                    (2052, 5, "bfloat16"), (4, 1, "float32")])
 def test_split_k_reduce_adds_chunks_in_order(elements, chunks, dtype, request):
     """The reduce that finishes a split-K pass: each element's chunks added in order and rounded once, four
     elements a thread where their count is a multiple of four and they sum in fp32 (runs from every chunk in
