@@ -27,6 +27,12 @@
 // is 64 channels, else in the pack's planes.  That saves the pack's launch and its pass over the
 // weight.
 //
+// With SPLIT_K > 1 a block takes one of SPLIT_K even ranges of the input-channel chunks (grid z is
+// phase x SPLIT_K) and writes fp32 partial sums, without the bias, into dst reinterpreted as
+// [SPLIT_K][the destination's elements] in the destination's layout; reduce_partials.cu adds them
+// in order.  A small grid of wide channels makes fewer tiles than SMs, each walking a long K alone:
+// splitting K brings the idle SMs, and their share of the weight's bandwidth, in.
+//
 // The block is persistent over the tiles of its (channel tile, phase) and split by role:
 // the last warpgroup produces (cp.async for the halos, a bulk copy per packed weight tile or
 // cp.async for one read in place, each completing on a "full" mbarrier), the others consume (wgmma, one step in flight, then an
@@ -64,6 +70,7 @@ constexpr bool DST_CL = {{DST_CL}};
 constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
 constexpr bool SRC_ROUNDED = {{SRC_ROUNDED}};   // TF32: the source's words are already rounded
 constexpr bool WEIGHT_DIRECT = {{WEIGHT_DIRECT}};   // B straight from a channels_last weight, not a packed copy
+constexpr int SPLIT_K = {{SPLIT_K}};                // K ranges (of whole chunks) over grid z
 
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;   // source channels per group: the GEMM's K per tap
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;   // destination channels per group: its N
@@ -78,6 +85,7 @@ constexpr int CHUNK_GROUPS = CK / VEC;
 constexpr int CHUNKS = (CG_K + CK - 1) / CK;
 constexpr int N_TILES = (CG_N + BN - 1) / BN;
 constexpr int N_PAD = N_TILES * BN, K_PAD = CHUNKS * CK;   // packed weight: [GROUPS][n tile][chunk][tap][CK x BN]
+constexpr int SPLIT_CHUNKS = (CHUNKS + SPLIT_K - 1) / SPLIT_K;   // chunks of one K range
 constexpr int BM = TILE_IMAGES * TILE_H * TILE_W;
 constexpr int M_BLOCKS = BM / 64;                          // 64-row MMA blocks
 constexpr int MB = M_BLOCKS / CONSUMERS;                   // per consumer warpgroup
@@ -129,6 +137,7 @@ static_assert(TILE_W % BLOCK_COLS == 0 && TILE_H % BLOCK_ROWS == 0 && M_BLOCKS %
               "whole 64-row MMA blocks per warpgroup");
 static_assert(CK % K_STEP == 0 && CG_K % VEC == 0, "chunks of whole MMA steps, channels in whole 16-byte groups");
 static_assert(B_STAGES >= 2 && HALO_STAGES >= 1, "pipeline depths");
+static_assert(SPLIT_K >= 1 && SPLIT_K <= CHUNKS, "K ranges of one chunk or more");
 static_assert(HALO_REGION + B_STAGES * B_STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
 static_assert(!WEIGHT_DIRECT || (WEIGHT_CL && !TF32 && COUT_G % VEC == 0 && CK * BN % (VEC * 128) == 0
                                  && (MODE == 1 || BN % 64 == 0)),
@@ -136,6 +145,11 @@ static_assert(!WEIGHT_DIRECT || (WEIGHT_CL && !TF32 && COUT_G % VEC == 0 && CK *
               "the forward's N in 64-channel column blocks");
 
 struct Tap { int offset, w; };   // byte offset of the tap's origin in an image's halo; weight tap
+
+// What the epilogue stores: the destination's type, or a split block's fp32 partials.
+template <bool PARTIALS> struct Stored { typedef scalar_t type; };
+template <> struct Stored<true> { typedef float type; };
+typedef Stored<(SPLIT_K > 1)>::type out_t;
 
 // A producer thread's share of the B tile of (group g, n tile n0, chunk c, weight tap `tap`) from a channels_last
 // weight read in place, into the buffer at `slot` (WEIGHT_DIRECT); output channels past the layer's, and input
@@ -178,7 +192,10 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
     __shared__ __align__(8) unsigned long long b_full[B_STAGES], b_empty[B_STAGES];
 
     const int tid = threadIdx.x;
-    const int rh = static_cast<int>(blockIdx.z) / O_SW, rw = static_cast<int>(blockIdx.z) % O_SW;
+    const int phase = static_cast<int>(blockIdx.z) / SPLIT_K, split = static_cast<int>(blockIdx.z) % SPLIT_K;
+    const int rh = phase / O_SW, rw = phase % O_SW;
+    // This block's input-channel chunks [c_first, c_end): a range of K for every tap of the phase.
+    const int c_first = min(CHUNKS, split * SPLIT_CHUNKS), c_end = min(CHUNKS, c_first + SPLIT_CHUNKS);
     const index_t MH = rh < H_DST ? (H_DST - rh + O_SH - 1) / O_SH : 0;   // this phase's grid
     const index_t MW = rw < W_DST ? (W_DST - rw + O_SW - 1) / O_SW : 0;
     const index_t tiles_w = ((W_DST + O_SW - 1) / O_SW + TILE_W - 1) / TILE_W;   // phase 0's grid, the largest
@@ -262,7 +279,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
             if (!origin(tile, o)) continue;
             const scalar_t* src_group = src + o.image * src_batch + static_cast<index_t>(g) * CG_K;
             const index_t halo_i0 = SPLIT_H * o.i + min_dh, halo_j0 = SPLIT_W * o.j + min_dw;
-            for (int c = 0; c < CHUNKS && tap_n > 0; ++c, ++h_iter) {
+            for (int c = c_first; c < c_end && tap_n > 0; ++c, ++h_iter) {
                 const unsigned full = smem_addr(&halo_full[h_iter % HALO_STAGES]);
                 mbarrier_wait(smem_addr(&halo_empty[h_iter % HALO_STAGES]), ((h_iter / HALO_STAGES) & 1) ^ 1);
                 const unsigned halo = halo_slot(h_iter);
@@ -338,6 +355,10 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
     const index_t dst_plane = H_DST * W_DST;
     float acc[MB][BN / 2];
     float total[MB][BN / 2];   // 3xTF32: the steps' sums, added in fp32
+    // A split block stores its range's fp32 partials, dst seen as [SPLIT_K][the destination's elements] of float,
+    // through the same indexing as an unsplit block's outputs.
+    out_t* const split_dst = SPLIT_K > 1 ? reinterpret_cast<out_t*>(dst) + split * (N * dst_plane * C_DST)
+                                         : reinterpret_cast<out_t*>(dst);
     int h_iter = 0, b_iter = 0;
     for (index_t tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
         TileOrigin o;
@@ -348,7 +369,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
             for (int i = 0; i < BN / 2; ++i) acc[mb][i] = total[mb][i] = 0.f;
         // The step whose MMAs may still run: its weight buffer, and its halo if it was its chunk's last tap.
         int pending_b = -1, pending_h = -1;
-        for (int c = 0; c < CHUNKS && tap_n > 0; ++c, ++h_iter) {
+        for (int c = c_first; c < c_end && tap_n > 0; ++c, ++h_iter) {
             mbarrier_wait(smem_addr(&halo_full[h_iter % HALO_STAGES]), (h_iter / HALO_STAGES) & 1);
             fence_async_shared();   // the halo came through cp.async (the generic proxy); wgmma reads it async
             const unsigned halo = halo_slot(h_iter);
@@ -421,8 +442,8 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
         }
 
         // Stores straight from the accumulators, while the producer fills the next tile's buffers.
-        scalar_t* dst_group = dst + o.image * dst_plane * C_DST
-                              + static_cast<index_t>(g) * CG_N * (DST_CL ? 1 : dst_plane);
+        out_t* dst_group = split_dst + o.image * dst_plane * C_DST
+                           + static_cast<index_t>(g) * CG_N * (DST_CL ? 1 : dst_plane);
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
             const int b = warpgroup * MB + mb, at = b % IMAGE_BLOCKS;
@@ -434,18 +455,19 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                 const index_t j = o.j + (at % COL_BLOCKS) * BLOCK_COLS + r % BLOCK_COLS;
                 if (o.image + image >= N || i >= MH || j >= MW) continue;
                 const index_t pixel = (O_SH * i + rh) * W_DST + O_SW * j + rw;
-                scalar_t* out = dst_group + image * dst_plane * C_DST + (DST_CL ? pixel * C_DST : pixel);
+                out_t* out = dst_group + image * dst_plane * C_DST + (DST_CL ? pixel * C_DST : pixel);
 #pragma unroll
                 for (int jn = 0; jn < BN / 8; ++jn) {
                     const int oc = n0 + jn * 8 + (lane % 4) * 2;
                     const float(&sum)[BN / 2] = SPLIT_TF32 ? total[mb] : acc[mb];
                     float v0 = sum[jn * 4 + h * 2], v1 = sum[jn * 4 + h * 2 + 1];
-                    if constexpr (HAS_BIAS) {
+                    if constexpr (HAS_BIAS && SPLIT_K == 1) {
                         if (oc < CG_N) v0 += load(bias + g * CG_N + oc);
                         if (oc + 1 < CG_N) v1 += load(bias + g * CG_N + oc + 1);
                     }
                     if constexpr (DST_CL && CG_N % 2 == 0) {
-                        // Channel pairs are whole words (the pointers are 16-byte aligned).
+                        // Channel pairs are whole words (the pointers are 16-byte aligned; a range's fp32 partials
+                        // start a whole number of pairs in, the channels being even).
                         if (oc < CG_N) store_pair(out + oc, v0, v1);
                     } else {
                         if (oc < CG_N) store(out + oc * (DST_CL ? 1 : dst_plane), v0);

@@ -8,7 +8,7 @@ typedef Accumulator<scalar_t>::type acc_t;
 typedef {{INDEX_T}} index_t;
 
 constexpr int BLOCK = {{BLOCK}};
-constexpr int VEC = {{VEC}};   // reduce_partials' run of elements a thread adds; the other kernels take 1
+constexpr int VEC = {{VEC}};   // the run of elements a thread adds (reduce_partials_wide takes 1)
 static_assert(VEC == 1 || (VEC == 4 && sizeof(acc_t) == 4), "single elements, or runs of four fp32 partials");
 
 __device__ __forceinline__ acc_t sum_chunks(const acc_t* __restrict__ partial, index_t e, index_t elements,
@@ -21,6 +21,19 @@ __device__ __forceinline__ acc_t sum_chunks(const acc_t* __restrict__ partial, i
 // VEC 4: elements is a multiple of four and the partials are fp32, so a thread adds runs of four elements with
 // 16-byte loads of the (256-byte aligned) scratch, several chunks' loads in flight at once; each element's chunks
 // are still added in order.  A pass over a large weight gradient is bound by the bytes in flight.
+__device__ __forceinline__ void sum_run(const acc_t* __restrict__ run, index_t elements, index_t chunks,
+                                        float (&s)[4]) {
+    s[0] = s[1] = s[2] = s[3] = 0.0f;
+#pragma unroll 4
+    for (index_t c = 0; c < chunks; ++c) {
+        const float4 q = __ldg(reinterpret_cast<const float4*>(run + c * elements));
+        s[0] += q.x;
+        s[1] += q.y;
+        s[2] += q.z;
+        s[3] += q.w;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK)
 reduce_partials(const acc_t* __restrict__ partial, scalar_t* __restrict__ out, index_t elements, index_t chunks) {
     if constexpr (VEC == 1) {
@@ -31,16 +44,8 @@ reduce_partials(const acc_t* __restrict__ partial, scalar_t* __restrict__ out, i
         const index_t runs = elements / VEC;
         for (index_t r = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; r < runs;
              r += static_cast<index_t>(gridDim.x) * BLOCK) {
-            const acc_t* run = partial + r * VEC;
-            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-            for (index_t c = 0; c < chunks; ++c) {
-                const float4 q = __ldg(reinterpret_cast<const float4*>(run + c * elements));
-                s[0] += q.x;
-                s[1] += q.y;
-                s[2] += q.z;
-                s[3] += q.w;
-            }
+            float s[4];
+            sum_run(partial + r * VEC, elements, chunks, s);
 #pragma unroll
             for (int j = 0; j < 4; ++j) store(out + r * VEC + j, s[j]);
         }
@@ -48,15 +53,31 @@ reduce_partials(const acc_t* __restrict__ partial, scalar_t* __restrict__ out, i
 }
 
 // The split GEMMs' output: the bias of element e's channel, (e / channel_stride) % channels, is added after
-// the chunks (as the unsplit kernels add it after their K loop); a null bias adds nothing.
+// the chunks (as the unsplit kernels add it after their K loop); a null bias adds nothing.  Runs of four (VEC 4)
+// as in reduce_partials; each element still takes its own channel's bias.
 extern "C" __global__ void __launch_bounds__(BLOCK)
 reduce_partials_bias(const acc_t* __restrict__ partial, const scalar_t* __restrict__ bias, scalar_t* __restrict__ out,
                      index_t elements, index_t chunks, index_t channels, index_t channel_stride) {
-    for (index_t e = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; e < elements;
-         e += static_cast<index_t>(gridDim.x) * BLOCK) {
-        acc_t s = sum_chunks(partial, e, elements, chunks);
-        if (bias != nullptr) s += acc_t(load(bias + e / channel_stride % channels));
-        store(out + e, s);
+    if constexpr (VEC == 1) {
+        for (index_t e = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; e < elements;
+             e += static_cast<index_t>(gridDim.x) * BLOCK) {
+            acc_t s = sum_chunks(partial, e, elements, chunks);
+            if (bias != nullptr) s += acc_t(load(bias + e / channel_stride % channels));
+            store(out + e, s);
+        }
+    } else {
+        const index_t runs = elements / VEC;
+        for (index_t r = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; r < runs;
+             r += static_cast<index_t>(gridDim.x) * BLOCK) {
+            float s[4];
+            sum_run(partial + r * VEC, elements, chunks, s);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const index_t e = r * VEC + j;
+                if (bias != nullptr) s[j] += static_cast<float>(load(bias + e / channel_stride % channels));
+                store(out + e, s[j]);
+            }
+        }
     }
 }
 

@@ -324,10 +324,11 @@ TAP_MAJOR_CASES = [(64 * 48, 16, 3), (37, 9, 1), (70, 49, 2), (5, 1, 4), (1100, 
 def longer_reduce_runs(monkeypatch):
     """The reduces plan their longer runs for any grid (the emulated layers are too small to earn them)."""
     monkeypatch.setattr(reduction, "_REDUCE_BLOCKS", 0)
-    for plan in (reduction.plan_tap_major_reduce, reduction.plan_reduce):
+    plans = (reduction.plan_tap_major_reduce, reduction.plan_reduce, reduction.plan_reduce_with_bias)
+    for plan in plans:
         plan.cache_clear()
     yield
-    for plan in (reduction.plan_tap_major_reduce, reduction.plan_reduce):
+    for plan in plans:
         plan.cache_clear()
 
 
@@ -420,15 +421,21 @@ def test_split_k_reduce_adds_chunks_in_order(elements, chunks, dtype, request):
     np.testing.assert_array_equal(_values(out, dtype), _values(_storage(total.astype(np.float64), dtype), dtype))
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["single", "runs"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_split_gemm_reduce_adds_chunks_in_order_then_each_channels_bias(layout, dtype):
+def test_split_gemm_reduce_adds_chunks_in_order_then_each_channels_bias(layout, dtype, runs, request):
     """The split GEMMs' partials are [chunk][destination element] in the destination's layout; the reduce adds
-    the chunks in order in fp32, then the bias of the element's channel, and rounds once."""
-    n, c, h, w, chunks = 3, 5, 4, 7, 3
+    the chunks in order in fp32, then the bias of the element's channel, and rounds once: one element a thread,
+    or runs of four whose elements' channels differ (channels_last, five channels) or whose run crosses from one
+    channel's plane to the next (NCHW, planes of 7 x 2)."""
+    n, c, h, w, chunks = (4, 5, 2, 7, 3) if runs else (3, 5, 4, 7, 3)
     plane = h * w
     stride = 1 if layout == "nhwc" else plane
+    if runs:
+        request.getfixturevalue("longer_reduce_runs")
     plan = reduction.plan_reduce_with_bias(dtype, n * c * plane, chunks, c, stride, "int")
+    assert dict(plan.spec.constants)["VEC"] == (4 if runs else 1)
     rng = np.random.default_rng(c + chunks)
     partials = rng.standard_normal((chunks, n * c * plane)).astype(np.float32)
     bias = _storage(rng.standard_normal(c), dtype)

@@ -11,7 +11,7 @@ import pytest
 from cupyconv import bench, engine, tuning
 from cupyconv.core import device
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import gemm, launch, scatter_gemm, table, wgmma
+from cupyconv.plans import gemm, launch, reduction, scatter_gemm, table, wgmma
 from cupyconv.plans.launch import Recorder, cdiv, numel
 from cupyconv.tuning.variants import GEMM, Variant
 
@@ -388,7 +388,9 @@ def _check_options(g, pass_="forward"):
     assert opts[0] == {}, "the heuristic comes first"
     assert len({tuple(sorted(o.items())) for o in opts}) == len(opts), "no option twice"
     for o in opts[1:]:
-        assert o and set(o) <= {"tile", "stages"}, o
+        assert o and set(o) <= {"tile", "stages", "split"}, o
+        if "split" in o:
+            assert o == {"split": 1} and wgmma.heuristic_halo_splits(g, pass_) > 1, "one range against a split"
         if "tile" in o:
             assert wgmma.TILES[o["tile"]].accumulators <= 128
         if "stages" in o:
@@ -637,8 +639,12 @@ def test_plan_shapes(case, dtype, layout):
     tiles = cdiv(g.batch, tile.images) * cdiv(grid_h, tile.tile_h) * cdiv(grid_w, tile.tile_w)
     # y: groups x N tiles; z: stride phases; x: persistent blocks walking the patches of the largest
     # (first) phase's grid, about one block per SM in all (132 on the assumed H100) and no more than patches
-    others = g.groups * cdiv(g.out_per_group, tile.bn) * sh * sw
-    assert main.grid == (min(tiles, max(1, 132 // others)), g.groups * cdiv(g.out_per_group, tile.bn), sh * sw)
+    split = c["SPLIT_K"]
+    assert split == wgmma.halo_splits(g, dtype, tile, c["CK"], "forward", 132)
+    others = g.groups * cdiv(g.out_per_group, tile.bn) * sh * sw * split
+    assert main.grid == (min(tiles, max(1, 132 // others)), g.groups * cdiv(g.out_per_group, tile.bn), sh * sw * split)
+    _check_split_reduce(packed, split, launch.numel(g.output_shape), g.out_channels,
+                        1 if layout == "nhwc" else g.out_size[0] * g.out_size[1], dtype)
     assert main.scalars == (g.batch,) + g.in_size + g.out_size
     assert main.index_t == c["INDEX_T"] == ("long long" if max(launch.numel(g.input_shape),
                                                                 launch.numel(g.output_shape)) >= 2 ** 31 else "int")
@@ -660,7 +666,19 @@ def test_plan_shapes(case, dtype, layout):
         assert dict(packed.to_channels_last.spec.constants)["ROUND_TF32"] is False and c["SRC_ROUNDED"] is False
     else:
         assert packed.to_channels_last is None
-    assert packed.plans() == [p_ for p_ in (pack, packed.to_channels_last, main) if p_ is not None]
+    assert packed.plans() == [p_ for p_ in (pack, packed.to_channels_last, main, packed.reduce) if p_ is not None]
+
+
+def _check_split_reduce(packed, split, elements, channels, channel_stride, dtype):
+    """A split plan writes fp32 partials of every destination element a range into scratch and reduces them in
+    the destination's layout, adding the bias by channel; an unsplit one writes the destination itself."""
+    main = packed.gemm
+    if split == 1:
+        assert packed.reduce is None and main.scratch_bytes == 0
+        return
+    assert main.scratch_bytes == split * elements * 4
+    assert packed.reduce == reduction.plan_reduce_with_bias(dtype, elements, split, channels, channel_stride,
+                                                            main.index_t)
 
 
 def test_a_multi_image_tile_with_a_batch_it_does_not_divide():
@@ -970,7 +988,11 @@ def test_grad_input_plan_shapes(case, dtype, layout):
     # patches of grad_in's grid, about one block per SM in all and no more than patches
     tiles = cdiv(g.batch, tile.images) * cdiv(g.in_size[0], tile.tile_h) * cdiv(g.in_size[1], tile.tile_w)
     n_tiles = cdiv(g.in_per_group, tile.bn)
-    assert main.grid == (min(tiles, max(1, 132 // (g.groups * n_tiles))), g.groups * n_tiles, 1)
+    split = c["SPLIT_K"]
+    assert split == wgmma.halo_splits(g, dtype, tile, ck, GRAD, 132)
+    assert main.grid == (min(tiles, max(1, 132 // (g.groups * n_tiles * split))), g.groups * n_tiles, split)
+    _check_split_reduce(packed, split, launch.numel(g.input_shape), g.in_channels,
+                        1 if layout == "nhwc" else g.in_size[0] * g.in_size[1], dtype)
     # the kernel's source is grad_output, its destination grad_in
     assert main.scalars == (g.batch,) + g.out_size + g.in_size
     assert main.index_t == c["INDEX_T"] == ("long long" if max(launch.numel(g.input_shape),
@@ -991,7 +1013,7 @@ def test_grad_input_plan_shapes(case, dtype, layout):
                                                                      g.out_size[0] * g.out_size[1], dtype)
     else:
         assert packed.to_channels_last is None
-    assert packed.plans() == [p_ for p_ in (pack, packed.to_channels_last, main) if p_ is not None]
+    assert packed.plans() == [p_ for p_ in (pack, packed.to_channels_last, main, packed.reduce) if p_ is not None]
     # the pass table plans the same for the heuristic variant
     if tile_name is None:
         assert table.plan(GRAD, WGMMA, g, dtype, layout, "strict") == packed
@@ -1505,3 +1527,78 @@ def test_the_family_reads_a_weight_in_place_only_where_the_engine_found_it_align
         engine.forward(cl, "bfloat16", _X, w, _B, _Y, recorder, "nhwc", "strict")
         functions = [p.spec.function for _, p in recorder.passes[0].launches]
         assert ("pack_weight" in functions) == packs, functions
+
+
+# ----------------------------------------------------------------------------- split K
+
+PIX2PIX_8 = _g((16, 1024, 8, 8), (1024, 512, 4, 4), stride=2, padding=1)   # 8 x 8 grids of 1024 channels
+
+
+def test_weight_bound_grids_split_their_chunks_into_k_ranges():
+    """pix2pix's 16 x 1024 x 8² layer makes 64 forward tiles (32 for grad_input) of 4 images for 132 SMs, each
+    walking a K of 4096 or more alone: its TF32 passes split the input-channel chunks into ranges that fill the
+    SMs, and a fixed-order reduce adds their partials and the bias."""
+    g = PIX2PIX_8
+    for pass_, tiles, split in (("forward", 64, 2), (GRAD, 32, 4)):
+        tile = wgmma.forward_tile(g, pass_, "float32")
+        assert tile.name == "4i8x8x128" and wgmma.tile_load(g, tile, pass_)[0] == tiles
+        plan = (wgmma.plan_forward(g, "float32", True, "nchw", precision="tf32") if pass_ == "forward"
+                else wgmma.plan_grad_input(g, "float32", "nchw", precision="tf32"))
+        c = _constants(plan.gemm)
+        assert c["SPLIT_K"] == split == wgmma.heuristic_halo_splits(g, pass_, "float32", "tf32")
+        phases = 4 if pass_ == "forward" else 1
+        assert plan.gemm.grid[2] == phases * split and plan.gemm.grid[0] * plan.gemm.grid[1] * phases * split <= 132
+        assert plan.plans()[-2:] == [plan.gemm, plan.reduce]
+        assert wgmma.tf32_leads(g, pass_), "split, the halo kernel leads the GEMM here"
+        assert wgmma.options(g, pass_, "float32", "tf32")[:2] == [{}, {"split": 1}]
+        one = table.plan(pass_, Variant.make("wgmma", split=1), g, "float32", "nchw", "tf32", pass_ == "forward")
+        assert _constants(one.gemm)["SPLIT_K"] == 1 and one.reduce is None and one.gemm.scratch_bytes == 0
+
+
+def test_k_ranges_follow_the_idle_sms_the_chunks_and_the_weights_bytes():
+    g = PIX2PIX_8
+    # bf16's small-grid tile (2 images x 8 x 8 x 128) already fills the SMs; its 256-wide twin leaves half idle
+    assert wgmma.heuristic_halo_splits(g, "forward", "bfloat16", "strict") == 1
+    wide = wgmma.TILES["2i8x8x256"]
+    assert wgmma.tile_load(g, wide)[0] == 64
+    # 132 // 64 = 2 ranges; the partials (2 x 2 M fp32 outputs) no larger than the 16.8 MB bf16 weight
+    assert wgmma.halo_splits(g, "bfloat16", wide, 64) == 2
+    out_bytes = 4 * launch.numel(g.output_shape)
+    assert numel(g.weight_shape) * 2 // out_bytes == 2
+    # grad_input of 32 tiles: 132 // 32 = 4, within 8 chunks x 16 taps and the weight's bytes
+    assert wgmma.halo_splits(g, "bfloat16", wide, 64, GRAD) == 4
+    # ranges never empty: 5 chunks wanted 4 ways (2 tiles on 8 SMs) run as 3 ranges of 2, 2 and 1 chunks
+    five = _g((1, 320, 8, 8), (320, 256, 3, 3), padding=1)
+    tile = wgmma.TILES["8x8x128"]
+    assert wgmma.tile_load(five, tile)[0] == 2
+    assert wgmma.halo_splits(five, "float16", tile, 64, sm_count=8) == 3
+    assert wgmma.halo_splits(five, "float16", tile, 64) == 5, "as many as the chunks"
+    # ... and at least eight steps each: five chunks of a 2 x 2 phase of four taps split twice
+    assert wgmma.halo_splits(_g((1, 320, 8, 8), (320, 256, 4, 4), stride=2, padding=1), "float16", tile, 64) == 2
+    # a layer whose tiles fill the SMs, or whose outputs outweigh its weight, runs whole
+    dcgan_up = _suite_layer("dcgan_up")
+    assert all(wgmma.halo_splits(dcgan_up, "float16", wgmma.forward_tile(dcgan_up, p), 64, p) == 1
+               for p in ("forward", GRAD))
+    big_out = _g((2, 64, 8, 8), (64, 64, 4, 4), stride=2, padding=1)
+    assert wgmma.halo_splits(big_out, "float16", wgmma.TILES["8x8x64"], 64) == 1
+    # at least eight (chunk, tap) steps a range: one chunk of a 1 x 1 kernel never splits
+    one_tap = _g((1, 64, 8, 8), (64, 4096, 1, 1))
+    assert wgmma.halo_splits(one_tap, "float16", wgmma.TILES["8x8x128"], 64) == 1
+
+
+@pytest.mark.parametrize("split", [0, -1, True, 2.0, "2", 17])
+def test_a_split_must_be_a_positive_int_of_at_most_the_chunks(split):
+    g = PIX2PIX_8   # 16 chunks of 64 channels in fp16
+    with pytest.raises(ValueError, match="split"):
+        wgmma.plan_forward(g, "float16", False, "nhwc", split=split)
+    assert _constants(wgmma.plan_forward(g, "float16", False, "nhwc", split=16).gemm)["SPLIT_K"] == 16
+
+
+def test_split_k_variants_name_and_plan():
+    v = Variant.parse("wgmma:2i8x8x256:k2")
+    assert v == Variant.make("wgmma", tile="2i8x8x256", split=2) and v.name == "wgmma:2i8x8x256:k2"
+    plan = table.plan("forward", v, PIX2PIX_8, "bfloat16", "nhwc", "strict", True)
+    c = _constants(plan.gemm)
+    assert (c["TILE_IMAGES"], c["BN"], c["SPLIT_K"]) == (2, 256, 2) and plan.gemm.grid == (8, 2, 8)
+    assert plan.reduce == reduction.plan_reduce_with_bias("bfloat16", launch.numel(PIX2PIX_8.output_shape), 2, 512,
+                                                          1, plan.gemm.index_t)

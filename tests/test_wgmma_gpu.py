@@ -820,6 +820,59 @@ def test_strict_float32_non_finite_values_as_torch(where, value, hopper, strict_
     assert _rel(got[finite], want[finite]) <= 1e-6
 
 
+# ------------------------------------------------------------------------ split K
+#
+# A weight-bound grid (few tiles, long K) splits its input-channel chunks into ranges: each block writes fp32
+# partials without the bias, and the reduce adds them in order, then the bias.
+
+SPLIT_LAYERS = {
+    # five chunks of 64 channels in 16 bits (ten of 32 in TF32): ranges of 3 + 2, and at four ranges 2 + 2 + 1 and
+    # an empty one, whose partials are zeros
+    "five_chunks": Layer(2, 320, 72, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (8, 8), ""),
+    # grouped, with stride phases no tap reaches: three chunks a group
+    "grouped_empty_phases": Layer(2, 272, 80, (2, 3), (3, 4), (0, 0), (0, 0), (1, 1), 2, True, (6, 5), ""),
+}
+GRAD_SPLIT_LAYERS = {
+    "five_chunks": Layer(2, 72, 320, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1, False, (7, 9), ""),
+    "grouped_empty_phases": Layer(2, 80, 272, (2, 3), (3, 4), (0, 0), (0, 0), (1, 1), 2, False, (6, 5), ""),
+}
+SPLIT_KINDS = [(torch.float16, False), (torch.bfloat16, False), (TF32, False), (TF32, True)]
+
+
+def _split_cases():
+    cases = []
+    for pass_, layers in (("forward", SPLIT_LAYERS), (GRAD, GRAD_SPLIT_LAYERS)):
+        for name, layer in layers.items():
+            splits = (2, 4) if name == "five_chunks" else (2, 3)
+            for i, ((dtype, strict), split) in enumerate((k, s) for k in SPLIT_KINDS for s in splits):
+                case = Case(layer, dtype, i % 2 == 0, Variant.make("wgmma", split=split), pass_=pass_, strict=strict)
+                cases.append(pytest.param(case, id=f"{pass_}-{name}-{case.id('')[1:]}"))
+        # a 16-bit channels_last weight read in place
+        case = Case(layers["five_chunks"], torch.float16, True, Variant.make("wgmma", split=2),
+                    weight_channels_last=True, pass_=pass_)
+        cases.append(pytest.param(case, id=f"{pass_}-in_place-{case.id('')[1:]}"))
+    return cases
+
+
+SPLIT_CASES = _split_cases()
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_k_matches_float64(case, hopper, request):
+    """Forced K ranges, even, uneven and empty: the partial kernel and the reduce are exactly the planned launches,
+    and the result matches float64 as the unsplit kernel's does (bias added once, after the ranges)."""
+    if case.strict:
+        request.getfixturevalue("strict_float32")
+    plan = case.plan(hopper)
+    split = case.variant.kwargs["split"]
+    assert dict(plan.gemm.spec.constants)["SPLIT_K"] == split and plan.gemm.grid[2] % split == 0
+    assert plan.reduce is not None and plan.reduce.spec.function == "reduce_partials_bias"
+    if case.weight_channels_last:
+        assert plan.pack is None, "the weight is read in place"
+    check = _check if case.pass_ == "forward" else _check_grad_input
+    check(case, seed=500 + SPLIT_CASES.index(next(p for p in SPLIT_CASES if p.values[0] is case)), hopper=hopper)
+
+
 # ------------------------------------------------------------------------ thin destinations
 #
 # Fewer than 16 output channels a group take N tiles of 8 and 16 in the fp16/bf16 forward: an RGB output layer.

@@ -136,13 +136,20 @@ def plan_tap_major_reduce(dtype: str, rows: int, taps: int, chunks: int, index_t
     return Plan(spec, grid, (256, 1, 1), (rows, chunks), index_t)
 
 
+def reduce_run(dtype: str, elements: int) -> int:
+    """Elements a reduce thread adds at once: runs of four (16-byte loads of the 256-byte aligned scratch) where
+    their count is a multiple of four, they sum in fp32 and the runs still fill :data:`_REDUCE_BLOCKS` blocks,
+    else one."""
+    fp32 = dtypes.get(dtype).accumulator_bytes == 4
+    return 4 if fp32 and elements % 4 == 0 and elements // 4 >= _REDUCE_BLOCKS * ELEMENTWISE_BLOCK else 1
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_reduce(dtype: str, elements: int, chunks: int, index_t: str) -> Plan:
     """The reduce of partials ``[chunk][element]``: a thread adds runs of four elements (16-byte loads of the
     256-byte aligned scratch) where their count is a multiple of four, they sum in fp32 and the runs still fill
     :data:`_REDUCE_BLOCKS` blocks, else one."""
-    fp32 = dtypes.get(dtype).accumulator_bytes == 4
-    vec = 4 if fp32 and elements % 4 == 0 and elements // 4 >= _REDUCE_BLOCKS * ELEMENTWISE_BLOCK else 1
+    vec = reduce_run(dtype, elements)
     constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK, VEC=vec)
     spec = KernelSpec.make("reduce_partials.cu", "reduce_partials", constants)
     grid = (min(cdiv(elements // vec, ELEMENTWISE_BLOCK), 8192), 1, 1)
@@ -162,10 +169,12 @@ def plan_wide_reduce(dtype: str, elements: int, chunks: int, index_t: str, block
 def plan_reduce_with_bias(dtype: str, elements: int, chunks: int, channels: int, channel_stride: int,
                           index_t: str) -> Plan:
     """The reduce of a split GEMM's partials in the destination's layout: the chunks in order, then the bias of
-    each element's channel, ``(element // channel_stride) % channels``, where the launch passes a bias."""
-    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK, VEC=1)
+    each element's channel, ``(element // channel_stride) % channels``, where the launch passes a bias.  Runs of
+    four as :func:`reduce_run` says."""
+    vec = reduce_run(dtype, elements)
+    constants = dict(SCALAR_T=dtypes.get(dtype).c_type, INDEX_T=index_t, BLOCK=ELEMENTWISE_BLOCK, VEC=vec)
     spec = KernelSpec.make("reduce_partials.cu", "reduce_partials_bias", constants)
-    grid = (min(cdiv(elements, ELEMENTWISE_BLOCK), 8192), 1, 1)
+    grid = (min(cdiv(elements // vec, ELEMENTWISE_BLOCK), 8192), 1, 1)
     return Plan(spec, grid, (ELEMENTWISE_BLOCK, 1, 1), (elements, chunks, channels, channel_stride), index_t)
 
 

@@ -28,7 +28,7 @@ from ..tuning.variants import Variant
 from . import gemm
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, aligned_size, cdiv, index_type, layer_constants, numel
-from .reduction import plan_reduce, plan_tap_major_reduce
+from .reduction import plan_reduce, plan_reduce_with_bias, plan_tap_major_reduce, split_k_scratch
 from .sequences import PackedGemm, PackedSourcesSplitK, PassPlan, SplitK
 
 TARGET = "sm_90a"
@@ -362,10 +362,12 @@ def tile_load(g: Geometry, tile: HaloTile, pass_: str = "forward") -> Tuple[int,
 def tf32_leads(g: Geometry, pass_: str = "forward", sm_count: int = ASSUMED.sm_count) -> bool:
     """Whether the TF32 kernel runs ahead of the ``mma.sync`` GEMM for float32: where a stride phase has two taps
     or more (so taps share the halo), the heuristic tile's pixels are at least half inside the grid, and there
-    are tiles for at least half the SMs.  On the H100 (NOTES v13) it lost to the GEMM on each layer these rules
-    turn away: one tap a phase (unet's 2 x 2), 4 x 4 grids (DCGAN's second layer) and grad_input of 64 tiles."""
+    are blocks for at least half the SMs, counting the K ranges a weight-bound grid splits into
+    (:func:`halo_splits`).  On the H100 (NOTES v13) it lost to the GEMM on each layer these rules turn away: one
+    tap a phase (unet's 2 x 2), 4 x 4 grids (DCGAN's second layer) and grad_input of 64 unsplit tiles."""
     tiles, fill = tile_load(g, forward_tile(g, pass_, "float32"), pass_)
-    return weight_phases(g)[0] >= 2 and fill >= 0.5 and 2 * tiles >= sm_count
+    splits = heuristic_halo_splits(g, pass_, "float32", "tf32", sm_count)
+    return weight_phases(g)[0] >= 2 and fill >= 0.5 and 2 * tiles * splits >= sm_count
 
 
 def _fits(g: Geometry, dtype: str, tile: HaloTile, pass_: str, parts: int = 1) -> bool:
@@ -402,7 +404,7 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "
 @functools.lru_cache(maxsize=1024)
 def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", tile: Optional[HaloTile] = None,
                  stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict",
-                 weight_aligned: bool = True) -> PackedGemm:
+                 weight_aligned: bool = True, split: Optional[int] = None) -> PackedGemm:
     """The forward as one halo-tile wgmma kernel per stride phase (grid z), after the weight repack
     and, for NCHW input, the channels_last copy.  float32 needs ``precision="tf32"``: it runs as TF32,
     rounded to nearest as the ``mma.sync`` kernels round (by the weight repack, the channels_last copy,
@@ -411,21 +413,71 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
     ``stages``: weight buffers (one of :data:`STAGE_CHOICES`; default :data:`B_STAGES`, fewer where
     shared memory runs out).  Blocks are persistent: about one per SM, each walking the tiles of its
     channel tile and phase.  ``weight_aligned``: the weight pointer is 16-byte aligned, so that a weight
-    :func:`weight_in_place` may be read so.
+    :func:`weight_in_place` may be read so.  ``split``: ranges of the input-channel chunks, each block taking
+    one and writing fp32 partials that a fixed-order reduce adds with the bias; by default
+    :func:`halo_splits` (one wherever the tiles fill the SMs).
     """
-    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count, precision, weight_aligned)
+    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count, precision, weight_aligned, split)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[HaloTile] = None,
                     stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict",
-                    weight_aligned: bool = True) -> PackedGemm:
+                    weight_aligned: bool = True, split: Optional[int] = None) -> PackedGemm:
     """grad_input (a strided conv2d of grad_output) as one halo-tile wgmma kernel; see :func:`plan_forward`."""
-    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count, precision, weight_aligned)
+    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count, precision, weight_aligned, split)
+
+
+# A K range is at least this many (chunk, tap) steps: shorter ones spend more of their time filling the pipeline
+# and writing partials than multiplying.
+_MIN_SPLIT_STEPS = 8
+_MAX_SPLITS = 16
+
+
+def halo_splits(g: Geometry, dtype: str, tile: HaloTile, ck: int, pass_: str = "forward",
+                sm_count: int = ASSUMED.sm_count) -> int:
+    """K ranges (of whole input-channel chunks) for a halo-tile pass whose tiles leave SMs idle: as many as keep
+    every block resident at once (a block fills an SM), each range at least :data:`_MIN_SPLIT_STEPS` steps of the
+    phase with the most taps, none empty, and fp32 partials no larger in all than the weight (so only a layer the
+    weight's reads bound splits, and the partials add at most that traffic again).  One where the tiles fill the
+    SMs, and for an empty grid."""
+    tiles = tile_load(g, tile, pass_)[0]
+    out_elems = numel(g.output_shape if _mode(pass_) == 0 else g.input_shape)
+    if tiles == 0 or out_elems == 0:
+        return 1
+    chunks = cdiv(_channels(g, pass_)[0], ck)
+    taps = weight_phases(g)[0] if _mode(pass_) == 0 else g.kernel[0] * g.kernel[1]
+    weight_bytes = numel(g.weight_shape) * _itemsize(dtype)
+    splits = min(sm_count // tiles, chunks * taps // _MIN_SPLIT_STEPS, chunks, _MAX_SPLITS,
+                 weight_bytes // (4 * out_elems))
+    splits = max(1, splits)
+    return cdiv(chunks, cdiv(chunks, splits))
+
+
+def _fitted_buffers(g: Geometry, dtype: str, tile: HaloTile, pass_: str, parts: int,
+                    stages: Optional[int]) -> Tuple[int, int]:
+    """(channels a chunk, weight buffers) for the tile: the chunk shrunk, then (unless ``stages`` is asked for)
+    the weight ring, until the buffers fit; 3xTF32 the other way round, since each of its steps waits for its
+    MMAs: whole 128-byte chunks halve the steps.  The caller checks that the result fits."""
+    ck = chunk_channels(g, dtype, pass_)
+    b_stages = stages or B_STAGES
+
+    def over(ck_: int, b_stages_: int) -> bool:
+        return smem_bytes(g, dtype, tile, ck_, b_stages_, pass_, parts=parts) > SMEM_LIMIT
+
+    step = 32 // _itemsize(dtype)   # channels of one MMA: chunks stay whole multiples of it
+    while parts == 2 and stages is None and over(ck, b_stages) and b_stages > 2:
+        b_stages -= 1
+    while over(ck, b_stages) and ck > step:
+        ck = max(step, ck // 2 // step * step)
+    while stages is None and over(ck, b_stages) and b_stages > 2:
+        b_stages -= 1
+    return ck, b_stages
 
 
 def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile: Optional[HaloTile],
-          stages: Optional[int], sm_count: int, precision: str, weight_aligned: bool) -> PackedGemm:
+          stages: Optional[int], sm_count: int, precision: str, weight_aligned: bool,
+          split: Optional[int] = None) -> PackedGemm:
     mode = _mode(pass_)
     kind = mma_kind(dtype, precision)
     if kind is None:
@@ -437,21 +489,7 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
                          f"tile {tile.name} holds {tile.accumulators}")
     if stages is not None and stages not in STAGE_CHOICES:
         raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages}")
-    ck = chunk_channels(g, dtype, pass_)
-    b_stages = stages or B_STAGES
-
-    def over(ck_: int, b_stages_: int) -> bool:
-        return smem_bytes(g, dtype, tile, ck_, b_stages_, pass_, parts=parts) > SMEM_LIMIT
-
-    # Shrink the chunk, then (unless asked for) the weight ring, until the buffers fit; 3xTF32 the other way
-    # round, since each of its steps waits for its MMAs: whole 128-byte chunks halve the steps.
-    step = 32 // _itemsize(dtype)   # channels of one MMA: chunks stay whole multiples of it
-    while parts == 2 and stages is None and over(ck, b_stages) and b_stages > 2:
-        b_stages -= 1
-    while over(ck, b_stages) and ck > step:
-        ck = max(step, ck // 2 // step * step)
-    while stages is None and over(ck, b_stages) and b_stages > 2:
-        b_stages -= 1
+    ck, b_stages = _fitted_buffers(g, dtype, tile, pass_, parts, stages)
     smem = smem_bytes(g, dtype, tile, ck, b_stages, pass_, parts=parts)
     if smem > SMEM_LIMIT:
         raise ValueError(f"the halo of tile {tile.name} does not fit shared memory")
@@ -468,11 +506,21 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     n_tiles = cdiv(dst_channels, tile.bn)
     if g.groups * n_tiles > GRID_YZ_LIMIT:
         raise ValueError(f"tile {tile.name} needs {g.groups * n_tiles} blocks along grid y, over {GRID_YZ_LIMIT}")
-    blocks = min(tiles, max(1, sm_count // (g.groups * n_tiles * phases)))
+    chunks = cdiv(src_channels, ck)
+    if split is None:
+        split = halo_splits(g, dtype, tile, ck, pass_, sm_count)
+    elif not isinstance(split, int) or isinstance(split, bool) or split < 1:
+        raise ValueError(f"split must be a positive int, got {split!r}")
+    elif split > chunks:
+        raise ValueError(f"split {split} is more K ranges than the layer's {chunks} chunks of {ck} channels")
+    if phases * split > GRID_YZ_LIMIT:
+        raise ValueError(f"{phases} stride phases x {split} K ranges pass the grid's z limit of {GRID_YZ_LIMIT}")
+    blocks = min(tiles, max(1, sm_count // (g.groups * n_tiles * phases * split)))
     n_pad = n_tiles * tile.bn
     k_pad = cdiv(src_channels, ck) * ck
+    dst_elems = numel(g.output_shape if mode == 0 else g.input_shape)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape),
-                         g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad)
+                         g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad, split * dst_elems if split > 1 else 0)
     # an NCHW source's channels_last copy rounds TF32 words, so the producer need not
     rounded_copy = kind == _TF32 and layout == "nchw"
     constants = layer_constants(g, dtype, index_t)
@@ -480,7 +528,7 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
                      TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
                      HALO_STAGES=halo_stages(g, b_stages, pass_), HALO_H=halo_h, HALO_W=halo_w,
                      DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0, SRC_ROUNDED=rounded_copy,
-                     WEIGHT_DIRECT=in_place)
+                     WEIGHT_DIRECT=in_place, SPLIT_K=split)
     spec = KernelSpec.make("conv_transpose2d_wgmma.cu", "conv_transpose2d_wgmma", constants, TARGET)
     if mode == 0:
         sizes = (g.batch,) + g.in_size + g.out_size
@@ -488,13 +536,29 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     else:
         sizes = (g.batch,) + g.out_size + g.in_size
         src_total, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
-    main = Plan(spec, (blocks, g.groups * n_tiles, phases), (128 * (tile.warpgroups + 1), 1, 1), sizes, index_t,
-                smem_bytes=smem)
+    main = Plan(spec, (blocks, g.groups * n_tiles, phases * split), (128 * (tile.warpgroups + 1), 1, 1), sizes,
+                index_t, scratch_bytes=split_k_scratch(split, dst_elems, 4), smem_bytes=smem)
+    reduce = None
+    if split > 1:
+        channels = g.out_channels if mode == 0 else g.in_channels
+        plane = numel(g.out_size if mode == 0 else g.in_size)
+        reduce = plan_reduce_with_bias(dtype, dst_elems, split, channels, 1 if layout == "nhwc" else plane, index_t)
     pack = None if in_place else gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck),
                                                               round_tf32=kind == _TF32, split_tf32=kind == _3XTF32)
     to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype, round_tf32=rounded_copy) \
         if layout == "nchw" else None
-    return PackedGemm(pack, main, to_cl)
+    return PackedGemm(pack, main, to_cl, reduce)
+
+
+def heuristic_halo_splits(g: Geometry, pass_: str = "forward", dtype: str = "float16", precision: str = "tf32",
+                          sm_count: int = ASSUMED.sm_count) -> int:
+    """The K ranges of the heuristic tile's plan (:func:`halo_splits`); 1 where no tile fits."""
+    try:
+        tile = forward_tile(g, pass_, dtype, precision)
+    except ValueError:
+        return 1
+    ck, _ = _fitted_buffers(g, dtype, tile, pass_, operand_parts(dtype, precision), None)
+    return halo_splits(g, dtype, tile, ck, pass_, sm_count)
 
 
 def options(g: Geometry, pass_: str = "forward", dtype: str = "float16", precision: str = "tf32"
@@ -510,6 +574,8 @@ def options(g: Geometry, pass_: str = "forward", dtype: str = "float16", precisi
     # default by more than noise on the dense suite layers (benchmarks/NOTES.md, v10), and each
     # candidate costs a compile on a layer's first call.
     found: List[Dict[str, object]] = [{}, {"stages": max(STAGE_CHOICES)}]
+    if heuristic_halo_splits(g, pass_, dtype, precision) > 1:
+        found.insert(1, {"split": 1})   # the heuristic splits K: race it against one range
     few = rows_few(g, pass_)
     # Larger patches first: they read the weights fewer times; on a grid of few rows, one-row patches first.
     for tile in sorted(TILES.values(), key=lambda t: (few and not t.one_row, -t.pixels * t.bn)):
@@ -1006,8 +1072,10 @@ class WgmmaFamily(Family):
             return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False, sm_count=sm_count)
         # ``aligned`` covers a channels_last weight's pointer too (the engine's), which the kernel may read in place
         if forward:
-            return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count, precision, aligned)
-        return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count, precision, aligned)
+            return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count, precision, aligned,
+                                kwargs.get("split"))
+        return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count, precision, aligned,
+                               kwargs.get("split"))
 
     def clear(self) -> None:
         plan_forward.cache_clear()
