@@ -873,6 +873,24 @@ def test_split_k_matches_float64(case, hopper, request):
     check(case, seed=500 + SPLIT_CASES.index(next(p for p in SPLIT_CASES if p.values[0] is case)), hopper=hopper)
 
 
+PIX2PIX_8 = Layer(16, 1024, 512, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (8, 8), "")
+MODEL_SPLIT_CASES = [
+    Case(PIX2PIX_8, TF32, False),                                        # the heuristic: 2 ranges
+    Case(replace(PIX2PIX_8, bias=False), TF32, False, pass_=GRAD),       # the heuristic: 4 ranges
+    Case(PIX2PIX_8, torch.bfloat16, True, Variant.make("wgmma", tile="2i8x8x256", split=2), weight_channels_last=True),
+]
+
+
+@pytest.mark.parametrize("case", _params("pix2pix_8", MODEL_SPLIT_CASES))
+def test_split_k_at_a_models_size(case, hopper):
+    """pix2pix's 16 x 1024 x 8² layer, whose TF32 passes split K untuned: partials of a million elements or more,
+    which the reduce adds in runs of four, bias included."""
+    plan = case.plan(hopper)
+    assert dict(plan.gemm.spec.constants)["SPLIT_K"] > 1 and dict(plan.reduce.spec.constants)["VEC"] == 4
+    check = _check if case.pass_ == "forward" else _check_grad_input
+    check(case, seed=600 + MODEL_SPLIT_CASES.index(case), hopper=hopper)
+
+
 # ------------------------------------------------------------------------ thin destinations
 #
 # Fewer than 16 output channels a group take N tiles of 8 and 16 in the fp16/bf16 forward: an RGB output layer.
