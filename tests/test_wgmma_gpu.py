@@ -870,7 +870,7 @@ def test_split_k_matches_float64(case, hopper, request):
     if case.weight_channels_last:
         assert plan.pack is None, "the weight is read in place"
     check = _check if case.pass_ == "forward" else _check_grad_input
-    check(case, seed=500 + SPLIT_CASES.index(next(p for p in SPLIT_CASES if p.values[0] is case)), hopper=hopper)
+    check(case, seed=500 + [p.values[0] for p in SPLIT_CASES].index(case), hopper=hopper)
 
 
 PIX2PIX_8 = Layer(16, 1024, 512, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (8, 8), "")
