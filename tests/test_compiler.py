@@ -15,6 +15,7 @@ from cupyconv.jit import compiler
 from cupyconv.plans import direct, expanded_taps, gemm, grouped_mma, launch, reduction, scatter_gemm, table, wgmma
 from cupyconv.jit.compiler import KernelCompileError, KernelSpec, compile_ptx
 from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.tuning.variants import Variant
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -606,6 +607,34 @@ def test_3xtf32_wgmma_kernels_build_for_sm_90a_without_spilling(name, ptxas_logs
     _assert_builds_without_spilling(main.gemm, ptxas_logs)
 
 
+# Split K: pix2pix's 16 x 1024 x 8² layer, whose TF32 passes split untuned (two and four ranges), strict float32's,
+# and the widest 16-bit tile split over a channels_last weight read in place.
+_PIX2PIX_8 = geometry((16, 1024, 8, 8), (1024, 512, 4, 4), None, ConvParams.from_args(stride=2, padding=1))
+SPLIT_K_SPILL_CASES = {
+    "forward-tf32": ("forward", Variant("wgmma"), "float32", "nchw", "tf32", False),
+    "grad_input-tf32": ("grad_input", Variant("wgmma"), "float32", "nchw", "tf32", False),
+    "forward-3xtf32-k2": ("forward", Variant.make("wgmma", split=2), "float32", "nhwc", "strict", False),
+    "forward-bf16-2i8x8x256-k2": ("forward", Variant.make("wgmma", tile="2i8x8x256", split=2), "bfloat16", "nhwc",
+                                  "strict", True),
+    "grad_input-bf16-2i8x8x256-k4": ("grad_input", Variant.make("wgmma", tile="2i8x8x256", split=4), "bfloat16",
+                                     "nhwc", "strict", True),
+}
+
+
+def _split_k_plan(name):
+    pass_, variant, dtype, layout, precision, weight_cl = SPLIT_K_SPILL_CASES[name]
+    g = _PIX2PIX_8.with_weight_channels_last(weight_cl)
+    return table.plan(pass_, variant, g, dtype, layout, precision, pass_ == "forward")
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_K_SPILL_CASES))
+def test_split_k_wgmma_kernels_build_for_sm_90a_without_spilling(name, ptxas_logs):
+    """A split block stores its fp32 partials through the unsplit epilogue's indexing: no more registers."""
+    plan = _split_k_plan(name)
+    assert dict(plan.gemm.spec.constants)["SPLIT_K"] > 1 and plan.reduce is not None
+    _assert_builds_without_spilling(plan.gemm, ptxas_logs)
+
+
 def _assert_builds_without_spilling(main, ptxas_logs):
     spec = main.spec
     assert spec.target == "sm_90a" and f"-arch={spec.target}" in spec.options
@@ -885,6 +914,7 @@ def test_the_wgmma_transpose_immediates_follow_the_operand_majors():
 # The specs each ptxas test builds, from its parameters: ptxas_logs builds them all up front.
 _PTXAS_SPECS = {
     "test_wgmma_kernels_build_for_sm_90a_without_spilling": lambda name: [_spill_plan(name).spec],
+    "test_split_k_wgmma_kernels_build_for_sm_90a_without_spilling": lambda name: [_split_k_plan(name).gemm.spec],
     "test_wgmma_grad_weight_kernels_build_for_sm_90a_without_spilling":
         lambda layer, tile, dtype: [_weight_split(layer, tile, dtype).partial.spec],
     "test_tf32_grad_weight_kernels_build_for_sm_90a_without_spilling":
