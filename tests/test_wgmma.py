@@ -255,7 +255,7 @@ def test_strict_float32_options_plan_within_shared_memory(name, pass_):
     if not wgmma.eligible(g, "float32", pass_, "strict"):
         return
     opts = wgmma.options(g, pass_, "float32", "strict")
-    assert opts[0] == {} and len(opts) == len({o.get("tile") for o in opts})
+    assert opts[0] == {} and len(opts) == len({(o.get("tile"), o.get("split")) for o in opts})
     for o in opts:
         plan = wgmma.FAMILY.plan(pass_, Variant.make("wgmma", **o), g, "float32", "nhwc", "strict", True, True, 132)
         c = dict(plan.gemm.spec.constants)
@@ -1551,6 +1551,8 @@ def test_weight_bound_grids_split_their_chunks_into_k_ranges():
         assert plan.plans()[-2:] == [plan.gemm, plan.reduce]
         assert wgmma.tf32_leads(g, pass_), "split, the halo kernel leads the GEMM here"
         assert wgmma.options(g, pass_, "float32", "tf32")[:2] == [{}, {"split": 1}]
+        strict_splits = wgmma.heuristic_halo_splits(g, pass_, "float32", "strict")
+        assert (wgmma.options(g, pass_, "float32", "strict")[1] == {"split": 1}) == (strict_splits > 1)
         one = table.plan(pass_, Variant.make("wgmma", split=1), g, "float32", "nchw", "tf32", pass_ == "forward")
         assert _constants(one.gemm)["SPLIT_K"] == 1 and one.reduce is None and one.gemm.scratch_bytes == 0
 

@@ -563,19 +563,19 @@ def heuristic_halo_splits(g: Geometry, pass_: str = "forward", dtype: str = "flo
 
 def options(g: Geometry, pass_: str = "forward", dtype: str = "float16", precision: str = "tf32"
             ) -> List[Dict[str, object]]:
-    """Planner options worth timing: the heuristic, the deepest weight ring with the heuristic tile,
-    then the largest tiles whose N side fits the channels, whose patch fits the destination grid
-    and whose halo fits shared memory.  3xTF32: the heuristic, then the largest of :func:`split_tiles`."""
+    """Planner options worth timing: the heuristic, one K range where the heuristic splits K, the deepest weight
+    ring with the heuristic tile, then the largest tiles whose N side fits the channels, whose patch fits the
+    destination grid and whose halo fits shared memory.  3xTF32: the heuristic, one K range where it splits, then
+    the largest of :func:`split_tiles`."""
+    one_range = [{"split": 1}] if heuristic_halo_splits(g, pass_, dtype, precision) > 1 else []
     if operand_parts(dtype, precision) == 2:
         heuristic = split_tile(g, pass_)
-        return [{}] + [{"tile": t.name} for t in sorted(split_tiles(g, pass_), key=lambda t: -t.pixels * t.bn)
-                       if t != heuristic]
+        return [{}] + one_range + [{"tile": t.name} for t in sorted(split_tiles(g, pass_),
+                                                                    key=lambda t: -t.pixels * t.bn) if t != heuristic]
     # Of the other ring depths only the deepest is raced: on the H100 the shallower ones never beat the
     # default by more than noise on the dense suite layers (benchmarks/NOTES.md, v10), and each
     # candidate costs a compile on a layer's first call.
-    found: List[Dict[str, object]] = [{}, {"stages": max(STAGE_CHOICES)}]
-    if heuristic_halo_splits(g, pass_, dtype, precision) > 1:
-        found.insert(1, {"split": 1})   # the heuristic splits K: race it against one range
+    found: List[Dict[str, object]] = [{}] + one_range + [{"stages": max(STAGE_CHOICES)}]
     few = rows_few(g, pass_)
     # Larger patches first: they read the weights fewer times; on a grid of few rows, one-row patches first.
     for tile in sorted(TILES.values(), key=lambda t: (few and not t.one_row, -t.pixels * t.bn)):
