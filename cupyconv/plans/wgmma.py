@@ -448,9 +448,8 @@ def halo_splits(g: Geometry, dtype: str, tile: HaloTile, ck: int, pass_: str = "
     chunks = cdiv(_channels(g, pass_)[0], ck)
     taps = weight_phases(g)[0] if _mode(pass_) == 0 else g.kernel[0] * g.kernel[1]
     weight_bytes = numel(g.weight_shape) * _itemsize(dtype)
-    splits = min(sm_count // tiles, chunks * taps // _MIN_SPLIT_STEPS, chunks, _MAX_SPLITS,
-                 weight_bytes // (4 * out_elems))
-    splits = max(1, splits)
+    splits = max(1, min(sm_count // tiles, chunks * taps // _MIN_SPLIT_STEPS, chunks, _MAX_SPLITS,
+                        weight_bytes // (4 * out_elems)))
     return cdiv(chunks, cdiv(chunks, splits))
 
 
@@ -517,7 +516,7 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
         raise ValueError(f"{phases} stride phases x {split} K ranges pass the grid's z limit of {GRID_YZ_LIMIT}")
     blocks = min(tiles, max(1, sm_count // (g.groups * n_tiles * phases * split)))
     n_pad = n_tiles * tile.bn
-    k_pad = cdiv(src_channels, ck) * ck
+    k_pad = chunks * ck
     dst_elems = numel(g.output_shape if mode == 0 else g.input_shape)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape),
                          g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad, split * dst_elems if split > 1 else 0)
