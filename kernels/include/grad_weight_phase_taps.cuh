@@ -58,12 +58,18 @@ __device__ __forceinline__ void store_tap_partials(const float (&acc)[TAP_GROUP]
             if (ic >= CIN_G) continue;
             const index_t row = static_cast<index_t>(g) * CIN_G + ic;
 #pragma unroll
-            for (int jn = 0; jn < BN / 8; ++jn)
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    const int oc = n0 + jn * 8 + (lane % 4) * 2 + q;
-                    if (oc < COUT_G) store(out + tap_partial_index(row, oc, tap_ids[t]), acc[t][jn * 4 + h * 2 + q]);
+            for (int jn = 0; jn < BN / 8; ++jn) {
+                const int oc = n0 + jn * 8 + (lane % 4) * 2;
+                const float v0 = acc[t][jn * 4 + h * 2], v1 = acc[t][jn * 4 + h * 2 + 1];
+                if constexpr (COUT_G % 2 == 0) {
+                    // A thread's two neighbouring output channels in one store: a warp's stores then fill half
+                    // sectors of 16-bit values (whole ones of fp32) rather than a quarter.
+                    if (oc < COUT_G) store_pair(out + tap_partial_index(row, oc, tap_ids[t]), v0, v1);
+                } else {
+                    if (oc < COUT_G) store(out + tap_partial_index(row, oc, tap_ids[t]), v0);
+                    if (oc + 1 < COUT_G) store(out + tap_partial_index(row, oc + 1, tap_ids[t]), v1);
                 }
+            }
         }
     }
 }
