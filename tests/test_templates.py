@@ -46,9 +46,10 @@ def test_the_wgmma_grad_weight_template_inlines_the_mma_headers():
     name, = WGMMA_GRAD_WEIGHT
     text = templates.expanded(name)
     assert "#include" not in text
-    assert "wgmma_async" in text and "smem_descriptor" in text and "cp_async_16" in text
+    # both producers: the copy engine's tensor copies, and cp.async where the plan gives no tensor maps
+    assert "wgmma_async" in text and "smem_descriptor" in text and "cp_async_16" in text and "tensor_copy_4d" in text
     tile = {"MMA_KIND", "WARPGROUPS", "BN", "TAP_GROUP", "TAP_CHUNKS", "SKIP_ABSENT_TAPS", "TILE_H", "TILE_W", "SPAN_H",
-            "SPAN_W", "STAGES", "SINGLE_CHUNK"}
+            "SPAN_W", "STAGES", "SINGLE_CHUNK", "TMA", "MIN_BLOCKS", "PRODUCER_REGISTERS"}
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 

@@ -1188,6 +1188,29 @@ def test_grad_weight_plans_a_split_k_over_pixel_tiles(layout):
     assert dict(one_tap.partial.spec.constants)["SINGLE_CHUNK"] is True and one_tap.partial.scratch_bytes == 0
 
 
+def test_grad_weight_tiles_come_through_the_copy_engine_where_it_takes_them():
+    """pix2pix's 16 x 1024 x 8² layer: x in boxes of 64 channels x the 8 x 8 tile, grad_output in boxes of 64
+    channels x the 9 x 9 halo walked at the stride; a producer warpgroup beside the consumers.  Strides past 8
+    leave the tiles to cp.async."""
+    g = _g((16, 1024, 8, 8), (1024, 512, 4, 4), stride=2, padding=1)
+    split = wgmma.plan_grad_weight(g, "bfloat16", 132, "nhwc")
+    x_map, go_map = split.partial.tensor_maps
+    assert (x_map.pointer, x_map.dims, x_map.strides) == (0, (1024, 8, 8, 16), (2048, 16384, 131072))
+    assert (x_map.box, x_map.element_strides) == ((64, 8, 8, 1), (1, 1, 1, 1))
+    assert (go_map.pointer, go_map.dims, go_map.strides) == (1, (512, 16, 16, 16), (1024, 16384, 262144))
+    assert (go_map.box, go_map.element_strides) == ((64, 18, 18, 1), (1, 2, 2, 1))
+    constants = dict(split.partial.spec.constants)
+    assert constants["TMA"] is True and (constants["WARPGROUPS"], constants["BN"]) == (1, 64)
+    assert x_map.box_bytes + go_map.box_bytes == (64 + 81) * 128, "what the kernel expects a stage to land"
+    # one consumer warpgroup and the producer, two blocks an SM; two consumers hold an SM alone
+    assert split.partial.block == (256, 1, 1) and constants["MIN_BLOCKS"] == 2
+    wide = wgmma.plan_grad_weight(g, "bfloat16", 132, "nhwc", wgmma.WEIGHT_TILES["128x128x2"])
+    assert wide.partial.block == (384, 1, 1) and dict(wide.partial.spec.constants)["MIN_BLOCKS"] == 1
+    assert [m.box for m in wide.partial.tensor_maps] == [(64, 8, 8, 1), (64, 18, 18, 1)]
+    far = wgmma.plan_grad_weight(_g((2, 64, 8, 8), (64, 64, 9, 9), stride=9), "float16", 132, "nhwc")
+    assert far.partial.tensor_maps == () and dict(far.partial.spec.constants)["TMA"] is False
+
+
 @pytest.mark.parametrize("tf32", [False, True])
 def test_grad_weight_partials_of_a_channels_last_weight_are_in_its_layout(tf32):
     """A channels_last weight's own layout keeps a warp's output channels together as tap-major does, so its

@@ -25,6 +25,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
 ]
 
+import cupyconv  # noqa: E402
 import cupyconv.torch as ct  # noqa: E402
 from cupyconv import bench, tuning  # noqa: E402
 from cupyconv.core import device as core_device  # noqa: E402
@@ -1023,6 +1024,39 @@ def test_grad_weight_of_a_long_reduction_splits_it_in_fixed_order(dtype, hopper)
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 3))
     again, _ = _run_grad(case, go, x, w)
     assert torch.equal(first, again)
+
+
+# the copy engine's tiles against cp.async's: the first random layers, a one-row layer whose halo the copy engine
+# takes (a stride of 8 over 64 pixels spans more than its 256) and a 16-row tile
+COPY_PATH_CASES = WEIGHT_SWEEP[:6] + [ONE_ROW_WEIGHT_CASES["three_rows_3x3_s2-wgmma-fp16-nchw"]] + [
+    Case(replace(ASYM_LIKE, bias=False), torch.bfloat16, True, Variant.make("wgmma", tile="64x64x4r16"),
+         pass_=WEIGHT)]
+
+
+@pytest.mark.parametrize("case", _params("gw_copies", COPY_PATH_CASES))
+def test_grad_weight_from_the_copy_engine_matches_cp_async_bit_for_bit(case, hopper, monkeypatch):
+    """The tiles that the copy engine lands (zeros outside the tensors) and those the producer's cp.async copies
+    land (zero-filled where masked off) are the same bytes, so the MMAs sum the same products in the same
+    order: grad_weight agrees bit for bit, and matches float64."""
+    def run():
+        cupyconv.clear_cache()
+        wgmma.plan_grad_weight.cache_clear()
+        x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 17))
+        grad, seen = _run_grad(case, go, x, w)
+        tma = {dict(plan.spec.constants)["TMA"] for _, plan in seen if plan.spec.function == WEIGHT_FUNCTION}
+        return grad, tma
+
+    try:
+        engine, engine_tma = run()
+        monkeypatch.setattr(wgmma, "weight_tensor_maps", lambda *args: ())
+        copied, copied_tma = run()
+    finally:
+        monkeypatch.undo()
+        cupyconv.clear_cache()
+        wgmma.plan_grad_weight.cache_clear()
+    assert engine_tma == {True} and copied_tma == {False}
+    assert torch.equal(engine, copied)
+    _check_grad_weight(case, seed=17, hopper=hopper)
 
 
 @pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])

@@ -24,6 +24,7 @@ from ..core import dtypes
 from ..core.geometry import Geometry
 from ..jit import compiler
 from ..jit.compiler import KernelSpec, get_function
+from .tensor_map import Encoded, TensorMap
 
 INT32_LIMIT = 2 ** 31
 GRID_YZ_LIMIT = 65535
@@ -90,6 +91,7 @@ class Plan:
     index_t: str
     scratch_bytes: int = 0     # split-K partials the caller must provide
     smem_bytes: int = 0        # dynamic shared memory per block
+    tensor_maps: Tuple[TensorMap, ...] = ()   # TMA descriptors of some pointers, passed after the scalars
     # device -> (compiler generation, CUfunction handle, the kernel object that keeps its module loaded)
     _functions: Dict[int, tuple] = field(default_factory=dict, compare=False, hash=False, repr=False)
     # (device, pointer count) -> (compiler generation, parameter block, the driver's launch arguments):
@@ -112,7 +114,7 @@ class Plan:
     def run(self, device_id: int, stream_ptr: int, pointers: Sequence[int]) -> None:
         ready = self._ready.get((device_id, len(pointers)))
         if ready is None or ready[0] != compiler._generation:
-            block = _ParamBlock(len(pointers), self.scalars, self.index_t)
+            block = _ParamBlock(len(pointers), self.scalars, self.index_t, self.tensor_maps)
             function = self.function(device_id)
             ready = self._ready[device_id, len(pointers)] = (
                 compiler._generation, block, (function,) + tuple(self.grid) + tuple(self.block) + (self.smem_bytes,))
@@ -125,10 +127,11 @@ class _ParamBlock:
     The pointers sit side by side in one array, so a launch writes them with one slice
     assignment (a third of the time of setting them one by one).  cuLaunchKernel copies the
     parameters, so the block can be reused at once; the lock keeps two threads launching the
-    same plan from interleaving their pointer writes.
+    same plan from interleaving their pointer writes.  Tensor maps follow the scalars, each
+    encoded again only when its pointer changes.
     """
 
-    def __init__(self, n_pointers: int, scalars: Sequence[int], index_t: str):
+    def __init__(self, n_pointers: int, scalars: Sequence[int], index_t: str, tensor_maps: Sequence[TensorMap] = ()):
         scalar_type = ctypes.c_int64 if index_t == "long long" else ctypes.c_int32
         self.n_pointers = n_pointers
         self.pointers = (ctypes.c_uint64 * max(n_pointers, 1))()
@@ -136,6 +139,8 @@ class _ParamBlock:
         base = ctypes.addressof(self.pointers)
         addresses = [base + i * ctypes.sizeof(ctypes.c_uint64) for i in range(n_pointers)]
         addresses += [ctypes.addressof(v) for v in self.scalars]
+        self.maps = [Encoded(m) for m in tensor_maps]
+        addresses += [m.address for m in self.maps]
         self.array = (ctypes.c_void_p * max(len(addresses), 1))(*addresses)
         self.address = ctypes.addressof(self.array)
         self.lock = threading.Lock()
@@ -148,6 +153,8 @@ class _ParamBlock:
                 self.pointers[:self.n_pointers] = pointers
             except TypeError:  # a None for a null pointer
                 self.pointers[:self.n_pointers] = [p or 0 for p in pointers]
+            for m in self.maps:
+                m.encode(pointers[m.spec.pointer])
             launch_kernel(*args, stream_ptr, self.address, 0)
 
 

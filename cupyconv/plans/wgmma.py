@@ -25,11 +25,12 @@ from ..core.device import ASSUMED, WGMMA, Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
-from . import gemm
+from . import gemm, tensor_map
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, aligned_size, cdiv, index_type, layer_constants, numel
 from .reduction import plan_reduce, plan_reduce_with_bias, plan_tap_major_reduce, split_k_scratch
 from .sequences import PackedGemm, PackedSourcesSplitK, PassPlan, SplitK
+from .tensor_map import TensorMap
 
 TARGET = "sm_90a"
 # wgmma kinds, as mma.cuh numbers them.  float32 runs as TF32 where the precision allows it (grad_weight on its
@@ -615,11 +616,21 @@ WEIGHT_TILE_H = 8     # a K step is 8 x 8 input pixels, unless a tile says other
 # The one-row tiles (K steps of 1 x 64 pixels) serve inputs under eight rows high, whose 8-row steps would be
 # mostly past the input (a 1-D layer's one row fills an eighth of them).
 WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(64, 64, 4, 16), WeightTile(64, 128, 2),
-                                    WeightTile(128, 64, 4), WeightTile(128, 64, 4, 16), WeightTile(128, 128, 1),
+                                    WeightTile(128, 64, 4), WeightTile(128, 64, 4, 16), WeightTile(128, 128, 2),
+                                    WeightTile(128, 128, 1),
                                     WeightTile(128, 256, 1), WeightTile(64, 64, 4, 1, 64),
                                     WeightTile(64, 128, 2, 1, 64), WeightTile(128, 64, 4, 1, 64),
                                     WeightTile(128, 128, 1, 1, 64), WeightTile(128, 256, 1, 1, 64))}
 WEIGHT_STAGES = 4
+# The 16-bit grad_weight kernel's register split (setmaxnreg): its producer warpgroup keeps 72 a thread (its
+# unrolled copies spilled at 56), and its consumers want room beside their accumulators (ptxas gave every tile
+# 156-163 registers in all, 128 of them accumulators).
+REGISTER_FILE = 65536
+WEIGHT_PRODUCER_REGISTERS = 72
+WEIGHT_CONSUMER_HEADROOM = 48
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_BLOCK = 1024   # the driver's share of each block's shared memory
+WEIGHT_STATIC_SMEM = 256         # the kernel's tap table and mbarriers
 # a step's MMAs stay in flight while the next tile lands, so grad_weight's ring needs three buffers or more
 WEIGHT_STAGE_CHOICES = (3, 4, 6)
 
@@ -688,11 +699,31 @@ def weight_rows_few(g: Geometry) -> bool:
 
 def weight_smem_bytes(g: Geometry, tile: WeightTile, stages: int) -> int:
     """Shared memory of the grad_weight ring: per stage an x tile and a grad_output halo, each a 128-byte row
-    per pixel and 64-channel block (the 128-byte swizzle), the stage rounded up to whole swizzle periods of
+    per pixel and 64-channel block (the 128-byte swizzle), each block rounded up to whole swizzle periods of
     1024 bytes, and one period more to align the ring."""
     _, span_h, span_w = weight_phases(g)
     halo = (tile.rows + span_h) * (tile.cols + span_w)
-    return (stages * cdiv((tile.bm // 64 * tile.rows * tile.cols + tile.bn // 64 * halo) * 128, 1024) + 1) * 1024
+    return (stages * (tile.bm // 64 * cdiv(tile.rows * tile.cols * 128, 1024)
+                      + tile.bn // 64 * cdiv(halo * 128, 1024)) + 1) * 1024
+
+
+def weight_tensor_maps(g: Geometry, dtype: str, tile: WeightTile) -> Tuple[TensorMap, ...]:
+    """The copy engine's descriptors of the 16-bit grad_weight kernel's channels_last sources, or none where it
+    cannot take the tiles (a stride past 8, a halo of more than 256 pixels' span): x in boxes of 64 channels x
+    the tile's pixels, grad_output in boxes of 64 channels x the halo, walked at the stride."""
+    _, span_h, span_w = weight_phases(g)
+    (sh, sw), (h, w), (h_out, w_out) = g.params.stride, g.in_size, g.out_size
+    halo_box = (64, (tile.cols + span_w) * sw, (tile.rows + span_h) * sh, 1)
+    if not tensor_map.fits(halo_box, (1, sw, sh, 1)):
+        return ()
+    item = _itemsize(dtype)
+
+    def channels_last(pointer: int, c: int, rows: int, cols: int, box, strides) -> TensorMap:
+        return TensorMap(pointer, dtype, (c, cols, rows, g.batch), (c * item, cols * c * item, rows * cols * c * item),
+                         box, strides)
+
+    return (channels_last(0, g.in_channels, h, w, (64, tile.cols, tile.rows, 1), (1, 1, 1, 1)),
+            channels_last(1, g.out_channels, h_out, w_out, halo_box, (1, sw, sh, 1)))
 
 
 def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> bool:
@@ -723,12 +754,25 @@ def _weight_ring(tile: WeightTile, stages: Optional[int], default: int, smem_of,
     return ring, smem
 
 
+def weight_blocks_per_sm(tile: WeightTile, smem: int) -> int:
+    """Blocks of the 16-bit grad_weight kernel an SM holds: two where shared memory holds two and the consumers'
+    share of half the register file (the producer warpgroup keeping :data:`WEIGHT_PRODUCER_REGISTERS` a
+    thread) leaves :data:`WEIGHT_CONSUMER_HEADROOM` registers beside the accumulators, else one."""
+    threads = 128 * (tile.warpgroups + 1)
+    launch = REGISTER_FILE // (2 * threads) // 8 * 8
+    consumer = (launch * threads - WEIGHT_PRODUCER_REGISTERS * 128) // (128 * tile.warpgroups) // 8 * 8
+    fits = 2 * (smem + SMEM_RESERVED_PER_BLOCK + WEIGHT_STATIC_SMEM) <= SMEM_PER_SM
+    return 2 if fits and consumer >= WEIGHT_CONSUMER_HEADROOM + tile.taps * tile.bn // 2 else 1
+
+
 def _weight_split_k(g: Geometry, dtype: str, tile: WeightTile, k_tiles: int, sm_count: int, smem: int,
-                    function: str, constants: dict, batch_bound: Optional[int] = None) -> Tuple[Plan, Optional[Plan]]:
+                    function: str, constants: dict, batch_bound: Optional[int] = None,
+                    producer: bool = False, tensor_maps: Tuple[TensorMap, ...] = ()) -> Tuple[Plan, Optional[Plan]]:
     """The partial pass and the fixed-order reduction shared by both grad_weight kernels (``function``, in the
     template of that name): a block per (group, tap chunk, stride phase) x channel tile x K range, and the
     kernel's own ``constants`` besides the layer's and the tile's.  ``batch_bound`` is the most images (or packed
-    groups of images) that the kernel's source offsets may count, where that passes the batch."""
+    groups of images) that the kernel's source offsets may count, where that passes the batch; ``producer``,
+    whether a warpgroup more than the tile's issues the copies, the copy engine's where ``tensor_maps``."""
     phase_taps, span_h, span_w = weight_phases(g)
     tap_chunks = cdiv(phase_taps, tile.taps)
     phases = g.params.stride[0] * g.params.stride[1]
@@ -754,10 +798,16 @@ def _weight_split_k(g: Geometry, dtype: str, tile: WeightTile, k_tiles: int, sm_
     constants = {**layer_constants(g, dtype, index_t), **constants}
     constants.update(WARPGROUPS=tile.warpgroups, BN=tile.bn, TAP_GROUP=tile.taps, TAP_CHUNKS=tap_chunks,
                      SPAN_H=span_h, SPAN_W=span_w, SINGLE_CHUNK=direct)
+    threads = 128 * tile.warpgroups
+    if producer:
+        threads += 128
+        constants.update(MIN_BLOCKS=weight_blocks_per_sm(tile, smem), PRODUCER_REGISTERS=WEIGHT_PRODUCER_REGISTERS,
+                         TMA=bool(tensor_maps))
     spec = KernelSpec.make(f"{function}.cu", function, constants, TARGET)
-    partial = Plan(spec, (tap_blocks, channel_tiles, splits), (128 * tile.warpgroups, 1, 1),
+    partial = Plan(spec, (tap_blocks, channel_tiles, splits), (threads, 1, 1),
                    (g.batch,) + g.in_size + g.out_size + (per_split,), index_t,
-                   scratch_bytes=0 if direct else splits * weight_elems * 4, smem_bytes=smem)
+                   scratch_bytes=0 if direct else splits * weight_elems * 4, smem_bytes=smem,
+                   tensor_maps=tensor_maps)
     if direct:
         reduce = None
     elif g.weight_channels_last:
@@ -783,7 +833,7 @@ def plan_grad_weight(g: Geometry, dtype: str, sm_count: int = 132, layout: str =
     constants = dict(MMA_KIND=_KINDS[dtype], SKIP_ABSENT_TAPS=weight_skips_absent_taps(g, tile.taps),
                      TILE_H=tile.rows, TILE_W=tile.cols, STAGES=ring)
     partial, reduce = _weight_split_k(g, dtype, tile, k_tiles, sm_count, smem, "conv_transpose2d_grad_weight_wgmma",
-                                      constants)
+                                      constants, producer=True, tensor_maps=weight_tensor_maps(g, dtype, tile))
     sources = gemm.plan_grad_weight_sources(g, dtype) if layout == "nchw" else None
     return SplitK(partial, reduce, sources)
 

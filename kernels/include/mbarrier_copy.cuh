@@ -48,3 +48,21 @@ template <int REGISTERS>
 __device__ __forceinline__ void registers_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGISTERS)); }
 template <int REGISTERS>
 __device__ __forceinline__ void registers_claim() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGISTERS)); }
+
+// A TMA descriptor (CUtensorMap) as a kernel parameter: 128 opaque bytes, which the host encodes
+// (cupyconv.plans.tensor_map) and the kernel takes as `const __grid_constant__ TensorMap`, so that its
+// address is one the copy engine may read.
+struct alignas(64) TensorMap {
+    unsigned long long words[16];
+};
+
+// The copy engine copies a box of a 4-D tensor at element coordinates (c0 innermost .. c3) into
+// shared memory as the descriptor lays it out (its swizzle included), completing the box's bytes on
+// `bar`.  Coordinates may lie outside the tensor: such elements land as zeros and count as bytes.
+__device__ __forceinline__ void tensor_copy_4d(unsigned dst, const TensorMap& map, int c0, int c1, int c2, int c3,
+                                               unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
