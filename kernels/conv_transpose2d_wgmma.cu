@@ -33,6 +33,10 @@
 // in order.  A small grid of wide channels makes fewer tiles than SMs, each walking a long K alone:
 // splitting K brings the idle SMs, and their share of the weight's bandwidth, in.
 //
+// Where the plan gives a tensor map of the source (TMA), one producer thread has the copy engine copy each
+// halo instead, a box per image and phase plane walked at SPLIT_H x SPLIT_W, swizzled 128 bytes and zero
+// outside the source; each plane then starts on a whole swizzle period (PLANE_BYTES).
+//
 // The block is persistent over the tiles of its (channel tile, phase) and split by role:
 // the last warpgroup produces (cp.async for the halos, a bulk copy per packed weight tile or
 // cp.async for one read in place, each completing on a "full" mbarrier), the others consume (wgmma, one step in flight, then an
@@ -71,6 +75,7 @@ constexpr bool HAS_BIAS = {{HAS_BIAS}} && MODE == 0;
 constexpr bool SRC_ROUNDED = {{SRC_ROUNDED}};   // TF32: the source's words are already rounded
 constexpr bool WEIGHT_DIRECT = {{WEIGHT_DIRECT}};   // B straight from a channels_last weight, not a packed copy
 constexpr int SPLIT_K = {{SPLIT_K}};                // K ranges (of whole chunks) over grid z
+constexpr bool TMA = {{TMA}};                       // the copy engine copies the halos (src_map)
 
 constexpr int CG_K = MODE == 0 ? CIN_G : COUT_G;   // source channels per group: the GEMM's K per tap
 constexpr int CG_N = MODE == 0 ? COUT_G : CIN_G;   // destination channels per group: its N
@@ -101,7 +106,12 @@ constexpr int HALO_PIXELS = TILE_IMAGES * IMAGE_HALO;
 constexpr bool SWIZZLED = CK * sizeof(scalar_t) == 128;
 constexpr int PIXEL_BYTES = SWIZZLED ? 128 : 16;   // from one halo pixel to the next
 constexpr int HALO_PLANE = SWIZZLED ? 0 : (HALO_PIXELS | 1) * 16;
-constexpr int HALO_BYTES = SWIZZLED ? HALO_PIXELS * 128 : CHUNK_GROUPS * HALO_PLANE;
+// Bytes from one phase plane of an image's halo to the next, and from one image's halo to the next: the copy
+// engine's boxes each start on a whole swizzle period.
+constexpr int PLANE_BYTES = TMA ? (PHASE_PLANE * 128 + 1023) / 1024 * 1024 : PHASE_PLANE * PIXEL_BYTES;
+constexpr int IMAGE_BYTES = SPLIT_H * SPLIT_W * PLANE_BYTES;
+constexpr int HALO_BYTES = SWIZZLED ? TILE_IMAGES * IMAGE_BYTES : CHUNK_GROUPS * HALO_PLANE;
+constexpr unsigned TMA_HALO_BYTES = HALO_PIXELS * 128;   // what the boxes of one halo land
 constexpr int B_PLANE = BN * 16;
 constexpr int B_BYTES = CHUNK_GROUPS * B_PLANE;
 // 3xTF32 buffers hold two parts each: the big one, then the small one HALO_BYTES or B_BYTES after it.
@@ -139,6 +149,8 @@ static_assert(CK % K_STEP == 0 && CG_K % VEC == 0, "chunks of whole MMA steps, c
 static_assert(B_STAGES >= 2 && HALO_STAGES >= 1, "pipeline depths");
 static_assert(SPLIT_K >= 1 && SPLIT_K <= CHUNKS, "K ranges of one chunk or more");
 static_assert(HALO_REGION + B_STAGES * B_STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
+static_assert(!TMA || (SWIZZLED && !SPLIT_TF32 && (!TF32 || SRC_ROUNDED)),
+              "the copy engine lands 128-byte rows that the producer need not round or split");
 static_assert(!WEIGHT_DIRECT || (WEIGHT_CL && !TF32 && COUT_G % VEC == 0 && CK * BN % (VEC * 128) == 0
                                  && (MODE == 1 || BN % 64 == 0)),
               "a weight read in place: channels_last, 16 bits, whole 16-byte output channel runs, whole copy rounds, "
@@ -181,10 +193,16 @@ struct TileOrigin {
     index_t image, i, j;
 };
 
+#if {{TMA}}
+#define TENSOR_MAPS , const __grid_constant__ TensorMap src_map
+#else
+#define TENSOR_MAPS
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restrict__ packed_weight,
                                const scalar_t* __restrict__ bias, scalar_t* __restrict__ dst,
-                               index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST) {
+                               index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST TENSOR_MAPS) {
     extern __shared__ __align__(128) unsigned char smem[];   // HALO_STAGES halos, then B_STAGES weight tiles
     __shared__ Tap taps[TAPS];
     __shared__ int tap_count, min_dh, min_dw;
@@ -218,7 +236,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
             for (int kw = 0; kw < KW; ++kw) {
                 const int plane = (kh * DH % SH) * SW + kw * DW % SW;
                 taps[kh * KW + kw] =
-                    Tap{(plane * PHASE_PLANE + kh * DH / SH * HALO_W + kw * DW / SW) * PIXEL_BYTES, kh * KW + kw};
+                    Tap{plane * PLANE_BYTES + (kh * DH / SH * HALO_W + kw * DW / SW) * PIXEL_BYTES, kh * KW + kw};
             }
         tap_count = TAPS;
         min_dh = -PH;   // the halo starts at source row SH*i0 - PH
@@ -250,7 +268,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
     }
     if (tid == 0) {
         for (int s = 0; s < HALO_STAGES; ++s) {
-            mbarrier_init(smem_addr(&halo_full[s]), 128);   // every producer thread's copies
+            mbarrier_init(smem_addr(&halo_full[s]), TMA ? 1 : 128);   // the copy engine's, or every thread's
             mbarrier_init(smem_addr(&halo_empty[s]), CONSUMERS);
         }
         for (int s = 0; s < B_STAGES; ++s) {
@@ -262,7 +280,8 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
     }
     __syncthreads();
     const int tap_n = tap_count;
-    const unsigned smem_base = smem_addr(smem);
+    // the copy engine's swizzle counts from whole swizzle periods (the plan leaves room to align)
+    const unsigned smem_base = TMA ? (smem_addr(smem) + 1023) & ~1023u : smem_addr(smem);
     auto halo_slot = [&](int h) { return smem_base + (h % HALO_STAGES) * HALO_STAGE_BYTES; };
     auto b_slot = [&](int b) { return smem_base + HALO_REGION + (b % B_STAGES) * B_STAGE_BYTES; };
     const int warpgroup = tid / 128;
@@ -281,8 +300,21 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
             const index_t halo_i0 = SPLIT_H * o.i + min_dh, halo_j0 = SPLIT_W * o.j + min_dw;
             for (int c = c_first; c < c_end && tap_n > 0; ++c, ++h_iter) {
                 const unsigned full = smem_addr(&halo_full[h_iter % HALO_STAGES]);
-                mbarrier_wait(smem_addr(&halo_empty[h_iter % HALO_STAGES]), ((h_iter / HALO_STAGES) & 1) ^ 1);
                 const unsigned halo = halo_slot(h_iter);
+#if {{TMA}}
+                if (ptid == 0) {
+                    mbarrier_wait(smem_addr(&halo_empty[h_iter % HALO_STAGES]), ((h_iter / HALO_STAGES) & 1) ^ 1);
+                    mbarrier_expect_bytes(full, TMA_HALO_BYTES);
+                    const int channel = g * CG_K + c * CK;
+                    for (int image = 0; image < TILE_IMAGES; ++image)
+                        for (int plane = 0; plane < SPLIT_H * SPLIT_W; ++plane)
+                            tensor_copy_4d(halo + image * IMAGE_BYTES + plane * PLANE_BYTES, src_map, channel,
+                                           static_cast<int>(halo_j0) + plane % SPLIT_W,
+                                           static_cast<int>(halo_i0) + plane / SPLIT_W,
+                                           static_cast<int>(o.image) + image, full);
+                }
+#else
+                mbarrier_wait(smem_addr(&halo_empty[h_iter % HALO_STAGES]), ((h_iter / HALO_STAGES) & 1) ^ 1);
                 auto copy_vector = [&](int v) {
                     const int group = v % CHUNK_GROUPS, pixel = v / CHUNK_GROUPS;
                     const int image = pixel / IMAGE_HALO, at = pixel % IMAGE_HALO;
@@ -320,6 +352,7 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
                 } else {
                     cp_async_arrive(full);
                 }
+#endif
                 for (int t = 0; t < tap_n; ++t, ++b_iter) {
                     if constexpr (WEIGHT_DIRECT) {
                         mbarrier_wait(smem_addr(&b_empty[b_iter % B_STAGES]), ((b_iter / B_STAGES) & 1) ^ 1);
@@ -347,8 +380,8 @@ conv_transpose2d_wgmma(const scalar_t* __restrict__ src, const scalar_t* __restr
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
         const int b = warpgroup * MB + mb, at = b % IMAGE_BLOCKS;
-        block_offset[mb] = (b / IMAGE_BLOCKS * IMAGE_HALO + (at / COL_BLOCKS) * BLOCK_ROWS * HALO_W
-                            + (at % COL_BLOCKS) * BLOCK_COLS) * PIXEL_BYTES;
+        block_offset[mb] = b / IMAGE_BLOCKS * IMAGE_BYTES
+                           + ((at / COL_BLOCKS) * BLOCK_ROWS * HALO_W + (at % COL_BLOCKS) * BLOCK_COLS) * PIXEL_BYTES;
     }
     const bool signals = tid % 128 == 0;   // one arrival per warpgroup on the "empty" barriers
     const int lane = tid % 32, warp = tid % 128 / 32;

@@ -168,7 +168,10 @@ def test_planned_layers_stay_within_shared_memory(dtype):
             planned += 1
             c = _constants(main)
             ck, b_stages = c["CK"], c["B_STAGES"]
-            assert main.smem_bytes == wgmma.smem_bytes(g, dtype, t, ck, b_stages) <= wgmma.SMEM_LIMIT
+            # halos the copy engine lands take their padded planes, where those still fit
+            assert main.smem_bytes == wgmma.smem_bytes(g, dtype, t, ck, b_stages, tma=c["TMA"]) <= wgmma.SMEM_LIMIT
+            assert c["TMA"] or wgmma.smem_bytes(g, dtype, t, ck, b_stages, tma=True) > wgmma.SMEM_LIMIT \
+                or wgmma.halo_tensor_map(g, dtype, t, ck, "forward", g.groups == 1 or g.in_per_group % ck == 0) is None
             assert c["HALO_STAGES"] == wgmma.halo_stages(g, b_stages) >= 2
             assert ck % smallest == 0 and ck <= wgmma.chunk_channels(g, dtype)
             assert 2 <= b_stages <= wgmma.B_STAGES
@@ -841,7 +844,8 @@ def test_planned_grad_input_layers_stay_within_shared_memory(dtype):
             c = _constants(main)
             ck, b_stages = c["CK"], c["B_STAGES"]
             assert c["MODE"] == 1
-            assert main.smem_bytes == wgmma.smem_bytes(g, dtype, t, ck, b_stages, GRAD) <= wgmma.SMEM_LIMIT
+            assert main.smem_bytes == wgmma.smem_bytes(g, dtype, t, ck, b_stages, GRAD, tma=c["TMA"]) \
+                <= wgmma.SMEM_LIMIT
             assert c["HALO_STAGES"] == wgmma.halo_stages(g, b_stages, GRAD) >= 2
             assert ck % smallest == 0 and ck <= wgmma.chunk_channels(g, dtype, GRAD)
             assert 2 <= b_stages <= wgmma.B_STAGES
@@ -1188,6 +1192,38 @@ def test_grad_weight_plans_a_split_k_over_pixel_tiles(layout):
     assert dict(one_tap.partial.spec.constants)["SINGLE_CHUNK"] is True and one_tap.partial.scratch_bytes == 0
 
 
+def test_halos_come_through_the_copy_engine_where_the_producer_need_not_touch_them():
+    """A 128-byte chunk of a channels_last source (16-bit, or TF32 words its copy rounded) lands by the copy engine
+    in boxes of one phase plane: the forward's halo as it is, grad_input's walked at the stride, each plane on a
+    whole swizzle period.  Sources the producer rounds or splits, and chunks that would run into the next group,
+    stay on cp.async."""
+    g = _g((16, 1024, 8, 8), (1024, 512, 4, 4), stride=2, padding=1)
+    forward = wgmma.plan_forward(g, "bfloat16", True, layout="nhwc").gemm
+    c = dict(forward.spec.constants)
+    (src,) = forward.tensor_maps
+    assert c["TMA"] is True and c["CK"] == 64 and src.pointer == 0
+    assert (src.dims, src.strides) == ((1024, 8, 8, 16), (2048, 16384, 131072))
+    assert (src.box, src.element_strides) == ((64, c["HALO_W"], c["HALO_H"], 1), (1, 1, 1, 1))
+    plane = cdiv(c["HALO_H"] * c["HALO_W"] * 128, 1024) * 1024
+    halos = c["HALO_STAGES"] * c["TILE_IMAGES"] * plane
+    weight = c["B_STAGES"] * c["BN"] * 128
+    assert forward.smem_bytes == cdiv(halos, 1024) * 1024 + weight + 1024, "padded planes and room to align"
+    grad = wgmma.plan_grad_input(g, "bfloat16", layout="nhwc").gemm
+    c = dict(grad.spec.constants)
+    (src,) = grad.tensor_maps
+    assert c["TMA"] is True and src.dims == (512, 16, 16, 16)
+    assert (src.box, src.element_strides) == ((64, 2 * c["HALO_W"], 2 * c["HALO_H"], 1), (1, 2, 2, 1))
+    # TF32: through the rounding channels_last copy only; 3xTF32's producer splits every halo
+    assert dict(wgmma.plan_forward(g, "float32", True, layout="nchw", precision="tf32").gemm.spec.constants)["TMA"]
+    for layout, precision in (("nhwc", "tf32"), ("nchw", "strict")):
+        plan = wgmma.plan_forward(g, "float32", True, layout=layout, precision=precision).gemm
+        assert plan.tensor_maps == () and dict(plan.spec.constants)["TMA"] is False
+    # two groups of 96 input channels: the second 64-channel chunk of a group would read the next group's
+    grouped = wgmma.plan_forward(_g((4, 192, 8, 8), (192, 64, 4, 4), stride=2, padding=1, groups=2), "float16",
+                                 False, layout="nhwc").gemm
+    assert dict(grouped.spec.constants)["CK"] == 64 and grouped.tensor_maps == ()
+
+
 def test_grad_weight_tiles_come_through_the_copy_engine_where_it_takes_them():
     """pix2pix's 16 x 1024 x 8² layer: x in boxes of 64 channels x the 8 x 8 tile, grad_output in boxes of 64
     channels x the 9 x 9 halo walked at the stride; a producer warpgroup beside the consumers.  Strides past 8
@@ -1511,9 +1547,10 @@ def test_a_channels_last_16_bit_weight_is_read_in_place(dtype):
                 c = _constants(plan.gemm)
                 assert plan.pack is None and c["WEIGHT_DIRECT"], (tile, pass_)
                 assert "pack_weight" not in [p.spec.function for p in plan.plans()]
-                halos = wgmma.smem_bytes(g, dtype, wgmma.TILES[tile], c["CK"], c["B_STAGES"], pass_) \
-                    - c["B_STAGES"] * c["CK"] * c["BN"] * 2
-                assert plan.gemm.smem_bytes == cdiv(halos, 1024) * 1024 + c["B_STAGES"] * c["CK"] * c["BN"] * 2
+                halos = wgmma.smem_bytes(g, dtype, wgmma.TILES[tile], c["CK"], c["B_STAGES"], pass_, tma=c["TMA"]) \
+                    - c["B_STAGES"] * c["CK"] * c["BN"] * 2 - 1024 * c["TMA"]
+                assert plan.gemm.smem_bytes == cdiv(halos, 1024) * 1024 + c["B_STAGES"] * c["CK"] * c["BN"] * 2 \
+                    + 1024 * c["TMA"]
 
 
 def test_weights_the_halo_kernels_cannot_read_in_place_are_packed():

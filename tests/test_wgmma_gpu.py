@@ -930,6 +930,52 @@ def test_thin_destinations_match_float64(case, hopper):
     assert not wgmma.eligible(case.geometry, "float32", "forward", "tf32"), "thin float32 stays on direct kernels"
 
 
+def _halo_copied_by_the_engine(case: Case) -> bool:
+    plan = table.plan(case.pass_, case.variant, case.geometry, NAMES[case.dtype], case.layout, case.precision,
+                      case.layer.bias and case.pass_ == "forward", True, 132)
+    return dict(plan.gemm.spec.constants)["TMA"]
+
+
+# forwards and grad_inputs whose halos the copy engine lands, of both kinds and layouts: random layers, and
+# grad_inputs whose halos it walks in 2 x 2 and 3 x 3 phase planes
+HALO_COPY_CASES = ([c for c in SWEEP if _halo_copied_by_the_engine(c)][:6]
+                   + [c for c in GRAD_SWEEP if _halo_copied_by_the_engine(c)][:1]
+                   + [Case(Layer(3, 128, 96, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (8, 8), ""),
+                           torch.bfloat16, True, pass_=GRAD),
+                      Case(Layer(2, 64, 64, (3, 3), (3, 3), (1, 1), (0, 0), (1, 1), 1, False, (5, 7), ""),
+                           torch.float16, False, pass_=GRAD)])
+
+
+@pytest.mark.parametrize("case", _params("halo_copies", HALO_COPY_CASES))
+def test_halos_from_the_copy_engine_match_cp_async_bit_for_bit(case, hopper, monkeypatch):
+    """The copy engine's halo boxes (zeros outside the source) and the producer's cp.async copies (zero-filled
+    where masked off) are the same bytes, so the forward or grad_input agrees bit for bit, and matches
+    float64."""
+    forward = case.pass_ == "forward"
+
+    def run():
+        cupyconv.clear_cache()
+        if forward:
+            x, w, b = _inputs(case, *_data(case.layer, case.dtype, 23))
+            out, seen = _run_ours(case, x, w, b)
+        else:
+            x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 23))
+            out, seen = _run_grad(case, go, x, w)
+        tma = {dict(plan.spec.constants)["TMA"] for _, plan in seen if plan.spec.function == FUNCTION}
+        return out, tma
+
+    try:
+        engine, engine_tma = run()
+        monkeypatch.setattr(wgmma, "halo_tensor_map", lambda *args: None)
+        copied, copied_tma = run()
+    finally:
+        monkeypatch.undo()
+        cupyconv.clear_cache()
+    assert engine_tma == {True} and copied_tma == {False}
+    assert torch.equal(engine, copied)
+    (_check if forward else _check_grad_input)(case, seed=23, hopper=hopper)
+
+
 # ------------------------------------------------------------------------ grad_weight
 
 WEIGHT = "grad_weight"
@@ -1040,7 +1086,6 @@ def test_grad_weight_from_the_copy_engine_matches_cp_async_bit_for_bit(case, hop
     order: grad_weight agrees bit for bit, and matches float64."""
     def run():
         cupyconv.clear_cache()
-        wgmma.plan_grad_weight.cache_clear()
         x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 17))
         grad, seen = _run_grad(case, go, x, w)
         tma = {dict(plan.spec.constants)["TMA"] for _, plan in seen if plan.spec.function == WEIGHT_FUNCTION}
@@ -1053,7 +1098,6 @@ def test_grad_weight_from_the_copy_engine_matches_cp_async_bit_for_bit(case, hop
     finally:
         monkeypatch.undo()
         cupyconv.clear_cache()
-        wgmma.plan_grad_weight.cache_clear()
     assert engine_tma == {True} and copied_tma == {False}
     assert torch.equal(engine, copied)
     _check_grad_weight(case, seed=17, hopper=hopper)

@@ -213,19 +213,44 @@ def halo_stages(g: Geometry, b_stages: int, pass_: str = "forward") -> int:
 
 
 def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, pass_: str = "forward",
-               in_place: bool = False, parts: int = 1) -> int:
+               in_place: bool = False, parts: int = 1, tma: bool = False) -> int:
     """Dynamic shared memory of a plan: its halo and weight buffers.  A chunk of 128 bytes a pixel is a 128-byte
     row per halo pixel (the 128-byte swizzle); a narrower one, a plane per 16-byte channel group, each an odd
     number of pixels.  A weight read ``in_place`` (:func:`weight_in_place`) has its buffers start on a whole
-    1024-byte swizzle period.  ``parts``: :func:`operand_parts`, each buffer that many times over."""
+    1024-byte swizzle period.  ``parts``: :func:`operand_parts`, each buffer that many times over.  Halos the copy
+    engine lands (``tma``) start each phase plane on a whole swizzle period, and the ring one period more to
+    align it."""
     halo_h, halo_w = halo_extent(g, tile, pass_)
     groups = ck * _itemsize(dtype) // 16
-    pixels = tile.images * phase_planes(g, pass_) * halo_h * halo_w
-    halo = pixels * 128 if groups == 8 else groups * (pixels | 1) * 16
+    planes = tile.images * phase_planes(g, pass_)
+    pixels = planes * halo_h * halo_w
+    if tma:
+        halo = planes * cdiv(halo_h * halo_w * 128, 1024) * 1024
+    else:
+        halo = pixels * 128 if groups == 8 else groups * (pixels | 1) * 16
     halos = halo_stages(g, b_stages, pass_) * halo * parts
     if in_place:
         halos = cdiv(halos, 1024) * 1024
-    return halos + b_stages * groups * tile.bn * 16 * parts
+    return halos + b_stages * groups * tile.bn * 16 * parts + (1024 if tma else 0)
+
+
+def halo_tensor_map(g: Geometry, dtype: str, tile: HaloTile, ck: int, pass_: str, groups_whole: bool
+                    ) -> Optional[TensorMap]:
+    """The copy engine's descriptor of the halo-tile kernel's channels_last source (x for the forward, grad_output
+    for grad_input), in boxes of a chunk's ``ck`` channels (128 bytes) x one phase plane of the halo, walked at
+    the stride; None where the engine cannot take it (a plane wider than 256 source pixels, a stride past 8) or
+    where a chunk would run into the next group's channels (``groups_whole`` false), which must read as zeros."""
+    if ck * _itemsize(dtype) != 128 or not groups_whole:
+        return None
+    halo_h, halo_w = halo_extent(g, tile, pass_)
+    split_h, split_w = g.params.stride if _mode(pass_) == 1 else (1, 1)
+    box, element_strides = (ck, halo_w * split_w, halo_h * split_h, 1), (1, split_w, split_h, 1)
+    if not tensor_map.fits(box, element_strides):
+        return None
+    (h, w), channels = (g.in_size, g.in_channels) if _mode(pass_) == 0 else (g.out_size, g.out_channels)
+    item = _itemsize(dtype)
+    return TensorMap(0, dtype, (channels, w, h, g.batch), (channels * item, w * channels * item, h * w * channels * item),
+                     box, element_strides)
 
 
 def weight_in_place(g: Geometry, dtype: str, pass_: str, bn: int, ck: int) -> bool:
@@ -500,6 +525,15 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
         smem = padded if in_place else smem
     halo_h, halo_w = halo_extent(g, tile, pass_)
     src_channels, dst_channels = _channels(g, pass_)
+    # an NCHW source's channels_last copy rounds TF32 words, so the producer need not
+    rounded_copy = kind == _TF32 and layout == "nchw"
+    # The copy engine lands halos the producer need not touch: 16-bit ones, or TF32 ones already rounded.
+    src_map = None
+    if parts == 1 and (kind != _TF32 or rounded_copy):
+        src_map = halo_tensor_map(g, dtype, tile, ck, pass_, g.groups == 1 or src_channels % ck == 0)
+        if src_map is not None:
+            padded = smem_bytes(g, dtype, tile, ck, b_stages, pass_, in_place, tma=True)
+            src_map, smem = (src_map, padded) if padded <= SMEM_LIMIT else (None, smem)
     grid_h, grid_w = dst_grid(g, pass_)
     phases = g.params.stride[0] * g.params.stride[1] if mode == 0 else 1
     tiles = cdiv(g.batch, tile.images) * cdiv(grid_h, tile.tile_h) * cdiv(grid_w, tile.tile_w)
@@ -521,14 +555,12 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     dst_elems = numel(g.output_shape if mode == 0 else g.input_shape)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape),
                          g.groups * g.kernel[0] * g.kernel[1] * n_pad * k_pad, split * dst_elems if split > 1 else 0)
-    # an NCHW source's channels_last copy rounds TF32 words, so the producer need not
-    rounded_copy = kind == _TF32 and layout == "nchw"
     constants = layer_constants(g, dtype, index_t)
     constants.update(MODE=mode, MMA_KIND=kind, TILE_IMAGES=tile.images, TILE_H=tile.tile_h,
                      TILE_W=tile.tile_w, WARPGROUPS=tile.warpgroups, BN=tile.bn, CK=ck, B_STAGES=b_stages,
                      HALO_STAGES=halo_stages(g, b_stages, pass_), HALO_H=halo_h, HALO_W=halo_w,
                      DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias) and mode == 0, SRC_ROUNDED=rounded_copy,
-                     WEIGHT_DIRECT=in_place, SPLIT_K=split)
+                     WEIGHT_DIRECT=in_place, SPLIT_K=split, TMA=src_map is not None)
     spec = KernelSpec.make("conv_transpose2d_wgmma.cu", "conv_transpose2d_wgmma", constants, TARGET)
     if mode == 0:
         sizes = (g.batch,) + g.in_size + g.out_size
@@ -537,7 +569,8 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
         sizes = (g.batch,) + g.out_size + g.in_size
         src_total, src_pixels = g.out_channels, g.out_size[0] * g.out_size[1]
     main = Plan(spec, (blocks, g.groups * n_tiles, phases * split), (128 * (tile.warpgroups + 1), 1, 1), sizes,
-                index_t, scratch_bytes=split_k_scratch(split, dst_elems, 4), smem_bytes=smem)
+                index_t, scratch_bytes=split_k_scratch(split, dst_elems, 4), smem_bytes=smem,
+                tensor_maps=(src_map,) if src_map else ())
     reduce = None
     if split > 1:
         channels = g.out_channels if mode == 0 else g.in_channels
