@@ -930,6 +930,25 @@ def test_thin_destinations_match_float64(case, hopper):
     assert not wgmma.eligible(case.geometry, "float32", "forward", "tf32"), "thin float32 stays on direct kernels"
 
 
+def _engine_against_cp_async(monkeypatch, run, function: str, planner: str, no_maps) -> None:
+    """``run()`` (the pass, and its launches) with fresh plans, then again with the planner's ``planner`` giving
+    ``no_maps``: ``function`` ran on the copy engine's tiles first and on cp.async's then, with the same bits."""
+    def tiles_from_the_engine():
+        cupyconv.clear_cache()
+        out, seen = run()
+        return out, {dict(plan.spec.constants)["TMA"] for _, plan in seen if plan.spec.function == function}
+
+    try:
+        engine, engine_tma = tiles_from_the_engine()
+        monkeypatch.setattr(wgmma, planner, lambda *args: no_maps)
+        copied, copied_tma = tiles_from_the_engine()
+    finally:
+        monkeypatch.undo()
+        cupyconv.clear_cache()
+    assert engine_tma == {True} and copied_tma == {False}
+    assert torch.equal(engine, copied)
+
+
 def _halo_copied_by_the_engine(case: Case) -> bool:
     plan = table.plan(case.pass_, case.variant, case.geometry, NAMES[case.dtype], case.layout, case.precision,
                       case.layer.bias and case.pass_ == "forward", True, 132)
@@ -954,25 +973,13 @@ def test_halos_from_the_copy_engine_match_cp_async_bit_for_bit(case, hopper, mon
     forward = case.pass_ == "forward"
 
     def run():
-        cupyconv.clear_cache()
         if forward:
             x, w, b = _inputs(case, *_data(case.layer, case.dtype, 23))
-            out, seen = _run_ours(case, x, w, b)
-        else:
-            x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 23))
-            out, seen = _run_grad(case, go, x, w)
-        tma = {dict(plan.spec.constants)["TMA"] for _, plan in seen if plan.spec.function == FUNCTION}
-        return out, tma
+            return _run_ours(case, x, w, b)
+        x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 23))
+        return _run_grad(case, go, x, w)
 
-    try:
-        engine, engine_tma = run()
-        monkeypatch.setattr(wgmma, "halo_tensor_map", lambda *args: None)
-        copied, copied_tma = run()
-    finally:
-        monkeypatch.undo()
-        cupyconv.clear_cache()
-    assert engine_tma == {True} and copied_tma == {False}
-    assert torch.equal(engine, copied)
+    _engine_against_cp_async(monkeypatch, run, FUNCTION, "halo_tensor_map", None)
     (_check if forward else _check_grad_input)(case, seed=23, hopper=hopper)
 
 
@@ -1085,21 +1092,10 @@ def test_grad_weight_from_the_copy_engine_matches_cp_async_bit_for_bit(case, hop
     land (zero-filled where masked off) are the same bytes, so the MMAs sum the same products in the same
     order: grad_weight agrees bit for bit, and matches float64."""
     def run():
-        cupyconv.clear_cache()
         x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, 17))
-        grad, seen = _run_grad(case, go, x, w)
-        tma = {dict(plan.spec.constants)["TMA"] for _, plan in seen if plan.spec.function == WEIGHT_FUNCTION}
-        return grad, tma
+        return _run_grad(case, go, x, w)
 
-    try:
-        engine, engine_tma = run()
-        monkeypatch.setattr(wgmma, "weight_tensor_maps", lambda *args: ())
-        copied, copied_tma = run()
-    finally:
-        monkeypatch.undo()
-        cupyconv.clear_cache()
-    assert engine_tma == {True} and copied_tma == {False}
-    assert torch.equal(engine, copied)
+    _engine_against_cp_async(monkeypatch, run, WEIGHT_FUNCTION, "weight_tensor_maps", ())
     _check_grad_weight(case, seed=17, hopper=hopper)
 
 

@@ -248,9 +248,9 @@ def halo_tensor_map(g: Geometry, dtype: str, tile: HaloTile, ck: int, pass_: str
     if not tensor_map.fits(box, element_strides):
         return None
     (h, w), channels = (g.in_size, g.in_channels) if _mode(pass_) == 0 else (g.out_size, g.out_channels)
-    item = _itemsize(dtype)
-    return TensorMap(0, dtype, (channels, w, h, g.batch), (channels * item, w * channels * item, h * w * channels * item),
-                     box, element_strides)
+    row = w * channels * _itemsize(dtype)
+    return TensorMap(0, dtype, (channels, w, h, g.batch), (channels * _itemsize(dtype), row, h * row), box,
+                     element_strides)
 
 
 def weight_in_place(g: Geometry, dtype: str, pass_: str, bn: int, ck: int) -> bool:
