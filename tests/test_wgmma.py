@@ -1240,7 +1240,7 @@ def test_grad_weight_tiles_come_through_the_copy_engine_where_it_takes_them():
     assert x_map.box_bytes + go_map.box_bytes == (64 + 81) * 128, "what the kernel expects a stage to land"
     # one consumer warpgroup and the producer, two blocks an SM; two consumers hold an SM alone
     assert split.partial.block == (256, 1, 1) and constants["MIN_BLOCKS"] == 2
-    wide = wgmma.plan_grad_weight(g, "bfloat16", 132, "nhwc", wgmma.WEIGHT_TILES["128x128x2"])
+    wide = wgmma.plan_grad_weight(g, "bfloat16", 132, "nhwc", wgmma.WEIGHT_TILES["128x128x1"])
     assert wide.partial.block == (384, 1, 1) and dict(wide.partial.spec.constants)["MIN_BLOCKS"] == 1
     assert [m.box for m in wide.partial.tensor_maps] == [(64, 8, 8, 1), (64, 18, 18, 1)]
     far = wgmma.plan_grad_weight(_g((2, 64, 8, 8), (64, 64, 9, 9), stride=9), "float16", 132, "nhwc")

@@ -649,8 +649,7 @@ WEIGHT_TILE_H = 8     # a K step is 8 x 8 input pixels, unless a tile says other
 # The one-row tiles (K steps of 1 x 64 pixels) serve inputs under eight rows high, whose 8-row steps would be
 # mostly past the input (a 1-D layer's one row fills an eighth of them).
 WEIGHT_TILES = {t.name: t for t in (WeightTile(64, 64, 4), WeightTile(64, 64, 4, 16), WeightTile(64, 128, 2),
-                                    WeightTile(128, 64, 4), WeightTile(128, 64, 4, 16), WeightTile(128, 128, 2),
-                                    WeightTile(128, 128, 1),
+                                    WeightTile(128, 64, 4), WeightTile(128, 64, 4, 16), WeightTile(128, 128, 1),
                                     WeightTile(128, 256, 1), WeightTile(64, 64, 4, 1, 64),
                                     WeightTile(64, 128, 2, 1, 64), WeightTile(128, 64, 4, 1, 64),
                                     WeightTile(128, 128, 1, 1, 64), WeightTile(128, 256, 1, 1, 64))}
