@@ -7,8 +7,8 @@
 // row phase and ah its shift; columns likewise.  A block takes up to TAP_GROUP taps of one
 // phase (rh, rw), so for a K tile of TILE_H x TILE_W input pixels it needs the x tile and one
 // "halo" of the phase's grad_out pixels, (TILE_H + SPAN_H) x (TILE_W + SPAN_W), and each tap
-// is that halo read from a moved origin.  Both land by cp.async as rows of 128 bytes, a pixel's 64
-// channels of one 64-channel block, in the 128-byte swizzle (wgmma.cuh): so x^T (A) and grad_out (B) are
+// is that halo read from a moved origin.  Both land as rows of 128 bytes, a pixel's 64 channels of
+// one 64-channel block, in the 128-byte swizzle (wgmma.cuh): so x^T (A) and grad_out (B) are
 // MN-major operands, read with wgmma's transpose bits, a pixel's channel run lands as one row (its copies
 // coalesce), and a tap's origin may be any row of the halo.  A K tile is 8 x 8 pixels (or 16 x 8), its groups
 // of eight pixels a row apart, or, for an input of few rows (a 1-D layer's one), 1 x 64.
