@@ -41,11 +41,16 @@ def test_fits_bounds_box_sides_and_traversal_strides():
 
 
 def _fake_encoder(calls):
+    """A stand-in for the driver's encoder: it takes the ctypes objects the driver would, notes them, and fills the
+    descriptor with the address's low byte."""
     def encode(out, data_type, rank, address, dims, strides, box, element_strides, interleave, swizzle, l2, fill):
-        calls.append((data_type, rank, address, [dims[i] for i in range(rank)], [strides[i] for i in range(rank - 1)],
-                      [box[i] for i in range(rank)], [element_strides[i] for i in range(rank)], interleave, swizzle,
-                      fill))
-        ctypes.memset(out, address & 0xFF, tensor_map.MAP_BYTES)
+        scalars = (out, data_type, rank, address, interleave, swizzle, l2, fill)
+        expected = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p] + [ctypes.c_int] * 4
+        assert [type(a) for a in scalars] == expected, "the C types cuTensorMapEncodeTiled takes"
+        rank, address = rank.value, address.value
+        calls.append((data_type.value, rank, address, list(dims)[:rank], list(strides)[:rank - 1],
+                      list(box)[:rank], list(element_strides)[:rank], interleave.value, swizzle.value, fill.value))
+        ctypes.memset(out.value, address & 0xFF, tensor_map.MAP_BYTES)
         return 0
     return encode
 
