@@ -4,7 +4,8 @@ For the forward pass and each gradient this reports the kernels that a call laun
 the given layout, dtype and precision (the pass table's families and the tuner's choice,
 replayed on a recorder: the very code path a call takes), each kernel's template,
 function and
-specialisation constants), its grid, block and runtime scalars, the split-K scratch, the
+specialisation constants), its grid, block and runtime scalars, the copy engine's (TMA)
+descriptors of the tensors it reads that way, the split-K scratch, the
 fully substituted CUDA source, the FLOPs and minimum bytes of the pass, and a roofline
 floor on its time.  Register, shared- and local-memory use are read from the compiled
 kernel when a GPU is present.  Everything else is pure Python: ``explain`` works on a
@@ -70,6 +71,7 @@ class KernelRecord:
     max_threads_per_block: Optional[int] = None
     resources: str = NA_NO_GPU     # "from the compiled kernel on device N", or why not
     source: str = field(default="", repr=False)
+    tensor_maps: List[str] = field(default_factory=list)   # the copy engine's descriptors, one line each
 
     @property
     def threads(self) -> int:
@@ -242,8 +244,9 @@ class Explanation:
                         f"      constants: {_kv(k.constants)}",
                         f"      grid {_tuple(k.grid)} x block {_tuple(k.block)} = {k.threads} threads; "
                         f"index_t {k.index_t}; scratch {_bytes(k.scratch_bytes)}",
-                        f"      scalars: {_kv(k.scalars)}",
-                        f"      {_resources_text(k)}",
+                        f"      scalars: {_kv(k.scalars)}"]
+                out += [f"      tensor map: {m}" for m in k.tensor_maps]
+                out += [f"      {_resources_text(k)}",
                         f"      this launch: {_si(k.flops, 'FLOP')}, {_bytes(k.bytes)} -> floor {_time(k.floor_s)} "
                         f"({k.bound}-bound)"]
                 lines = k.source.splitlines() if show else _elide(k.source)
@@ -288,7 +291,8 @@ class Explanation:
         for k in self.kernels:
             md += [f"<details><summary>{k.pass_name} / {k.stage}: {k.function} "
                    f"({len(k.source.splitlines())} lines of CUDA)</summary>", "",
-                   f"constants: `{_kv(k.constants)}`", "", "```cuda", k.source.rstrip("\n"), "```", "",
+                   f"constants: `{_kv(k.constants)}`", ""] + [f"tensor map: `{m}`  " for m in k.tensor_maps] + [
+                   "", "```cuda", k.source.rstrip("\n"), "```", "",
                    "</details>", ""]
         return "\n".join(md)
 
@@ -324,9 +328,10 @@ class Explanation:
                      f"<td>{_bytes(k.scratch_bytes)}</td><td>{e(regs)}</td><td>{shared}</td><td>{local}</td></tr>")
         h.append("</table>")
         for k in self.kernels:
+            maps = "".join(f"<p>tensor map: <code>{e(m)}</code></p>" for m in k.tensor_maps)
             h.append(f"<details><summary>{e(k.pass_name)} / {e(k.stage)}: <code>{e(k.function)}</code> "
                      f"({len(k.source.splitlines())} lines of CUDA)</summary>"
-                     f"<p>constants: <code>{e(_kv(k.constants))}</code></p>"
+                     f"<p>constants: <code>{e(_kv(k.constants))}</code></p>{maps}"
                      f"<pre><code class='language-cuda'>{e(k.source)}</code></pre></details>")
         h.append("</div>")
         return "\n".join(h)
@@ -623,7 +628,13 @@ def _record(pass_name: str, stage: str, plan: Plan, flops: int, nbytes: int, pea
                         variant=variant, constants=constants, grid=tuple(plan.grid), block=tuple(plan.block),
                         scalars=dict(zip(names, plan.scalars)), index_t=plan.index_t,
                         scratch_bytes=plan.scratch_bytes, flops=int(flops), bytes=int(nbytes), floor_s=floor,
-                        bound=bound, source=source)
+                        bound=bound, source=source, tensor_maps=[_tensor_map_text(m) for m in plan.tensor_maps])
+
+
+def _tensor_map_text(m) -> str:
+    """One TMA descriptor: which pointer argument it describes, its tensor and its boxes."""
+    return (f"pointer argument {m.pointer}: {m.dtype} tensor of {_tuple(m.dims)} elements (innermost first), "
+            f"boxes of {_tuple(m.box)} at element strides {_tuple(m.element_strides)}, {m.swizzle}-byte swizzle")
 
 
 def _pass(name: str, flops: int, nbytes: int, kernels: List[KernelRecord], peak: Peak, dtype: str,

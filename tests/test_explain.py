@@ -230,6 +230,28 @@ def test_markdown_and_html_renderings():
         assert NA_NO_GPU in md and NA_NO_GPU in page
 
 
+def test_the_copy_engines_descriptors_are_shown_with_their_kernels():
+    """A kernel fed by the copy engine lists each TMA descriptor: the pointer argument, its tensor, its boxes and
+    their strides; in text, Markdown and HTML, and in the dict."""
+    e = explain((16, 1024, 8, 8), (1024, 512, 4, 4), stride=2, padding=1, layout="channels_last", dtype="bfloat16")
+    fed = [k for k in e.kernels if k.constants.get("TMA")]
+    if not GPU:   # the assumed H100 plans the wgmma kernels, their halos and grad_weight's tiles by TMA
+        assert {k.function for k in fed} >= {"conv_transpose2d_wgmma", "conv_transpose2d_grad_weight_wgmma"}
+    for k in e.kernels:
+        assert bool(k.tensor_maps) == (k in fed)
+    weight = [k for k in fed if k.function == "conv_transpose2d_grad_weight_wgmma"]
+    for k in weight:
+        assert k.tensor_maps[1] == ("pointer argument 1: bfloat16 tensor of (512, 16, 16, 16) elements (innermost "
+                                    "first), boxes of (64, 18, 18, 1) at element strides (1, 2, 2, 1), 128-byte "
+                                    "swizzle")
+    text, md, page = e.text(), e.markdown(), e.html()
+    for k in fed:
+        for m in k.tensor_maps:
+            assert f"tensor map: {m}" in text and f"tensor map: `{m}`" in md and html.escape(m) in page
+    listed = [k["tensor_maps"] for p in json.loads(json.dumps(e.to_dict()))["passes"] for k in p["kernels"]]
+    assert listed == [k.tensor_maps for k in e.kernels]
+
+
 def test_to_dict_is_json():
     d = _explain("dense_3x5").to_dict()
     text = json.dumps(d)
