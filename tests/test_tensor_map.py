@@ -34,6 +34,13 @@ def test_descriptors_the_copy_engine_cannot_take_are_refused_when_planned(change
         TensorMap(**{**fields, **change})
 
 
+def test_a_channels_last_activation_runs_channels_then_columns_rows_and_images():
+    m = tensor_map.channels_last(1, "bfloat16", (16, 512, 16, 16), (64, 18, 18, 1), (1, 2, 2, 1))
+    assert m == HALO
+    x = tensor_map.channels_last(0, "float32", (2, 96, 5, 7), (32, 9, 7, 1))
+    assert (x.dims, x.strides, x.element_strides) == ((96, 7, 5, 2), (384, 7 * 384, 35 * 384), (1, 1, 1, 1))
+
+
 def test_fits_bounds_box_sides_and_traversal_strides():
     assert tensor_map.fits((64, 256, 1), (1, 8, 1))
     assert not tensor_map.fits((64, 257, 1), (1, 1, 1))

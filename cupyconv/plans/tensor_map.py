@@ -67,6 +67,15 @@ class TensorMap:
         return count * _ITEMSIZE[self.dtype]
 
 
+def channels_last(pointer: int, dtype: str, shape: Tuple[int, int, int, int], box: Tuple[int, int, int, int],
+                  element_strides: Tuple[int, int, int, int] = (1, 1, 1, 1)) -> TensorMap:
+    """The descriptor of a dense channels_last activation of NCHW ``shape``: sizes (C, W, H, N), innermost first,
+    each pixel's channels one run."""
+    n, c, h, w = shape
+    pixel = c * _ITEMSIZE[dtype]
+    return TensorMap(pointer, dtype, (c, w, h, n), (pixel, w * pixel, h * w * pixel), box, element_strides)
+
+
 def fits(box: Tuple[int, ...], element_strides: Tuple[int, ...]) -> bool:
     """Whether the copy engine takes a box of these sides and traversal strides."""
     return all(1 <= b <= MAX_BOX for b in box) and all(1 <= e <= MAX_ELEMENT_STRIDE for e in element_strides)

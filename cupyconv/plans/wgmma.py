@@ -247,10 +247,8 @@ def halo_tensor_map(g: Geometry, dtype: str, tile: HaloTile, ck: int, pass_: str
     box, element_strides = (ck, halo_w * split_w, halo_h * split_h, 1), (1, split_w, split_h, 1)
     if not tensor_map.fits(box, element_strides):
         return None
-    (h, w), channels = (g.in_size, g.in_channels) if _mode(pass_) == 0 else (g.out_size, g.out_channels)
-    row = w * channels * _itemsize(dtype)
-    return TensorMap(0, dtype, (channels, w, h, g.batch), (channels * _itemsize(dtype), row, h * row), box,
-                     element_strides)
+    source = g.input_shape if _mode(pass_) == 0 else g.output_shape
+    return tensor_map.channels_last(0, dtype, source, box, element_strides)
 
 
 def weight_in_place(g: Geometry, dtype: str, pass_: str, bn: int, ck: int) -> bool:
@@ -744,18 +742,12 @@ def weight_tensor_maps(g: Geometry, dtype: str, tile: WeightTile) -> Tuple[Tenso
     cannot take the tiles (a stride past 8, a halo of more than 256 pixels' span): x in boxes of 64 channels x
     the tile's pixels, grad_output in boxes of 64 channels x the halo, walked at the stride."""
     _, span_h, span_w = weight_phases(g)
-    (sh, sw), (h, w), (h_out, w_out) = g.params.stride, g.in_size, g.out_size
+    sh, sw = g.params.stride
     halo_box = (64, (tile.cols + span_w) * sw, (tile.rows + span_h) * sh, 1)
     if not tensor_map.fits(halo_box, (1, sw, sh, 1)):
         return ()
-    item = _itemsize(dtype)
-
-    def channels_last(pointer: int, c: int, rows: int, cols: int, box, strides) -> TensorMap:
-        return TensorMap(pointer, dtype, (c, cols, rows, g.batch), (c * item, cols * c * item, rows * cols * c * item),
-                         box, strides)
-
-    return (channels_last(0, g.in_channels, h, w, (64, tile.cols, tile.rows, 1), (1, 1, 1, 1)),
-            channels_last(1, g.out_channels, h_out, w_out, halo_box, (1, sw, sh, 1)))
+    return (tensor_map.channels_last(0, dtype, g.input_shape, (64, tile.cols, tile.rows, 1)),
+            tensor_map.channels_last(1, dtype, g.output_shape, halo_box, (1, sw, sh, 1)))
 
 
 def grad_weight_eligible(g: Geometry, dtype: str, precision: str = "strict") -> bool:
