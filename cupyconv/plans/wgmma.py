@@ -234,12 +234,12 @@ def smem_bytes(g: Geometry, dtype: str, tile: HaloTile, ck: int, b_stages: int, 
     return halos + b_stages * groups * tile.bn * 16 * parts + (1024 if tma else 0)
 
 
-def halo_tensor_map(g: Geometry, dtype: str, tile: HaloTile, ck: int, pass_: str, groups_whole: bool
-                    ) -> Optional[TensorMap]:
+def halo_tensor_map(g: Geometry, dtype: str, tile: HaloTile, ck: int, pass_: str) -> Optional[TensorMap]:
     """The copy engine's descriptor of the halo-tile kernel's channels_last source (x for the forward, grad_output
     for grad_input), in boxes of a chunk's ``ck`` channels (128 bytes) x one phase plane of the halo, walked at
     the stride; None where the engine cannot take it (a plane wider than 256 source pixels, a stride past 8) or
-    where a chunk would run into the next group's channels (``groups_whole`` false), which must read as zeros."""
+    where a chunk would run into the next group's channels, which must read as zeros."""
+    groups_whole = g.groups == 1 or _channels(g, pass_)[0] % ck == 0
     if ck * _itemsize(dtype) != 128 or not groups_whole:
         return None
     halo_h, halo_w = halo_extent(g, tile, pass_)
@@ -528,7 +528,7 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
     # The copy engine lands halos the producer need not touch: 16-bit ones, or TF32 ones already rounded.
     src_map = None
     if parts == 1 and (kind != _TF32 or rounded_copy):
-        src_map = halo_tensor_map(g, dtype, tile, ck, pass_, g.groups == 1 or src_channels % ck == 0)
+        src_map = halo_tensor_map(g, dtype, tile, ck, pass_)
         if src_map is not None:
             padded = smem_bytes(g, dtype, tile, ck, b_stages, pass_, in_place, tma=True)
             src_map, smem = (src_map, padded) if padded <= SMEM_LIMIT else (None, smem)
