@@ -248,6 +248,12 @@ def base_cases() -> List[Case]:
     cases.append(Case("wgmma-weight-in-place-planes-bfloat16-nhwc", (1, 48, 7, 9), (48, 32, 3, 3),
                       _kw(stride=2, padding=1), False, "bfloat16", layout="nhwc", weight_cl=True,
                       variants=(("grad_input", "wgmma"),)))
+    # halos of 64-channel chunks land by the copy engine (TMA): the forward's boxes hang past the 3 x 7 input,
+    # grad_input's are walked at stride (2, 1), and grad_weight's tiles come through it as well
+    for dtype in ("float16", "bfloat16"):
+        cases.append(Case(f"wgmma-copy-engine-{dtype}-nhwc", (2, 64, 3, 7), (64, 64, 3, 4),
+                          _kw(stride=(2, 1), padding=(1, 0)), True, dtype, layout="nhwc",
+                          variants=(("forward", "wgmma"), ("grad_input", "wgmma"), ("grad_weight", "wgmma"))))
     # weight-bound: two 2 x 2 images of 128 channels, whose GEMMs split K (forward and grad_input each forced to
     # uneven ranges, in 16 bits a last one empty) and reduce the partials with the bias
     for dtype, precision, layout in (("float16", "strict", "nhwc"), ("bfloat16", "strict", "nchw"),

@@ -271,13 +271,14 @@ def _sums_in_float64(case: Huge, x, go, w64, rows: int = 512):
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 def test_reference_helpers_against_whole_tensors(channels_last):
-    """Runs without a GPU: the cropped float64 sub-problems reproduce torch's result on a small layer."""
+    """Runs with or without a GPU, on the big cases' device: the cropped float64 sub-problems reproduce torch's
+    result on a small layer."""
     case = Huge("small", (2, 3, 9, 7), 2, 3, 2, 1, 1, 1, torch.float64, channels_last, False)
     fmt = _memory_format(case)
     x = _random(case.input_shape, torch.float64, fmt, seed=0, rows=4).requires_grad_()
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    w = torch.randn(case.weight_shape, generator=gen, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(2, generator=gen, dtype=torch.float64, requires_grad=True)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w = torch.randn(case.weight_shape, generator=gen, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, generator=gen, device=DEVICE, dtype=torch.float64, requires_grad=True)
     assert x.is_contiguous(memory_format=fmt) and float(x.detach().std()) > 0.5
     y = F.conv_transpose2d(x, w, b, **case.kwargs())
     go = _random(tuple(y.shape), torch.float64, fmt, seed=1, rows=4)
