@@ -34,12 +34,15 @@ __device__ __forceinline__ void sum_run(const acc_t* __restrict__ run, index_t e
     }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK)
-reduce_partials(const acc_t* __restrict__ partial, scalar_t* __restrict__ out, index_t elements, index_t chunks) {
+// Every element's chunks added in order (VEC 1: an element a thread; VEC 4: runs of four) over a grid-stride
+// loop, and finish(e, sum) stored to out[e]: the one place both reduces below walk their elements.
+template <typename Finish>
+__device__ __forceinline__ void reduce_elements(const acc_t* __restrict__ partial, scalar_t* __restrict__ out,
+                                                index_t elements, index_t chunks, Finish finish) {
     if constexpr (VEC == 1) {
         for (index_t e = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; e < elements;
              e += static_cast<index_t>(gridDim.x) * BLOCK)
-            store(out + e, sum_chunks(partial, e, elements, chunks));
+            store(out + e, finish(e, sum_chunks(partial, e, elements, chunks)));
     } else {
         const index_t runs = elements / VEC;
         for (index_t r = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; r < runs;
@@ -47,38 +50,24 @@ reduce_partials(const acc_t* __restrict__ partial, scalar_t* __restrict__ out, i
             float s[4];
             sum_run(partial + r * VEC, elements, chunks, s);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) store(out + r * VEC + j, s[j]);
+            for (int j = 0; j < 4; ++j) store(out + r * VEC + j, finish(r * VEC + j, s[j]));
         }
     }
 }
 
+extern "C" __global__ void __launch_bounds__(BLOCK)
+reduce_partials(const acc_t* __restrict__ partial, scalar_t* __restrict__ out, index_t elements, index_t chunks) {
+    reduce_elements(partial, out, elements, chunks, [](index_t, acc_t s) { return s; });
+}
+
 // The split GEMMs' output: the bias of element e's channel, (e / channel_stride) % channels, is added after
-// the chunks (as the unsplit kernels add it after their K loop); a null bias adds nothing.  Runs of four (VEC 4)
-// as in reduce_partials; each element still takes its own channel's bias.
+// the chunks (as the unsplit kernels add it after their K loop); a null bias adds nothing.
 extern "C" __global__ void __launch_bounds__(BLOCK)
 reduce_partials_bias(const acc_t* __restrict__ partial, const scalar_t* __restrict__ bias, scalar_t* __restrict__ out,
                      index_t elements, index_t chunks, index_t channels, index_t channel_stride) {
-    if constexpr (VEC == 1) {
-        for (index_t e = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; e < elements;
-             e += static_cast<index_t>(gridDim.x) * BLOCK) {
-            acc_t s = sum_chunks(partial, e, elements, chunks);
-            if (bias != nullptr) s += acc_t(load(bias + e / channel_stride % channels));
-            store(out + e, s);
-        }
-    } else {
-        const index_t runs = elements / VEC;
-        for (index_t r = static_cast<index_t>(blockIdx.x) * BLOCK + threadIdx.x; r < runs;
-             r += static_cast<index_t>(gridDim.x) * BLOCK) {
-            float s[4];
-            sum_run(partial + r * VEC, elements, chunks, s);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const index_t e = r * VEC + j;
-                if (bias != nullptr) s[j] += static_cast<float>(load(bias + e / channel_stride % channels));
-                store(out + e, s[j]);
-            }
-        }
-    }
+    reduce_elements(partial, out, elements, chunks, [=](index_t e, acc_t s) {
+        return bias != nullptr ? s + acc_t(load(bias + e / channel_stride % channels)) : s;
+    });
 }
 
 // Few elements and many chunks (a thin layer's grad_weight, split over hundreds of pixel ranges): one thread an
