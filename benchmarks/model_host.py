@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import os
 import statistics
 import sys
 import time
@@ -23,27 +24,17 @@ from typing import Dict, List
 
 import torch
 
-# the benchmark's models with ConvTranspose2d layers (HiFi-GAN's are 1-D)
-TWO_D_MODELS = ("dcgan_generator", "unet", "pix2pix_unet")
-SIDES = ("torch", "cupyconv", "python_node")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_passes import TWO_D_MODELS, parse_model_args  # noqa: E402  (beside this script)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from cupyconv import model_bench
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", metavar="MODEL",
-                        help=f"of {', '.join(TWO_D_MODELS)} (default: all of them)")
-    parser.add_argument("--modes", nargs="+", default=list(model_bench.MODES), choices=model_bench.MODES)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; each side keeps its fastest")
     parser.add_argument("--steps", type=int, default=10, help="steps a round")
-    opts = parser.parse_args(argv)
-    for name in opts.models:
-        if name not in TWO_D_MODELS:
-            parser.error(f"model {name!r} is not one of {', '.join(TWO_D_MODELS)}")
+    opts = parse_model_args(parser, argv)
     if opts.rounds < 1 or opts.steps < 1:
         parser.error("--rounds and --steps must be positive")
-    opts.models = opts.models or list(TWO_D_MODELS)
     return opts
 
 

@@ -19,10 +19,11 @@ PASSES = ("forward", "grad_input", "grad_weight")
 TWO_D_MODELS = ("dcgan_generator", "unet", "pix2pix_unet")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_model_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Adds the models (all of :data:`TWO_D_MODELS` by default) and ``--modes`` to ``parser``, and parses
+    ``argv``; an unknown model is a usage error."""
     from cupyconv import model_bench
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", metavar="MODEL",
                         help=f"of {', '.join(TWO_D_MODELS)} (default: all of them)")
     parser.add_argument("--modes", nargs="+", default=list(model_bench.MODES), choices=model_bench.MODES)
@@ -32,6 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"model {name!r} is not one of {', '.join(TWO_D_MODELS)}")
     opts.models = opts.models or list(TWO_D_MODELS)
     return opts
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parse_model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]), argv)
 
 
 def model_layers(name: str, mode: str, device: str = "cuda") -> List[Tuple[tuple, object]]:
