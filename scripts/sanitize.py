@@ -284,6 +284,12 @@ def base_cases() -> List[Case]:
     cases.append(Case("expanded-taps-bfloat16-nhwc-weight_cl", (1, 16, 9, 9), (16, 5, 3, 3),
                       _kw(stride=2, padding=1, output_padding=1), False, "bfloat16", layout="nhwc", weight_cl=True,
                       variants=(("grad_input", "expanded_taps"), ("grad_weight", "expanded_taps:s3"))))
+    # NCHW, images of 40 pixels (pixel tiles across image borders, the last one part empty): TF32, strict float32
+    # (3xTF32) and bf16
+    for dtype, precision in (("float32", "tf32"), ("float32", "strict"), ("bfloat16", "strict")):
+        cases.append(Case(f"expanded-taps-{dtype}-{precision}-nchw", (3, 24, 5, 8), (24, 3, 4, 4),
+                          _kw(stride=2, padding=1), True, dtype, precision=precision, layout="nchw",
+                          variants=(("grad_input", "expanded_taps"), ("grad_weight", "expanded_taps"))))
     # the grouped mma forward, grad_input and grad_weight (8 input channels a group): grad_weight split over five
     # chunks and reduced, segments of 32 pixels past the row's end; six groups in grad_weight blocks of four (the
     # second block's last two warps idle); one chunk writing a channels_last weight's gradient itself, in segments

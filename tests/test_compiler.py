@@ -352,6 +352,16 @@ def _expanded_taps_plans():
                 seen.setdefault(plan.spec, f"expanded_taps-{name}-{dtype}-{plan.spec.function}")
         plan = expanded_taps.plan_grad_input(g, dtype, 132)
         seen.setdefault(plan.spec, f"expanded_taps-{name}-{dtype}-{plan.spec.function}")
+    # NCHW (images of whole 16-byte runs): float32 (TF32, 3xTF32) and bf16 on the RGB layer, fp16 on the dilated one
+    rgb = _layer((2, 128, 12, 10), (128, 3, 4, 4), stride=2, padding=1)
+    asym = _layer((2, 24, 8, 9), (24, 5, 3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1))
+    for name, g, dtype, precision in (("rgb_nchw", rgb, "float32", "tf32"), ("rgb_nchw", rgb, "float32", "strict"),
+                                      ("rgb_nchw", rgb, "bfloat16", "strict"),
+                                      ("asym_dilated_nchw", asym, "float16", "strict")):
+        for plan in (*expanded_taps.plan_grad_weight(g, dtype, 132, None, "nchw", precision),
+                     expanded_taps.plan_grad_input(g, dtype, 132, "nchw", precision)):
+            if plan is not None:
+                seen.setdefault(plan.spec, f"expanded_taps-{name}-{dtype}-{precision}-{plan.spec.function}")
     return seen
 
 
@@ -863,15 +873,44 @@ def test_scatter_gemm_kernels_build_for_sm_90a_without_spilling(tile, dtype, ptx
 @pytest.mark.parametrize("name", ["asym_dilated", "wide"])
 def test_expanded_taps_kernels_build_without_spilling(name):
     """The layers whose threads prefetch the most grad_output values (50 and 56 of :data:`MAX_PREFETCHED`) build
-    for sm_80 and sm_90 with no stack frame."""
+    for sm_80 and sm_90 with no stack frame, channels_last and NCHW (TF32 and bf16)."""
     g = EXPANDED_TAPS_LAYERS[name]
     assert expanded_taps.prefetched_values(g) >= 48
+    # the same layer on an image of whole 16-byte runs, for NCHW
+    nchw = geometry((g.batch, g.in_channels, 8, 8), g.weight_shape, None, g.params).with_weight_channels_last(
+        g.weight_channels_last)
+    # (strict float32, 3xTF32, takes up to 64 expanded columns: neither layer's 80 or 112; TF32 takes both)
+    assert not expanded_taps.eligible(nchw, "float32", "nchw", "strict")
     for spec in (expanded_taps.plan_grad_weight(g, "bfloat16", 132)[0].spec,
-                 expanded_taps.plan_grad_input(g, "float16", 132).spec):
+                 expanded_taps.plan_grad_input(g, "float16", 132).spec,
+                 expanded_taps.plan_grad_weight(nchw, "bfloat16", 132, None, "nchw")[0].spec,
+                 expanded_taps.plan_grad_input(nchw, "bfloat16", 132, "nchw").spec,
+                 expanded_taps.plan_grad_weight(nchw, "float32", 132, None, "nchw", "tf32")[0].spec,
+                 expanded_taps.plan_grad_input(nchw, "float32", 132, "nchw", "tf32").spec):
         for arch in ("sm_80", "sm_90"):
             log = _ptxas_log(spec, (f"-arch={arch}",))
             found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-            assert found and found.groups() == ("0", "0", "0"), (arch, log)
+            assert found and found.groups() == ("0", "0", "0"), (spec.function, arch, log)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "strict"])
+def test_expanded_taps_float32_rgb_kernels_build_without_spilling(precision):
+    """pix2pix's float32 RGB layer (NCHW, TF32 or 3xTF32) and a strict float32 layer of 64 expanded columns, the
+    most 3xTF32 takes, build for sm_90 (and, but TF32's grad_input, sm_80) with no stack frame.  TF32's grad_input
+    spills 8 bytes for sm_80 at 168 registers; asking for one block an SM removes it at 180-192 registers, a block
+    an SM fewer, so sm_80 keeps the spill."""
+    layers = [_layer((16, 128, 128, 128), (128, 3, 4, 4), stride=2, padding=1)]
+    if precision == "strict":
+        layers.append(_layer((2, 128, 8, 8), (128, 4, 4, 4), stride=2, padding=1))
+    for g in layers:
+        for spec in (expanded_taps.plan_grad_weight(g, "float32", 132, None, "nchw", precision)[0].spec,
+                     expanded_taps.plan_grad_input(g, "float32", 132, "nchw", precision).spec):
+            tf32_grad_input = precision == "tf32" and "grad_input" in spec.function
+            for arch in ("sm_90",) if tf32_grad_input else ("sm_80", "sm_90"):
+                log = _ptxas_log(spec, (f"-arch={arch}",))
+                found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                                  log)
+                assert found and found.groups() == ("0", "0", "0"), (spec.function, arch, log)
 
 
 @pytest.mark.parametrize("name", list(GROUPED_MMA_LAYERS))

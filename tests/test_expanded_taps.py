@@ -44,10 +44,55 @@ def test_eligibility(w_shape, kwargs, eligible, why):
         assert direct.fits(g, "bfloat16", "nhwc"), "an unaligned call needs the direct kernels"
 
 
-def test_only_16_bit_channels_last():
-    assert expanded_taps.eligible(PIX2PIX_RGB, "float16", "nhwc")
-    for dtype, layout in (("float32", "nhwc"), ("float64", "nhwc"), ("bfloat16", "nchw")):
-        assert not expanded_taps.eligible(PIX2PIX_RGB, dtype, layout), (dtype, layout)
+def test_16_bit_in_both_layouts_and_float32_in_nchw():
+    for dtype, layout, precision in (("float16", "nhwc", "strict"), ("bfloat16", "nchw", "strict"),
+                                     ("float32", "nchw", "tf32"), ("float32", "nchw", "strict")):
+        assert expanded_taps.eligible(PIX2PIX_RGB, dtype, layout, precision), (dtype, layout)
+    # channels_last float32 tiles would need 32-bit transposed fragment loads
+    for dtype, layout in (("float32", "nhwc"), ("float64", "nchw"), ("float64", "nhwc")):
+        assert not expanded_taps.eligible(PIX2PIX_RGB, dtype, layout, "tf32"), (dtype, layout)
+
+
+@pytest.mark.parametrize("size,dtype,eligible", [
+    ((9, 8), "bfloat16", True), ((9, 8), "float32", True), ((5, 4), "bfloat16", False), ((5, 4), "float32", True),
+    ((7, 7), "float32", False), ((1, 16), "float16", True),
+])
+def test_nchw_needs_images_of_whole_16_byte_runs_of_pixels(size, dtype, eligible):
+    """A 16-byte copy or store of an NCHW tile holds 8 16-bit or 4 float32 pixels of one image; the input
+    channels need no such runs there."""
+    g = _layer((2, 100) + size, (100, 3, 4, 4), stride=2, padding=1)
+    assert expanded_taps.eligible(g, dtype, "nchw", "tf32") is eligible
+
+
+def test_nchw_plans_read_channel_runs_of_pixels_and_keep_the_ring_within_shared_memory():
+    """grad_weight's K tile is 128 bytes of each channel's pixels (64 16-bit, 32 float32): a ring stage holds
+    (channels + 48 columns) rows of 128 + 16 bytes, four stages.  grad_input's tiles: the weight's channel block and
+    G's pixels, rows of 48 columns, and the output's channel rows, each row 16 bytes longer.  float32 multiplies as
+    TF32 (kind 2) where allowed, else as 3xTF32 (kind 3), which holds three forms of each fragment and a second
+    set of accumulators: 64 channels a grad_weight block, 64 channels by 32 pixels a grad_input tile."""
+    for dtype, precision, kind, itemsize, bm, tp_weight, bn, tp_input in (
+            ("float32", "tf32", 2, 4, 128, 32, 128, 64), ("float32", "strict", 3, 4, 64, 32, 64, 32),
+            ("bfloat16", "strict", 1, 2, 128, 64, 128, 64)):
+        partial, reduce = expanded_taps.plan_grad_weight(PIX2PIX_RGB, dtype, 132, None, "nchw", precision)
+        c = dict(partial.spec.constants)
+        assert (c["NCHW"], c["MMA_KIND"], c["TP"], c["BM"], c["STAGES"]) == (True, kind, tp_weight, bm, 4)
+        assert partial.smem_bytes == 4 * (bm + 48) * (128 + 16) <= expanded_taps.SMEM_LIMIT
+        assert partial.grid[1] == 128 // bm and reduce is not None
+        gi = expanded_taps.plan_grad_input(PIX2PIX_RGB, dtype, 132, "nchw", precision)
+        c = dict(gi.spec.constants)
+        assert (c["NCHW"], c["MMA_KIND"], c["TP"], c["BN"]) == (True, kind, tp_input, bn)
+        assert gi.grid[1] == 128 // bn
+        assert gi.smem_bytes == (bn + tp_input) * (48 * itemsize + 16) + bn * (tp_input * itemsize + 16)
+    nhwc = dict(expanded_taps.plan_grad_input(PIX2PIX_RGB, "bfloat16", 132).spec.constants)
+    assert nhwc["NCHW"] is False
+
+
+def test_strict_float32_takes_up_to_64_expanded_columns():
+    four = _layer((2, 128, 8, 8), (128, 4, 4, 4), stride=2, padding=1)
+    five = _layer((2, 128, 8, 8), (128, 5, 4, 4), stride=2, padding=1)
+    assert expanded_taps.eligible(four, "float32", "nchw", "strict")
+    assert not expanded_taps.eligible(five, "float32", "nchw", "strict")
+    assert expanded_taps.eligible(five, "float32", "nchw", "tf32") and expanded_taps.eligible(five, "bfloat16", "nchw")
 
 
 def test_grad_weight_plan_fills_the_gpu_and_reduces_in_a_wide_fixed_order():
@@ -91,7 +136,8 @@ def test_channel_blocks_follow_the_input_channels_and_accumulators():
 def test_every_ring_depth_plans_within_shared_memory(stages):
     partial, _ = expanded_taps.plan_grad_weight(PIX2PIX_RGB, "bfloat16", 132, stages)
     assert dict(partial.spec.constants)["STAGES"] == stages
-    assert partial.smem_bytes == expanded_taps.weight_smem_bytes(PIX2PIX_RGB, stages) <= expanded_taps.SMEM_LIMIT
+    assert partial.smem_bytes == expanded_taps.weight_smem_bytes(PIX2PIX_RGB, "bfloat16", "nhwc", stages) \
+        <= expanded_taps.SMEM_LIMIT
     with pytest.raises(ValueError, match="stages"):
         expanded_taps.plan_grad_weight(PIX2PIX_RGB, "bfloat16", 132, 6)
 
@@ -108,7 +154,7 @@ def test_the_ring_fits_the_least_shared_memory_of_the_gpus_it_runs_on(w_shape):
     assert dict(partial.spec.constants)["STAGES"] == stages
     assert partial.smem_bytes <= expanded_taps.SMEM_LIMIT
     if stages < expanded_taps.STAGES:
-        assert expanded_taps.weight_smem_bytes(g, expanded_taps.STAGES) > expanded_taps.SMEM_LIMIT
+        assert expanded_taps.weight_smem_bytes(g, "float16", "nhwc", expanded_taps.STAGES) > expanded_taps.SMEM_LIMIT
     assert expanded_taps.plan_grad_input(g, "float16", 132).smem_bytes <= expanded_taps.SMEM_LIMIT
     assert (stages == 3) is (w_shape[:2] in ((128, 4), (64, 8)))
 
@@ -137,7 +183,9 @@ def test_the_table_leads_its_passes_with_it_on_tensor_core_gpus():
     weight = table.candidates("grad_weight", PIX2PIX_RGB, "bfloat16", "nhwc")
     assert {v.kwargs.get("stages") for v in weight if v.family == "expanded_taps"} == {None, 3}
     assert EXPANDED not in table.candidates("forward", PIX2PIX_RGB, "bfloat16", "nhwc")
-    assert EXPANDED not in table.candidates("grad_weight", PIX2PIX_RGB, "bfloat16", "nchw")
+    for dtype, precision in (("bfloat16", "strict"), ("float32", "tf32"), ("float32", "strict")):
+        assert table.candidates("grad_weight", PIX2PIX_RGB, dtype, "nchw", precision)[0] == EXPANDED, dtype
+    assert EXPANDED not in table.candidates("grad_weight", PIX2PIX_RGB, "float32", "nhwc", "tf32")
     for arch, cores in (("80", MMA_SYNC), ("70", NO_TENSOR_CORES)):
         dev = dataclasses.replace(ASSUMED, arch=arch, tensor_cores=cores)
         first = table.candidates("grad_input", PIX2PIX_RGB, "bfloat16", "nhwc", "strict", dev)[0]

@@ -124,18 +124,22 @@ __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], unsigned addr) {
 // shared-memory tiles, for the 64 bytes of K of one stage.  With B_K_PITCH (words, 16-bit
 // kinds only) the B tile is [K][N] instead, B_K_PITCH words from one k row to the next, and
 // its fragments come through ldmatrix.trans (a channels_last weight's output channels run along N).
-template <int KIND, int MI, int NI, int B_K_PITCH = 0>
+// A_PITCH and B_PITCH (words, 4 mod 8 so that one ldmatrix phase's rows fall on disjoint banks) and KSTEPS
+// (32 bytes of K each) shape tiles other than the GEMM loop's 80-byte rows, for every kind.
+template <int KIND, int MI, int NI, int B_K_PITCH = 0, int A_PITCH = ROW_WORDS, int B_PITCH = ROW_WORDS,
+          int KSTEPS = TILE_K_WORDS / KSTEP_WORDS>
 __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const unsigned* a_tile,
                                               const unsigned* b_tile, int warp_row, int warp_col, int lane) {
     static_assert(NI % 2 == 0, "B fragments are loaded two n8 tiles at a time");
     static_assert(B_K_PITCH == 0 || KIND == MMA_F16 || KIND == MMA_BF16, "[K][N] B tiles hold 16-bit operands");
+    static_assert(A_PITCH % 8 == 4 && B_PITCH % 8 == 4, "conflict-free ldmatrix rows");
 #pragma unroll
-    for (int ks = 0; ks < TILE_K_WORDS / KSTEP_WORDS; ++ks) {
+    for (int ks = 0; ks < KSTEPS; ++ks) {
         unsigned a[MI][4], b[NI][2];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
             const int row = warp_row + mi * 16 + (lane & 15);
-            ldmatrix_x4(a[mi], smem_addr(a_tile + row * ROW_WORDS + ks * KSTEP_WORDS + (lane >> 4) * 4));
+            ldmatrix_x4(a[mi], smem_addr(a_tile + row * A_PITCH + ks * KSTEP_WORDS + (lane >> 4) * 4));
         }
 #pragma unroll
         for (int ni = 0; ni < NI; ni += 2) {
@@ -146,7 +150,7 @@ __device__ __forceinline__ void warp_tile_mma(float (&acc)[MI][NI][4], const uns
                 ldmatrix_x4_trans(r, smem_addr(b_tile + k * B_K_PITCH + n / 2));
             } else {
                 const int row = warp_col + ni * 8 + (lane & 7) + ((lane >> 4) << 3);
-                ldmatrix_x4(r, smem_addr(b_tile + row * ROW_WORDS + ks * KSTEP_WORDS + ((lane >> 3) & 1) * 4));
+                ldmatrix_x4(r, smem_addr(b_tile + row * B_PITCH + ks * KSTEP_WORDS + ((lane >> 3) & 1) * 4));
             }
             b[ni][0] = r[0]; b[ni][1] = r[1]; b[ni + 1][0] = r[2]; b[ni + 1][1] = r[3];
         }

@@ -5,28 +5,37 @@
 // tensor-core tile:
 //   grad_weight[ic][oc][tap] = sum over p of x[p][ic] * G[p][tap * COUT + oc]
 //   grad_input[p][ic]        = sum over c of G[p][c] * weight[ic][oc][tap]
-// The threads build a tile of TP consecutive pixels in shared memory from channels_last grad_out.  A thread
-// takes whole (pixel, kernel row) runs: a run's KW * COUT values lie in one output row, a single stretch of
-// memory where DW is 1, so one pixel's decode serves them all.  Columns from EXPANDED up to EXPANDED_PAD are never written.
+// The threads build a tile of TP consecutive pixels in shared memory from grad_out.  A thread takes whole
+// (pixel, kernel row) runs: a run's KW * COUT values lie in one output row (a single stretch of memory where
+// grad_out is channels_last and DW is 1; KW values in each of COUT planes where it is NCHW), so one pixel's
+// decode serves them all.  Columns from EXPANDED up to EXPANDED_PAD are never written.
 // Needs layer.cuh.
 #pragma once
 
 constexpr int EXPANDED = TAPS * COUT;
 constexpr int EXPANDED_PAD = (EXPANDED + 15) / 16 * 16;   // whole k16 steps and pairs of n8 tiles
 
+// The raw bits of one stored element: 16-bit types as unsigned short, float32 as unsigned.
+template <int BYTES> struct RawBits;
+template <> struct RawBits<2> { typedef unsigned short type; };
+template <> struct RawBits<4> { typedef unsigned type; };
+typedef RawBits<sizeof(scalar_t)>::type raw_t;
+
 // A thread's share of one tile, held in registers between load() and store(): loads for the next tile go out
-// before the current tile's MMAs and land while they run.
-template <int TP, int THREADS>
+// before the current tile's MMAs and land while they run.  NCHW: grad_out's layout.
+template <int TP, int THREADS, bool NCHW>
 struct ExpandedTapsRuns {
-    static_assert(sizeof(scalar_t) == 2, "the expanded tile holds 16-bit values");
+    static_assert(sizeof(scalar_t) == 2 || sizeof(scalar_t) == 4, "the expanded tile holds 16- or 32-bit values");
     static constexpr int RUNS = (TP * KH + THREADS - 1) / THREADS;   // (pixel, kernel row) runs of a thread
     static constexpr int RUN = KW * COUT;
-    unsigned short values[RUNS][RUN];
+    raw_t values[RUNS][RUN];
 
     // Tile of pixels p0 .. p0 + TP - 1; pixels from `pixels` on are zero.
     __device__ __forceinline__ void load(const scalar_t* __restrict__ grad_out, index_t p0, index_t pixels, index_t H,
                                          index_t W, index_t H_out, index_t W_out) {
-        const unsigned short* src = reinterpret_cast<const unsigned short*>(grad_out);
+        const raw_t* src = reinterpret_cast<const raw_t*>(grad_out);
+        // strides of a (kernel column, output channel) step from the run's first value
+        const index_t kw_step = NCHW ? DW : DW * COUT, oc_step = NCHW ? H_out * W_out : 1;
 #pragma unroll
         for (int r = 0; r < RUNS; ++r) {
             const int e = threadIdx.x + r * THREADS, q = e % TP, kh = e / TP;
@@ -35,20 +44,21 @@ struct ExpandedTapsRuns {
             const index_t i = row % H, n = row / H;
             const index_t oh = i * SH - PH + kh * DH, ow0 = j * SW - PW;
             const bool row_ok = e < TP * KH && p < pixels && oh >= 0 && oh < H_out;
-            const index_t base = ((n * H_out + oh) * W_out + ow0) * COUT;   // read only where the pixel is in range
+            // read only where the pixel is in range
+            const index_t base = NCHW ? (n * COUT * H_out + oh) * W_out + ow0 : ((n * H_out + oh) * W_out + ow0) * COUT;
 #pragma unroll
             for (int kw = 0; kw < KW; ++kw) {
                 const index_t ow = ow0 + kw * DW;
                 const bool ok = row_ok && ow >= 0 && ow < W_out;
 #pragma unroll
                 for (int oc = 0; oc < COUT; ++oc)
-                    values[r][kw * COUT + oc] = ok ? __ldg(src + base + static_cast<index_t>(kw * DW * COUT + oc))
-                                                   : static_cast<unsigned short>(0);
+                    values[r][kw * COUT + oc] = ok ? __ldg(src + base + kw * kw_step + oc * oc_step)
+                                                   : static_cast<raw_t>(0);
             }
         }
     }
 
-    // put(q, c, bits) stores the raw 16 bits of G[p0 + q][c].
+    // put(q, c, bits) stores the raw bits of G[p0 + q][c].
     template <typename Put>
     __device__ __forceinline__ void store(Put&& put) const {
 #pragma unroll
