@@ -87,6 +87,13 @@ def test_nchw_plans_read_channel_runs_of_pixels_and_keep_the_ring_within_shared_
     assert nhwc["NCHW"] is False
 
 
+def test_nchw_needs_eight_input_channels():
+    """Fewer input channels would leave grad_weight's M tiles and grad_input's N tiles mostly empty."""
+    for channels, eligible in ((1, False), (7, False), (8, True), (9, True)):
+        g = _layer((1, channels, 16, 16), (channels, 2, 2, 2), stride=2)
+        assert expanded_taps.eligible(g, "float32", "nchw", "tf32") is eligible, channels
+
+
 def test_strict_float32_takes_up_to_64_expanded_columns():
     four = _layer((2, 128, 8, 8), (128, 4, 4, 4), stride=2, padding=1)
     five = _layer((2, 128, 8, 8), (128, 5, 4, 4), stride=2, padding=1)

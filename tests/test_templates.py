@@ -106,7 +106,7 @@ def test_the_expanded_taps_templates_inline_the_mma_and_expansion_headers(name):
     text = templates.expanded(name)
     assert "#include" not in text
     assert "ldmatrix_x4_trans" in text and "struct ExpandedTapsRuns" in text and "weight_index" in text
-    tile = {"MMA_KIND", "TP"} | ({"BM", "STAGES", "SINGLE_CHUNK"} if "grad_weight" in name else {"BN"})
+    tile = {"MMA_KIND", "NCHW", "TP"} | ({"BM", "STAGES", "SINGLE_CHUNK"} if "grad_weight" in name else {"BN"})
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 

@@ -65,15 +65,14 @@ def _three_fold(dtype: str, precision: str) -> bool:
 def eligible(g: Geometry, dtype: str, layout: str, precision: str = "strict") -> bool:
     """Layers of one group with fewer than 16 output channels, at most :data:`MAX_EXPANDED` expanded columns and
     :data:`MAX_PREFETCHED` values a thread to prefetch: fp16/bf16 channels_last with input channels in whole
-    16-byte runs; fp16, bf16 or float32 (strict float32 up to :data:`MAX_EXPANDED_3XTF32` columns) NCHW with
-    images of whole 16-byte runs of pixels (a run never spans two images).  The direct kernels take an unaligned
-    call, so they must fit the layer too."""
+    16-byte runs; fp16, bf16 or float32 (strict float32 up to :data:`MAX_EXPANDED_3XTF32` columns) NCHW with 8
+    or more input channels (fewer leave the tiles mostly empty) and images of whole 16-byte runs of pixels (a run
+    never spans two images).  The direct kernels take an unaligned call, so they must fit the layer too."""
     if layout == "nhwc":
         fits_layout = dtype in ("float16", "bfloat16") and g.in_channels % 8 == 0
     else:
-        fits_layout = ((dtype in ("float16", "bfloat16")
-                        or (dtype == "float32" and (not _three_fold(dtype, precision)
-                                                    or expanded_columns(g) <= MAX_EXPANDED_3XTF32)))
+        three_fold_fits = not _three_fold(dtype, precision) or expanded_columns(g) <= MAX_EXPANDED_3XTF32
+        fits_layout = (dtype in ("float16", "bfloat16", "float32") and three_fold_fits and g.in_channels >= 8
                        and (g.in_size[0] * g.in_size[1]) % _vector(dtype) == 0)
     return (fits_layout and g.groups == 1 and g.out_channels <= MAX_OUT_CHANNELS
             and expanded_columns(g) <= MAX_EXPANDED and prefetched_values(g) <= MAX_PREFETCHED
