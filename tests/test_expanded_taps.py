@@ -215,3 +215,56 @@ def test_plans_per_pass_and_unaligned_fallback():
                             ("grad_weight", "conv_transpose2d_grad_weight_nhwc_partial")):
         unaligned = family.plan(pass_, EXPANDED, PIX2PIX_RGB, "bfloat16", "nhwc", "strict", False, False, 132)
         assert function in {p.spec.function for p in unaligned.plans()}, pass_
+
+
+# ------------------------------------------------------------------------------------------ emulation
+
+import numpy as np  # noqa: E402
+
+import cuda_emulator  # noqa: E402
+from cupyconv import reference  # noqa: E402
+from test_kernels_emulated import C_TYPE, _storage, _values  # noqa: E402
+
+emulated = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ to emulate the kernels")
+# per-element bounds, times the sum of the terms' magnitudes: TF32's rounding, 3xTF32's dropped residual product,
+# and a 16-bit result's rounding
+EMULATED_BOUND = {("float32", "tf32"): 2 * 2.0 ** -10, ("float32", "strict"): 1e-5, ("bfloat16", "strict"): 2 ** -6,
+                  ("float16", "strict"): 2 ** -9}
+
+
+@emulated
+@pytest.mark.parametrize("dtype,layout,precision", [("float32", "nchw", "tf32"), ("float32", "nchw", "strict"),
+                                                    ("bfloat16", "nchw", "strict"), ("float16", "nhwc", "strict")])
+def test_the_emulated_kernels_match_the_float64_reference(dtype, layout, precision):
+    """Both gradients run by the C++ emulator (``mma.sync``, ``ldmatrix`` plain and transposed, as the PTX manual
+    lays out their fragments) on a 40-channel RGB layer of two images whose pixel tiles cross the image border:
+    every value within the dtype's bound of the sum of its terms' magnitudes.  grad_weight's pixel ranges write
+    float32 partials, added here in order (the reduce kernel is tested on its own)."""
+    g = _layer((2, 40, 5, 8), (40, 3, 4, 4), stride=2, padding=1)
+    kwargs = dict(stride=(2, 2), padding=(1, 1), output_padding=(0, 0), groups=1, dilation=(1, 1))
+    rng = np.random.default_rng(11)
+    x, w, go = (_storage(rng.standard_normal(shape), dtype) for shape in (g.input_shape, g.weight_shape,
+                                                                          g.output_shape))
+    nhwc = layout == "nhwc"
+    arranged = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1))) if nhwc else (lambda a: a)
+    gi_plan = expanded_taps.plan_grad_input(g, dtype, 132, layout, precision)
+    gw_plan, reduce = expanded_taps.plan_grad_weight(g, dtype, 132, None, layout, precision)
+    ranges = gw_plan.grid[0]
+    assert ranges > 1 and reduce is not None
+    c_type = C_TYPE[dtype]
+    *_, gi = cuda_emulator.run(gi_plan, [arranged(go), w, arranged(_storage(np.full(g.input_shape, np.nan), dtype))],
+                               [c_type] * 3)
+    *_, partials = cuda_emulator.run(gw_plan, [arranged(x), arranged(go),
+                                               np.full((ranges,) + g.weight_shape, np.nan, np.float32)],
+                                     [c_type, c_type, "float"])
+    gw = _storage(partials.astype(np.float64).sum(axis=0), dtype)
+    if nhwc:
+        gi = gi.transpose(0, 3, 1, 2)
+    x64, w64, go64 = (_values(a, dtype) for a in (x, w, go))
+    want = reference.conv_transpose2d_backward(go64, x64, w64, **kwargs)[:2]
+    magnitude = reference.conv_transpose2d_backward(np.abs(go64), np.abs(x64), np.abs(w64), **kwargs)[:2]
+    for what, ours, ref, mag in zip(("grad_input", "grad_weight"), (gi, gw), want, magnitude):
+        ours = _values(ours, dtype)
+        assert np.isfinite(ours).all(), f"{what}: values left unwritten"
+        bad = np.abs(ours - ref) > EMULATED_BOUND[dtype, precision] * mag
+        assert not bad.any(), f"{what}: {int(bad.sum())} of {ours.size} off; worst {np.abs(ours - ref).max():.3e}"
