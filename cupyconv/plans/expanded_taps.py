@@ -83,10 +83,8 @@ def _check_eligible(g: Geometry, dtype: str, layout: str, precision: str) -> Non
     if not eligible(g, dtype, layout, precision):
         raise ValueError("the expanded-taps kernels run layers of one group with fewer than 16 output channels: "
                          "fp16 and bf16 channels_last with input channels in multiples of 8, or fp16, bf16 and "
-                         "float32 NCHW with images of whole 16-byte runs of pixels")
-
-
-
+                         "float32 NCHW with 8 or more input channels and images of whole 16-byte runs of pixels "
+                         f"(strict float32: at most {MAX_EXPANDED_3XTF32} taps x output channels)")
 
 
 def _pixels(g: Geometry) -> int:
