@@ -12,7 +12,8 @@ import pytest
 
 from cupyconv.core import dtypes
 from cupyconv.jit import compiler
-from cupyconv.plans import direct, expanded_taps, gemm, grouped_mma, launch, reduction, scatter_gemm, table, wgmma
+from cupyconv.plans import (direct, expanded_taps, gemm, grouped_mma, launch, reduction, scatter_gemm, table,
+                            thin_mma, wgmma)
 from cupyconv.jit.compiler import KernelCompileError, KernelSpec, compile_ptx
 from cupyconv.core.geometry import ConvParams, geometry
 from cupyconv.tuning.variants import Variant
@@ -398,8 +399,24 @@ def _grouped_mma_plans():
     return seen
 
 
+# The thin-output forward: an RGB layer (stride 2, bias), one of stride 1 with 8 output channels, and one of
+# asymmetric stride and dilation with a part-empty channel chunk and a channels_last weight
+THIN_MMA_LAYERS = {
+    "rgb": (_layer((2, 128, 12, 10), (128, 3, 4, 4), stride=2, padding=1), True),
+    "eight_s1": (_layer((2, 16, 9, 7), (16, 8, 3, 3), stride=1, padding=1), False),
+    "asym_wcl": (_layer((2, 40, 7, 5), (40, 5, 5, 3), stride=(3, 2), padding=(2, 1), output_padding=(1, 0),
+                        dilation=(1, 2)).with_weight_channels_last(), True),
+}
+
+
+def _thin_mma_plans():
+    return {thin_mma.plan_forward(g, "float32", bias).spec: f"thin_mma-{name}"
+            for name, (g, bias) in THIN_MMA_LAYERS.items()}
+
+
 WGMMA_PLANS = _wgmma_plans()
-PLANS = {**_plans(), **_gemm_plans(), **WGMMA_PLANS, **_expanded_taps_plans(), **_grouped_mma_plans()}
+PLANS = {**_plans(), **_gemm_plans(), **WGMMA_PLANS, **_expanded_taps_plans(), **_grouped_mma_plans(),
+         **_thin_mma_plans()}
 
 
 def test_variants_reach_every_template_and_both_index_widths():
@@ -891,6 +908,18 @@ def test_expanded_taps_kernels_build_without_spilling(name):
             log = _ptxas_log(spec, (f"-arch={arch}",))
             found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
             assert found and found.groups() == ("0", "0", "0"), (spec.function, arch, log)
+
+
+@pytest.mark.parametrize("name", list(THIN_MMA_LAYERS))
+def test_thin_mma_kernels_build_without_spilling(name):
+    """The thin-output forward builds for sm_80 and sm_90 with no stack frame (its two k8 steps a chunk run one
+    after the other: unrolled, ptxas held 236 registers on the RGB layer)."""
+    g, bias = THIN_MMA_LAYERS[name]
+    spec = thin_mma.plan_forward(g, "float32", bias).spec
+    for arch in ("sm_80", "sm_90"):
+        log = _ptxas_log(spec, (f"-arch={arch}",))
+        found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert found and found.groups() == ("0", "0", "0"), (arch, log)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "strict"])

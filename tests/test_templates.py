@@ -28,6 +28,7 @@ TILED = {"conv_transpose2d_forward_tiled.cu"}
 EXPANDED_TAPS = {"conv_transpose2d_grad_input_expanded_taps.cu", "conv_transpose2d_grad_weight_expanded_taps.cu"}
 GROUPED_MMA = {"conv_transpose2d_forward_grouped_mma.cu", "conv_transpose2d_grad_input_grouped_mma.cu",
                "conv_transpose2d_grad_weight_grouped_mma.cu"}
+THIN_MMA = {"conv_transpose2d_forward_thin_mma.cu"}
 # the constants of kernels/include/layer.cuh: every layer template takes them
 LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G",
                    "WEIGHT_CL"})
@@ -36,7 +37,7 @@ LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CI
 def test_every_template_is_found():
     assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
                                                | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED | SCATTER_GEMM
-                                               | EXPANDED_TAPS | GROUPED_MMA)
+                                               | EXPANDED_TAPS | GROUPED_MMA | THIN_MMA)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
@@ -108,6 +109,13 @@ def test_the_expanded_taps_templates_inline_the_mma_and_expansion_headers(name):
     assert "ldmatrix_x4_trans" in text and "struct ExpandedTapsRuns" in text and "weight_index" in text
     tile = {"MMA_KIND", "NCHW", "TP"} | ({"BM", "STAGES", "SINGLE_CHUNK"} if "grad_weight" in name else {"BN"})
     assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
+
+
+def test_the_thin_mma_template_inlines_the_mma_header():
+    name, = THIN_MMA
+    text = templates.expanded(name)
+    assert "#include" not in text and "ldmatrix_x4" in text and "weight_index" in text
+    assert {"SCALAR_T", "INDEX_T", "HAS_BIAS", "PR"} | LAYER == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))

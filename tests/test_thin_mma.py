@@ -1,0 +1,87 @@
+"""The thin-output forward's planner (no GPU): which layers it takes, what it launches, where the table puts it."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cupyconv.core.device import ASSUMED, MMA_SYNC, NO_TENSOR_CORES
+from cupyconv.core.geometry import ConvParams, geometry
+from cupyconv.plans import gemm, table, thin_mma
+from cupyconv.plans.sequences import OneKernel
+from cupyconv.tuning import Variant
+
+
+def _layer(x_shape, w_shape, **kwargs):
+    return geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
+
+
+PIX2PIX_RGB = _layer((16, 128, 128, 128), (128, 3, 4, 4), stride=2, padding=1)
+THIN = Variant("thin_mma")
+
+
+@pytest.mark.parametrize("x_shape,w_shape,kwargs,dtype,precision,eligible,why", [
+    ((2, 128, 9, 7), (128, 3, 4, 4), dict(stride=2, padding=1), "float32", "tf32", True, "an RGB output layer"),
+    ((2, 16, 9, 7), (16, 8, 3, 3), dict(stride=1, padding=1), "float32", "tf32", True, "8 output channels"),
+    ((2, 16, 9, 7), (16, 9, 3, 3), dict(stride=1, padding=1), "float32", "tf32", False, "9 output channels"),
+    ((2, 15, 9, 7), (15, 3, 4, 4), dict(stride=2), "float32", "tf32", False, "15 input channels: under a chunk"),
+    ((2, 128, 9, 7), (128, 3, 4, 4), dict(stride=2), "float32", "strict", False, "strict float32"),
+    ((2, 128, 9, 7), (128, 3, 4, 4), dict(stride=2), "bfloat16", "strict", False, "16-bit: the wgmma thin tiles"),
+    ((2, 128, 9, 7), (128, 3, 4, 4), dict(stride=2, groups=2), "float32", "tf32", False, "two groups"),
+    ((2, 32, 9, 7), (32, 3, 5, 5), dict(stride=5), "float32", "tf32", False, "stride 5"),
+    ((2, 32, 9, 7), (32, 3, 4, 4), dict(stride=4), "float32", "tf32", True, "stride 4: 16 tiles a warp"),
+])
+def test_eligibility(x_shape, w_shape, kwargs, dtype, precision, eligible, why):
+    g = _layer(x_shape, w_shape, **kwargs)
+    assert thin_mma.eligible(g, dtype, "nchw", precision) is eligible, why
+    assert not thin_mma.eligible(g, dtype, "nhwc", precision)
+
+
+def test_the_window_covers_every_tap_of_every_phase():
+    """For each output row of a tile, every tap that feeds it reads a window row in range, and the last row is
+    read (the first may not be, where a dilated tap skips it): the kernel's offsets, worked through in Python."""
+    for k, s, p, d in ((4, 2, 1, 1), (3, 1, 1, 1), (3, 2, 1, 2), (5, 3, 2, 1), (2, 4, 0, 1), (4, 2, 3, 1)):
+        g = _layer((1, 16, 6, 6), (16, 3, k, k), stride=s, padding=p, dilation=d)
+        rows = thin_mma.phase_rows(g)
+        height, _ = thin_mma.window(g, rows)
+        low = (p - (k - 1) * d) // s
+        seen = set()
+        for r in range(s * rows):
+            for kh in range(k):
+                if (r + p - kh * d) % s == 0:
+                    row = (r + p - kh * d) // s - low
+                    assert 0 <= row < height, (k, s, p, d, r, kh)
+                    seen.add(row)
+        assert height - 1 in seen, (k, s, p, d)
+
+
+def test_plan_launches_a_block_a_tile_and_image_within_shared_memory():
+    plan = thin_mma.plan_forward(PIX2PIX_RGB, "float32", False)
+    c = dict(plan.spec.constants)
+    assert c["PR"] == 8 and c["HAS_BIAS"] is False
+    # tiles of 16 x 32 output pixels over 256 x 256, one grid row an image
+    assert plan.grid == ((256 // 16) * (256 // 32), 16, 1) and plan.block == (128, 1, 1)
+    assert plan.scalars == (128, 128, 256, 256, 256 // 32)
+    # two stages of a 10 x 18 window and 16 taps x 8 weight rows, 80 bytes a row, and the 3 x 16 x 32 output tile
+    assert plan.smem_bytes == 2 * (10 * 18 + 16 * 8) * 80 + 3 * 16 * 32 * 4 <= thin_mma.SMEM_LIMIT
+    assert thin_mma.plan_forward(_layer((2, 32, 9, 7), (32, 3, 3, 3), stride=3), "float32", True).spec.constants
+    with pytest.raises(ValueError, match="thin-output forward"):
+        thin_mma.plan_forward(PIX2PIX_RGB, "float32", False, "strict")
+
+
+def test_the_table_puts_it_ahead_of_the_direct_and_tiled_kernels_which_race_it():
+    cands = table.candidates("forward", PIX2PIX_RGB, "float32", "nchw", "tf32")
+    assert cands[0] == THIN and Variant("direct") in cands and any(v.family == "tiled" for v in cands)
+    assert THIN not in table.candidates("forward", PIX2PIX_RGB, "float32", "nchw", "strict")
+    assert THIN not in table.candidates("grad_input", PIX2PIX_RGB, "float32", "nchw", "tf32")
+    for arch, cores in (("80", MMA_SYNC), ("70", NO_TENSOR_CORES)):
+        dev = dataclasses.replace(ASSUMED, arch=arch, tensor_cores=cores)
+        first = table.candidates("forward", PIX2PIX_RGB, "float32", "nchw", "tf32", dev)[0]
+        assert (first == THIN) is (cores == MMA_SYNC), arch
+    plan = thin_mma.FAMILY.plan("forward", THIN, PIX2PIX_RGB, "float32", "nchw", "tf32", True, False, 132)
+    assert isinstance(plan, OneKernel) and plan.main.spec.function == "conv_transpose2d_forward_thin_mma"
+
+
+def test_switching_the_tensor_cores_off_leaves_the_direct_kernels(monkeypatch):
+    monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
+    assert not thin_mma.FAMILY.eligible("forward", PIX2PIX_RGB, "float32", "nchw", ASSUMED, "tf32")

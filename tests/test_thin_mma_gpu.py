@@ -1,0 +1,130 @@
+"""The thin-output forward (NCHW float32 as TF32 on mma.sync, few output channels) on a GPU, against float64.
+
+Each case pins the forward to the ``thin_mma`` family and checks, through ``launch.watch()``, that its kernel ran;
+the output must be finite (free blocks of its size are NaN-filled first), every element within twice TF32's
+epsilon of the sum of its terms' magnitudes, and no worse than twice torch's own error, taken as at least that of
+an exact product of TF32-rounded operands (cuDNN answers these layers without TF32).  Needs an sm_80 or newer
+GPU.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
+]
+
+import cupyconv.torch as ct  # noqa: E402
+from cupyconv import tuning  # noqa: E402
+from cupyconv.core import device as core_device  # noqa: E402
+from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
+from cupyconv.plans import launch, table, thin_mma  # noqa: E402
+from cupyconv.tuning import Variant  # noqa: E402
+
+from layers import Layer  # noqa: E402
+from test_gemm_gpu import _data  # noqa: E402
+from tf32 import round_tf32  # noqa: E402
+
+THIN = Variant("thin_mma")
+FUNCTION = "conv_transpose2d_forward_thin_mma"
+TF32_EPS = 2.0 ** -10
+
+
+@pytest.fixture(scope="module")
+def ampere_or_newer():
+    dev = core_device.get(torch.cuda.current_device())
+    if dev.capability < (8, 0):
+        pytest.skip(f"this kernel needs mma.sync (sm_80 or newer); this GPU ({dev.name}) is sm_{dev.arch}")
+    return dev
+
+
+@pytest.fixture
+def tf32_on():
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
+# (batch, C_in, C_out, kernel, stride, padding, output_padding, dilation, groups, bias, size)
+LAYERS = {
+    # an RGB output layer; three images
+    "rgb_k4s2p1": Layer(3, 128, 3, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (12, 10), ""),
+    # odd sizes: the last tiles part outside the output in both directions; no bias
+    "rgb_odd": Layer(2, 64, 3, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (13, 17), ""),
+    # stride 1 (one phase, 8-row tiles), 8 output channels: the whole n8 tile
+    "k3s1p1_eight": Layer(2, 16, 8, (3, 3), (1, 1), (1, 1), (0, 0), (1, 1), 1, True, (9, 7), ""),
+    # asymmetric stride, padding, output padding and dilation; 40 input channels: a part-empty chunk
+    "asym": Layer(2, 40, 5, (5, 3), (3, 2), (2, 1), (1, 0), (1, 2), 1, True, (7, 5), ""),
+    # stride 4 past a 2 x 2 kernel: phases with no tap (bias alone); 136 input channels; batch 1
+    "k2s4_gaps": Layer(1, 136, 2, (2, 2), (4, 4), (0, 0), (3, 1), (1, 1), 1, True, (6, 5), ""),
+    # one output channel (a mask head)
+    "mask": Layer(2, 32, 1, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (11, 7), ""),
+    # unbatched
+    "unbatched": Layer(None, 64, 3, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (9, 11), ""),
+}
+
+
+def _geometry(layer: Layer):
+    return geometry(layer.input_shape, layer.weight_shape, None, ConvParams.from_args(**layer.kwargs()))
+
+
+def _rel(t, ref):
+    return float(torch.linalg.vector_norm(t.double() - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_thin_forward_matches_float64(name, ampere_or_newer, tf32_on):
+    layer = LAYERS[name]
+    g = _geometry(layer)
+    assert thin_mma.eligible(g, "float32", "nchw", "tf32")
+    x64, w64, b64, _ = _data(layer, list(LAYERS).index(name))
+    x, w = x64.float(), w64.float()
+    b = None if b64 is None else b64.float()
+    blocks = [torch.full(F.conv_transpose2d(x64, w64, None, **layer.kwargs()).shape, float("nan"), device="cuda")
+              for _ in range(3)]
+    del blocks
+    with tuning.pinned({"forward": THIN}), launch.watch() as seen:
+        ours = ct.conv_transpose2d(x, w, b, **layer.kwargs())
+        torch.cuda.synchronize()
+    assert FUNCTION in {plan.spec.function for _, plan in seen}
+    planned = set(table.plan("forward", THIN, g, "float32", "nchw", "tf32", b is not None, True,
+                             ampere_or_newer.sm_count).plans())
+    assert planned <= {plan for _, plan in seen}
+    ref = F.conv_transpose2d(x64, w64, b64, **layer.kwargs())
+    magnitude = F.conv_transpose2d(x64.abs(), w64.abs(), None if b64 is None else b64.abs(), **layer.kwargs())
+    theirs = F.conv_transpose2d(x, w, b, **layer.kwargs())
+    rounded = F.conv_transpose2d(round_tf32(x), round_tf32(w), b64, **layer.kwargs())
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape and ours.is_contiguous()
+    assert bool(torch.isfinite(ours).all()), "values not finite (unwritten?)"
+    bad = (ours.double() - ref).abs() > 2 * TF32_EPS * magnitude
+    assert not bool(bad.any()), f"{int(bad.sum())} of {ours.numel()} values off"
+    torch_error = max(_rel(theirs, ref), _rel(rounded, ref))
+    assert _rel(ours, ref) <= 2 * torch_error + 1e-6, f"error {_rel(ours, ref):.3e} vs torch's {torch_error:.3e}"
+
+
+def test_untuned_tf32_runs_the_family_and_strict_the_direct_kernels(ampere_or_newer, monkeypatch):
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    saved = torch.backends.cudnn.allow_tf32
+    layer = LAYERS["rgb_k4s2p1"]
+    x64, w64, b64, _ = _data(layer, 9)
+    try:
+        for allow_tf32 in (True, False):
+            torch.backends.cudnn.allow_tf32 = allow_tf32
+            with launch.watch() as seen:
+                ours = ct.conv_transpose2d(x64.float(), w64.float(), b64.float(), **layer.kwargs())
+                torch.cuda.synchronize()
+            ran = {plan.spec.function for _, plan in seen}
+            assert (FUNCTION in ran) is allow_tf32, ran
+            ref = F.conv_transpose2d(x64, w64, b64, **layer.kwargs())
+            assert _rel(ours, ref) < (2e-3 if allow_tf32 else 1e-6)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+        tuning.clear()
