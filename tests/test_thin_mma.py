@@ -85,3 +85,50 @@ def test_the_table_puts_it_ahead_of_the_direct_and_tiled_kernels_which_race_it()
 def test_switching_the_tensor_cores_off_leaves_the_direct_kernels(monkeypatch):
     monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
     assert not thin_mma.FAMILY.eligible("forward", PIX2PIX_RGB, "float32", "nchw", ASSUMED, "tf32")
+
+
+# ------------------------------------------------------------------------------------------ emulation
+
+import numpy as np  # noqa: E402
+
+import cuda_emulator  # noqa: E402
+from cupyconv import reference  # noqa: E402
+
+emulated = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ to emulate the kernels")
+TF32_EPS = 2.0 ** -10
+
+# (input shape, weight shape, stride, padding, output_padding, dilation): small enough for one or two blocks
+EMULATED_LAYERS = {
+    # an RGB layer of 32 channels (two chunks) over two images
+    "rgb": ((2, 32, 5, 6), (32, 3, 4, 4), (2, 2), (1, 1), (0, 0), (1, 1)),
+    # stride 1, eight output channels
+    "eight_s1": ((1, 16, 9, 7), (16, 8, 3, 3), (1, 1), (1, 1), (0, 0), (1, 1)),
+    # asymmetric stride, padding, output padding and dilation; 40 channels (a part-empty chunk)
+    "asym": ((1, 40, 4, 5), (40, 5, 5, 3), (3, 2), (2, 1), (1, 0), (1, 2)),
+    # stride 4 past a 2 x 2 kernel: phases with no tap, bias alone
+    "gaps": ((1, 20, 3, 2), (20, 2, 2, 2), (4, 4), (0, 0), (3, 1), (1, 1)),
+}
+
+
+@emulated
+@pytest.mark.parametrize("name,weight_cl", [("rgb", False), ("rgb", True), ("eight_s1", False), ("asym", True),
+                                            ("gaps", False)])
+def test_the_emulated_kernel_matches_the_float64_reference(name, weight_cl):
+    """The kernel run by the C++ emulator (``mma.sync`` and ``ldmatrix`` as the PTX manual lays out their
+    fragments): each output within twice TF32's epsilon of the sum of its terms' magnitudes."""
+    x_shape, w_shape, stride, padding, output_padding, dilation = EMULATED_LAYERS[name]
+    kwargs = dict(stride=stride, padding=padding, output_padding=output_padding, dilation=dilation)
+    g = _layer(x_shape, w_shape, **kwargs)
+    rng = np.random.default_rng(len(name))
+    x, w, b = (rng.standard_normal(shape).astype(np.float32) for shape in (x_shape, w_shape, (w_shape[1],)))
+    stored_w = np.ascontiguousarray(w.transpose(0, 2, 3, 1)) if weight_cl else w
+    plan = thin_mma.plan_forward(g.with_weight_channels_last(weight_cl), "float32", True)
+    y = np.full(g.output_shape, np.nan, dtype=np.float32)
+    *_, y = cuda_emulator.run(plan, [x, stored_w, b, y], ["float"] * 4)
+    ref_args = dict(kwargs, groups=1)
+    want = reference.conv_transpose2d(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), **ref_args)
+    magnitude = reference.conv_transpose2d(np.abs(x).astype(np.float64), np.abs(w).astype(np.float64),
+                                           np.abs(b).astype(np.float64), **ref_args)
+    assert np.isfinite(y).all(), "outputs left unwritten"
+    bad = np.abs(y - want) > 2 * TF32_EPS * magnitude
+    assert not bad.any(), f"{int(bad.sum())} of {y.size} outputs off; worst {np.abs(y - want).max():.3e}"
