@@ -1,110 +1,117 @@
 // The NCHW float32 forward of a transposed convolution with few output channels (an RGB generator's last layer)
-// on the tensor cores as TF32 (mma.sync m16n8k8, sm_80+), one group.  Each output pixel of stride phase (a, b)
-// gathers x from the input pixels that phase's taps reach: per phase a GEMM with M = the phase's output pixels,
-// N = the output channels (up to 8, one n8 tile) and K = input channels x the phase's taps.  Where the direct
-// kernels spend TAPS * COUT CUDA-core multiply-adds on each input value, the tensor cores take eight output
-// channels at a time.
+// on the tensor cores as TF32 (mma.sync m16n8k8, sm_80+), one group.
 //
-// A block computes a TH x TW output tile of one image, every phase: PR x 16 pixels a phase, one m16 tile per
-// phase row.  It stages the input window those pixels read (HR x HC pixels), ICC input channels at a time, as
-// [pixel][channel] rows of 80 bytes, rounded to TF32, and the chunk's weights as [tap][output channel][channel]
-// rows; each tap's A fragments come through ldmatrix with a row address per pixel, so the window serves every
-// tap where it lies.  A chunk's loads go out a chunk ahead, into registers, while the MMAs run; the tile leaves
-// through shared memory as whole output rows.
+// One GEMM a block, then a gather in shared memory.  A block owns a TH x TW output tile of one image and stages
+// the input window that tile reads (HR x HC pixels, its halo included), ICC input channels at a time, beside the
+// chunk's weights as [tap, output channel][channel] rows of 80 bytes: a ring of STAGES buffers that cp.async
+// fills with no registers staging the data.  The window stays as x lays it out, [channel][row][column], its
+// columns widened to whole 16-byte runs (VEC = 4) where the image's rows are, so a channel's rows land in 16-byte
+// copies; A fragments come from it word by word.  The GEMM takes M = the window's pixels, N = every (tap, output
+// channel) pair and K = the input channels: each input value is read from shared memory once a k-step for all its
+// taps, where a GEMM a stride phase (M = output pixels, N = the few output channels) reads it once a tap.  Its
+// result, what each window pixel sends through each tap, goes to shared memory, and each output pixel sums the
+// terms its taps send it (a col2im of the tile).
 #include "layer.cuh"
 #include "mma.cuh"
+#include "cp_async_pipeline.cuh"
 
 constexpr bool HAS_BIAS = {{HAS_BIAS}};
-constexpr int PR = {{PR}};                  // phase rows of a tile: m16 tiles a phase
-constexpr int PC = 16;                      // phase columns of a tile: one m16 tile's rows
+constexpr int PR = {{PR}};                  // input rows a tile's outputs take from (before the halo)
+constexpr int PC = 16;                      // input columns likewise
+constexpr int MI = {{MI}};                  // m16 tiles (window pixels) a warp
+constexpr int NI = {{NI}};                  // n8 tiles ((tap, output channel) pairs) a warp: all of them
 constexpr int ICC = TILE_K_WORDS;           // input channels a chunk: 64 bytes of K, two k8 steps
-constexpr int NPH = SH * SW;                // stride phases
 constexpr int TH = SH * PR, TW = SW * PC;   // the output tile
 constexpr int WARPS = 4, THREADS = 32 * WARPS;
-static_assert(PR % WARPS == 0, "each warp takes every WARPS-th phase row of every phase");
-static_assert(COUT <= 8 && GROUPS == 1, "one n8 tile of output channels, one group");
-constexpr int ROWS_A_WARP = PR / WARPS;
+constexpr int PAIRS = TAPS * COUT;          // GEMM columns: n = tap * COUT + output channel
+static_assert(COUT == COUT_G && GROUPS == 1, "one group");
+static_assert(NI % 2 == 0 && PAIRS <= NI * 8 && PAIRS > NI * 8 - 16, "the fewest n8 pairs that hold every column");
 
 __host__ __device__ constexpr int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-// Input window of a tile, relative to its phase-grid origin: the lowest row a tap reaches (phase 0, the last
-// tap) to the highest (the last phase, tap 0).
+// Input window of a tile, relative to its input origin (tile row * PR): from the lowest row a tap reaches
+// (phase 0, the last tap) to the highest (the last phase, tap 0).
 constexpr int HR0 = floor_div(PH - (KH - 1) * DH, SH), HR_TOP = floor_div(SH - 1 + PH, SH);
 constexpr int HC0 = floor_div(PW - (KW - 1) * DW, SW), HC_TOP = floor_div(SW - 1 + PW, SW);
 constexpr int HR = PR + HR_TOP - HR0, HC = PC + HC_TOP - HC0;
 constexpr int WINDOW = HR * HC;
-constexpr int PITCH = ROW_WORDS;            // 80-byte rows: conflict-free ldmatrix phases
-constexpr int WINDOW_WORDS = WINDOW * PITCH, WEIGHT_WORDS = TAPS * 8 * PITCH;
-constexpr int STAGE_WORDS = WINDOW_WORDS + WEIGHT_WORDS;
-constexpr int WINDOW_EIGHTS = (WINDOW + 7) / 8;
-constexpr int OUT_WORDS = COUT * TH * TW;
+constexpr int M_ROWS = WARPS * MI * 16, N_ROWS = NI * 8;
+static_assert(WINDOW <= M_ROWS && WINDOW > M_ROWS - WARPS * 16, "the fewest m16 tiles a warp that hold the window");
+// A window row spans columns floor(HC0) .. ceil(HC0 + HC) of whole VEC-word runs; pixel (r, c) of the window
+// lies at r * HCV + c + CS of its channel's row.  A channel's row of HR x HCV words is padded to 8 mod 32 words,
+// so a fragment's words (four channels by eight pixels) fall on distinct banks where its pixels share a row.
+constexpr int VEC = {{VEC}};
+constexpr int HC_LOW = floor_div(HC0, VEC) * VEC, HC_HIGH = -floor_div(-(HC0 + HC), VEC) * VEC;
+constexpr int HCV = HC_HIGH - HC_LOW, CS = HC0 - HC_LOW;
+constexpr int CHANNEL_WORDS = (HR * HCV + 23) / 32 * 32 + 8;
+constexpr int WINDOW_WORDS = ICC * CHANNEL_WORDS;
+constexpr int PITCH = ROW_WORDS;            // weight rows of 80 bytes: conflict-free ldmatrix phases
+constexpr int STAGE_WORDS = WINDOW_WORDS + N_ROWS * PITCH;
+constexpr int STAGES = {{STAGES}};
+static_assert(WINDOW_WORDS % 4 == 0 && PITCH % 4 == 0, "16-byte aligned buffers");
+// The GEMM's result, [n][window pixel] over the stages once the last chunk is done: a pitch of 4 mod 32 words
+// puts a fragment's stores (eight pixels by four even columns) on 32 banks, and the gather's reads of
+// consecutive pixels on consecutive banks.
+constexpr int D_PITCH = M_ROWS + 4;
+static_assert(D_PITCH % 32 == 4, "conflict-free fragment stores");
 
-// Whether tap row kh feeds phase row a (kh's offset from the phase lands on a whole input row), and which window
-// row it reads for phase row 0.
-__host__ __device__ constexpr bool feeds(int a, int k, int p, int d, int s) {
-    return ((a + p - k * d) % s + s) % s == 0;
-}
-__host__ __device__ constexpr int window_offset(int a, int k, int p, int d, int s, int origin) {
-    return (a + p - k * d) / s - origin;
-}
+// A chunk's copies into a stage: the window's VEC-word runs, zeros past the image and the channels (VEC divides
+// W, so a run lies wholly inside a row or wholly outside it), then the weight rows, zeros past the last pair.
+constexpr int RUNS = ICC * HR * (HCV / VEC);
+constexpr int RUN_COPIES = (RUNS + THREADS - 1) / THREADS;
+constexpr int WEIGHT_COPIES = (N_ROWS * ICC + THREADS - 1) / THREADS;
 
-__device__ __forceinline__ float tf32_rounded(float v) { return __uint_as_float(to_tf32(__float_as_uint(v))); }
-
-// A chunk's loads, held in registers from load() to store(): a warp takes eight window pixels by four channels a
-// load (32-byte runs of a row of x, and stores that fall on 32 distinct banks), every WARPS-th eight of the
-// window, all ICC channels of them; then a share of the chunk's weights.
-constexpr int EIGHTS_A_WARP = (WINDOW_EIGHTS + WARPS - 1) / WARPS;
-constexpr int WEIGHT_LOADS = (TAPS * COUT * ICC + THREADS - 1) / THREADS;
-
-struct ChunkLoads {
-    float window[EIGHTS_A_WARP][ICC / 4];
-    float weight[WEIGHT_LOADS];
-
-    __device__ __forceinline__ void load(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, int n,
-                                         int ic0, index_t ih0, index_t iw0, index_t H, index_t W) {
-        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        const index_t plane = H * W;
-#pragma unroll
-        for (int q = 0; q < EIGHTS_A_WARP; ++q) {
-            const int pixel = (warp + q * WARPS) * 8 + (lane >> 2);
-            const index_t ih = ih0 + pixel / HC, iw = iw0 + pixel % HC;
-            const bool inside = pixel < WINDOW && ih >= 0 && ih < H && iw >= 0 && iw < W;
-            const scalar_t* at = x + (static_cast<index_t>(n) * CIN + ic0 + (lane & 3)) * plane + ih * W + iw;
-#pragma unroll
-            for (int j = 0; j < ICC / 4; ++j) {
-                const bool ok = inside && ic0 + (lane & 3) + 4 * j < CIN;
-                window[q][j] = ok ? __ldg(at + 4 * j * plane) : 0.f;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < WEIGHT_LOADS; ++i) {
-            const int e = threadIdx.x + i * THREADS;
-            const int c = e % ICC, oc = (e / ICC) % COUT, tap = e / (ICC * COUT);
-            const bool ok = tap < TAPS && ic0 + c < CIN;
-            weight[i] = ok ? __ldg(w + weight_index(ic0 + c, oc, tap)) : 0.f;
+__device__ __forceinline__ void copy_chunk(unsigned* stage, const scalar_t* __restrict__ x,
+                                           const scalar_t* __restrict__ w, int n, int ic0, index_t ih0, index_t iw0,
+                                           index_t H, index_t W) {
+    // (rolled: unrolled, ptxas kept every copy's addresses across the chunk loop, past the register budget)
+#pragma unroll 1
+    for (int i = 0; i < RUN_COPIES; ++i) {
+        const int e = threadIdx.x + i * THREADS;
+        const int v = e % (HCV / VEC), r = (e / (HCV / VEC)) % HR, c = e / (HCV / VEC * HR);
+        const index_t ih = ih0 + r, iw = iw0 - CS + v * VEC;
+        const bool ok = e < RUNS && ic0 + c < CIN && ih >= 0 && ih < H && iw >= 0 && iw < W;
+        const scalar_t* at = ok ? x + ((static_cast<index_t>(n) * CIN + ic0 + c) * H + ih) * W + iw : x;
+        const unsigned dst = smem_addr(stage + c * CHANNEL_WORDS + r * HCV + v * VEC);
+        if (e < RUNS) {
+            if constexpr (VEC == 4) cp_async_16_l1(dst, at, ok); else cp_async_4(dst, at, ok);
         }
     }
-
-    __device__ __forceinline__ void store(unsigned* stage) const {
-        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        float* window_tile = reinterpret_cast<float*>(stage);
-        float* weight_tile = reinterpret_cast<float*>(stage + WINDOW_WORDS);
-#pragma unroll
-        for (int q = 0; q < EIGHTS_A_WARP; ++q) {
-            const int pixel = (warp + q * WARPS) * 8 + (lane >> 2);
-            if (pixel < WINDOW) {
-#pragma unroll
-                for (int j = 0; j < ICC / 4; ++j)
-                    window_tile[pixel * PITCH + (lane & 3) + 4 * j] = tf32_rounded(window[q][j]);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < WEIGHT_LOADS; ++i) {
-            const int e = threadIdx.x + i * THREADS;
-            const int c = e % ICC, oc = (e / ICC) % COUT, tap = e / (ICC * COUT);
-            if (tap < TAPS) weight_tile[(tap * 8 + oc) * PITCH + c] = tf32_rounded(weight[i]);
-        }
+    unsigned* weight_tile = stage + WINDOW_WORDS;
+#pragma unroll 1
+    for (int i = 0; i < WEIGHT_COPIES; ++i) {
+        const int e = threadIdx.x + i * THREADS;
+        const int c = e % ICC, pair = e / ICC;
+        const bool ok = pair < PAIRS && ic0 + c < CIN;
+        if (pair < N_ROWS)
+            cp_async_4(smem_addr(weight_tile + pair * PITCH + c),
+                       ok ? w + weight_index(ic0 + c, pair % COUT, pair / COUT) : w, ok);
     }
-};
+}
+
+// A warp's MMAs over one k8 step of a stage: B fragments (every pair) through ldmatrix as in warp_tile_mma, A
+// fragments word by word at the pixel offsets of the warp's rows, each rounded to TF32 once.
+__device__ __forceinline__ void mma_kstep(float (&acc)[MI][NI][4], const unsigned* stage, int ks,
+                                          const int (&pixel_at)[MI][2], int lane) {
+    const unsigned* weight_tile = stage + WINDOW_WORDS;
+    unsigned b[NI][2];
+#pragma unroll
+    for (int j = 0; j < NI; j += 2) {
+        unsigned r[4];
+        const int row = j * 8 + (lane & 7) + ((lane >> 4) << 3);
+        ldmatrix_x4(r, smem_addr(weight_tile + row * PITCH + ks * KSTEP_WORDS + ((lane >> 3) & 1) * 4));
+        b[j][0] = to_tf32(r[0]); b[j][1] = to_tf32(r[1]); b[j + 1][0] = to_tf32(r[2]); b[j + 1][1] = to_tf32(r[3]);
+    }
+    // a0: (row g, k t), a1: (g + 8, t), a2: (g, t + 4), a3: (g + 8, t + 4); g = lane / 4, t = lane % 4
+    const unsigned* k_row = stage + (ks * KSTEP_WORDS + lane % 4) * CHANNEL_WORDS;
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+        const unsigned a[4] = {to_tf32(k_row[pixel_at[i][0]]), to_tf32(k_row[pixel_at[i][1]]),
+                               to_tf32(k_row[4 * CHANNEL_WORDS + pixel_at[i][0]]),
+                               to_tf32(k_row[4 * CHANNEL_WORDS + pixel_at[i][1]])};
+#pragma unroll
+        for (int j = 0; j < NI; ++j) mma_16x8<MMA_TF32>(acc[i][j], a, b[j]);
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
@@ -112,93 +119,81 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
                                   index_t H_out, index_t W_out, index_t tiles_w) {
     static_assert(sizeof(scalar_t) == 4, "float32 as TF32");
     extern __shared__ __align__(16) unsigned smem[];
-    float* out_tile = reinterpret_cast<float*>(smem + 2 * STAGE_WORDS);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int n = blockIdx.y;
     const index_t tile_h = blockIdx.x / tiles_w, tile_w = blockIdx.x % tiles_w;
     const index_t ih0 = tile_h * PR + HR0, iw0 = tile_w * PC + HC0;
 
-    // Output channels past COUT: zero weight rows in both stages, never written by a chunk.
-    for (int e = threadIdx.x; e < 2 * TAPS * (8 - COUT) * ICC; e += THREADS) {
-        const int c = e % ICC, row = e / ICC, stage = row / (TAPS * (8 - COUT)), r = row % (TAPS * (8 - COUT));
-        reinterpret_cast<float*>(smem + stage * STAGE_WORDS + WINDOW_WORDS)[
-            ((r / (8 - COUT)) * 8 + COUT + r % (8 - COUT)) * PITCH + c] = 0.f;
-    }
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
 
-    float acc[NPH][ROWS_A_WARP][4];
+    // The window offsets of this thread's fragment rows: m = warp*MI*16 + i*16 + lane/4 (+8); rows past the
+    // window read pixel 0, and their results are never summed.
+    int pixel_at[MI][2];
 #pragma unroll
-    for (int p = 0; p < NPH; ++p)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int i = 0; i < ROWS_A_WARP; ++i)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[p][i][r] = 0.f;
-
-    constexpr int CHUNKS = (CIN + ICC - 1) / ICC;
-    ChunkLoads loads;
-    loads.load(x, w, n, 0, ih0, iw0, H, W);
-    loads.store(smem);
-    __syncthreads();
-    for (int chunk = 0; chunk < CHUNKS; ++chunk) {
-        if (chunk + 1 < CHUNKS) loads.load(x, w, n, (chunk + 1) * ICC, ih0, iw0, H, W);
-        const unsigned* window_tile = smem + (chunk % 2) * STAGE_WORDS;
-        const unsigned* weight_tile = window_tile + WINDOW_WORDS;
-        // (the two k8 steps one after the other: unrolled, ptxas held 236 registers, a block an SM fewer)
-#pragma unroll 1
-        for (int ks = 0; ks < ICC / KSTEP_WORDS; ++ks) {
-#pragma unroll
-            for (int a = 0; a < SH; ++a)
-#pragma unroll
-                for (int kh = 0; kh < KH; ++kh) {
-                    if (!feeds(a, kh, PH, DH, SH)) continue;
-                    const int row_offset = window_offset(a, kh, PH, DH, SH, HR0);
-#pragma unroll
-                    for (int b = 0; b < SW; ++b)
-#pragma unroll
-                        for (int kw = 0; kw < KW; ++kw) {
-                            if (!feeds(b, kw, PW, DW, SW)) continue;
-                            const int col_offset = window_offset(b, kw, PW, DW, SW, HC0);
-                            unsigned bf[2];
-                            ldmatrix_x2(bf, smem_addr(weight_tile + ((kh * KW + kw) * 8 + (lane & 7)) * PITCH +
-                                                      ks * KSTEP_WORDS + ((lane >> 3) & 1) * 4));
-#pragma unroll
-                            for (int i = 0; i < ROWS_A_WARP; ++i) {
-                                const int phase_row = warp + i * WARPS;
-                                const int pixel = (phase_row + row_offset) * HC + (lane & 15) + col_offset;
-                                unsigned af[4];
-                                ldmatrix_x4(af, smem_addr(window_tile + pixel * PITCH + ks * KSTEP_WORDS +
-                                                          (lane >> 4) * 4));
-                                mma_16x8<MMA_TF32>(acc[a * SW + b][i], af, bf);
-                            }
-                        }
-                }
+        for (int half = 0; half < 2; ++half) {
+            const int m = warp * MI * 16 + i * 16 + lane / 4 + half * 8;
+            pixel_at[i][half] = m < WINDOW ? (m / HC) * HCV + m % HC + CS : 0;
         }
-        if (chunk + 1 < CHUNKS) loads.store(smem + ((chunk + 1) % 2) * STAGE_WORDS);
-        __syncthreads();
-    }
 
-    // Fragment (phase, i, r): phase row warp + i*WARPS, phase column lane/4 (+8 for r >= 2), output channel
-    // 2*(lane%4) + r%2.
+    // (a k8 step at a time: both unrolled, the fragments of the second held registers a block an SM needed)
+    cp_async_pipeline<STAGES>(
+        (CIN + ICC - 1) / ICC,
+        [&](int chunk, int s) { copy_chunk(smem + s * STAGE_WORDS, x, w, n, chunk * ICC, ih0, iw0, H, W); },
+        [&](int s) {
+#pragma unroll 1
+            for (int ks = 0; ks < ICC / KSTEP_WORDS; ++ks) mma_kstep(acc, smem + s * STAGE_WORDS, ks, pixel_at, lane);
+        });
+    __syncthreads();  // every warp done with the stages the result overwrites
+
+    // Fragment (i, j, r): window pixel warp*MI*16 + i*16 + lane/4 (+8 for r >= 2), column j*8 + 2*(lane%4) + r%2.
+    float* sent = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                sent[(j * 8 + 2 * (lane % 4) + r % 2) * D_PITCH + warp * MI * 16 + i * 16 + lane / 4 + (r / 2) * 8] =
+                    acc[i][j][r];
+    __syncthreads();
+
+    // Output row SH * r + a of the tile takes tap kh where kh's offset from phase a is a whole number of strides,
+    // from window row r + (a + PH - kh*DH) / SH - HR0; columns likewise.  A phase at a time, so that which taps
+    // feed it, and from where, are constants; a thread takes a phase pixel of every column phase in turn.
+    const index_t oh0 = tile_h * TH, ow0 = tile_w * TW;
 #pragma unroll
     for (int a = 0; a < SH; ++a)
+        for (int e = threadIdx.x; e < COUT * PR * PC; e += THREADS) {
+            const int oc = e / (PR * PC), r = (e / PC) % PR, c = e % PC;
+            const index_t oh = oh0 + SH * r + a;
+            if (oh >= H_out) continue;
+            const float* from = sent + oc * D_PITCH + r * HC + c;
 #pragma unroll
-        for (int b = 0; b < SW; ++b)
+            for (int b = 0; b < SW; ++b) {
+                const index_t ow = ow0 + SW * c + b;
+                if (ow >= W_out) continue;
+                float v = 0.f;
 #pragma unroll
-            for (int i = 0; i < ROWS_A_WARP; ++i)
+                for (int kh = 0; kh < KH; ++kh) {
+                    const int dr = a + PH - kh * DH;
+                    if (dr % SH != 0) continue;
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int oc = 2 * (lane % 4) + r % 2;
-                    const int row = a + SH * (warp + i * WARPS), col = b + SW * (lane / 4 + (r / 2) * 8);
-                    if (oc < COUT) out_tile[(oc * TH + row) * TW + col] = acc[a * SW + b][i][r];
+                    for (int kw = 0; kw < KW; ++kw) {
+                        const int dc = b + PW - kw * DW;
+                        if (dc % SW != 0) continue;
+                        v += from[(kh * KW + kw) * COUT * D_PITCH + (dr / SH - HR0) * HC + dc / SW - HC0];
+                    }
                 }
-    __syncthreads();
-    const index_t oh0 = tile_h * TH, ow0 = tile_w * TW;
-    for (int e = threadIdx.x; e < OUT_WORDS; e += THREADS) {
-        const int oc = e / (TH * TW), row = (e / TW) % TH, col = e % TW;
-        const index_t oh = oh0 + row, ow = ow0 + col;
-        if (oh < H_out && ow < W_out) {
-            float v = out_tile[e];
-            if constexpr (HAS_BIAS) v += load(bias + oc);
-            store(y + ((static_cast<index_t>(n) * COUT + oc) * H_out + oh) * W_out + ow, v);
+                if constexpr (HAS_BIAS) v += load(bias + oc);
+                store(y + ((static_cast<index_t>(n) * COUT + oc) * H_out + oh) * W_out + ow, v);
+            }
         }
-    }
 }

@@ -75,6 +75,7 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct double2 { double x, y; };
@@ -252,11 +253,14 @@ inline void cp_async_16(unsigned dst, const void* src, bool ok) {
     if (ok) std::memcpy(emu_shared_arena + dst, src, 16); else std::memset(emu_shared_arena + dst, 0, 16);
 }
 inline void cp_async_16_l1(unsigned dst, const void* src, bool ok) { cp_async_16(dst, src, ok); }
+inline void cp_async_4(unsigned dst, const void* src, bool ok) {
+    if (ok) std::memcpy(emu_shared_arena + dst, src, 4); else std::memset(emu_shared_arena + dst, 0, 4);
+}
 inline void cp_async_commit() {}
 template <int PENDING> inline void cp_async_wait() {}
 """
 _EMULATED = ("smem_addr", "ldmatrix_x4", "ldmatrix_x2", "ldmatrix_x4_trans", "ldmatrix_x2_trans", "to_tf32",
-             "mma_16x8", "mma_16x8x8", "cp_async_16", "cp_async_16_l1", "cp_async_commit", "cp_async_wait")
+             "mma_16x8", "mma_16x8x8", "cp_async_16", "cp_async_16_l1", "cp_async_4", "cp_async_commit", "cp_async_wait")
 
 
 def _without_ptx_helpers(kernel: str) -> str:

@@ -399,11 +399,13 @@ def _grouped_mma_plans():
     return seen
 
 
-# The thin-output forward: an RGB layer (stride 2, bias), one of stride 1 with 8 output channels, and one of
-# asymmetric stride and dilation with a part-empty channel chunk and a channels_last weight
+# The thin-output forward: an RGB layer (stride 2, bias), two of 8 output channels (stride 1; 4 x 4 at stride 2,
+# one-row tiles), and one of asymmetric stride and dilation with a part-empty channel chunk and a channels_last
+# weight
 THIN_MMA_LAYERS = {
     "rgb": (_layer((2, 128, 12, 10), (128, 3, 4, 4), stride=2, padding=1), True),
     "eight_s1": (_layer((2, 16, 9, 7), (16, 8, 3, 3), stride=1, padding=1), False),
+    "eight_k4s2": (_layer((2, 48, 7, 9), (48, 8, 4, 4), stride=2, padding=1), True),
     "asym_wcl": (_layer((2, 40, 7, 5), (40, 5, 5, 3), stride=(3, 2), padding=(2, 1), output_padding=(1, 0),
                         dilation=(1, 2)).with_weight_channels_last(), True),
 }
@@ -912,8 +914,7 @@ def test_expanded_taps_kernels_build_without_spilling(name):
 
 @pytest.mark.parametrize("name", list(THIN_MMA_LAYERS))
 def test_thin_mma_kernels_build_without_spilling(name):
-    """The thin-output forward builds for sm_80 and sm_90 with no stack frame (its two k8 steps a chunk run one
-    after the other: unrolled, ptxas held 236 registers on the RGB layer)."""
+    """The thin-output forward builds for sm_80 and sm_90 with no stack frame."""
     g, bias = THIN_MMA_LAYERS[name]
     spec = thin_mma.plan_forward(g, "float32", bias).spec
     for arch in ("sm_80", "sm_90"):

@@ -114,8 +114,8 @@ def test_the_expanded_taps_templates_inline_the_mma_and_expansion_headers(name):
 def test_the_thin_mma_template_inlines_the_mma_header():
     name, = THIN_MMA
     text = templates.expanded(name)
-    assert "#include" not in text and "ldmatrix_x4" in text and "weight_index" in text
-    assert {"SCALAR_T", "INDEX_T", "HAS_BIAS", "PR"} | LAYER == templates.placeholders(name)
+    assert "#include" not in text and "ldmatrix_x4" in text and "weight_index" in text and "cp_async_4" in text
+    assert {"SCALAR_T", "INDEX_T", "HAS_BIAS", "PR", "MI", "NI", "VEC", "STAGES"} | LAYER == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))

@@ -29,7 +29,9 @@ THIN = Variant("thin_mma")
     ((2, 128, 9, 7), (128, 3, 4, 4), dict(stride=2), "bfloat16", "strict", False, "16-bit: the wgmma thin tiles"),
     ((2, 128, 9, 7), (128, 3, 4, 4), dict(stride=2, groups=2), "float32", "tf32", False, "two groups"),
     ((2, 32, 9, 7), (32, 3, 5, 5), dict(stride=5), "float32", "tf32", False, "stride 5"),
-    ((2, 32, 9, 7), (32, 3, 4, 4), dict(stride=4), "float32", "tf32", True, "stride 4: 16 tiles a warp"),
+    ((2, 32, 9, 7), (32, 3, 4, 4), dict(stride=4), "float32", "tf32", True, "stride 4"),
+    ((2, 32, 9, 7), (32, 8, 4, 4), dict(stride=2), "float32", "tf32", True, "128 pairs: one-row tiles"),
+    ((2, 32, 9, 7), (32, 8, 5, 5), dict(stride=2), "float32", "tf32", False, "200 pairs: past the accumulators"),
 ])
 def test_eligibility(x_shape, w_shape, kwargs, dtype, precision, eligible, why):
     g = _layer(x_shape, w_shape, **kwargs)
@@ -42,7 +44,7 @@ def test_the_window_covers_every_tap_of_every_phase():
     read (the first may not be, where a dilated tap skips it): the kernel's offsets, worked through in Python."""
     for k, s, p, d in ((4, 2, 1, 1), (3, 1, 1, 1), (3, 2, 1, 2), (5, 3, 2, 1), (2, 4, 0, 1), (4, 2, 3, 1)):
         g = _layer((1, 16, 6, 6), (16, 3, k, k), stride=s, padding=p, dilation=d)
-        rows = thin_mma.phase_rows(g)
+        rows = thin_mma.tile_rows(g)
         height, _ = thin_mma.window(g, rows)
         low = (p - (k - 1) * d) // s
         seen = set()
@@ -58,15 +60,37 @@ def test_the_window_covers_every_tap_of_every_phase():
 def test_plan_launches_a_block_a_tile_and_image_within_shared_memory():
     plan = thin_mma.plan_forward(PIX2PIX_RGB, "float32", False)
     c = dict(plan.spec.constants)
-    assert c["PR"] == 8 and c["HAS_BIAS"] is False
+    # a 10 x 18 window (180 pixels: three m16 tiles a warp) by 16 taps x 3 output channels (six n8 tiles)
+    assert (c["PR"], c["MI"], c["NI"], c["HAS_BIAS"]) == (8, 3, 6, False)
     # tiles of 16 x 32 output pixels over 256 x 256, one grid row an image
     assert plan.grid == ((256 // 16) * (256 // 32), 16, 1) and plan.block == (128, 1, 1)
     assert plan.scalars == (128, 128, 256, 256, 256 // 32)
-    # two stages of a 10 x 18 window and 16 taps x 8 weight rows, 80 bytes a row, and the 3 x 16 x 32 output tile
-    assert plan.smem_bytes == 2 * (10 * 18 + 16 * 8) * 80 + 3 * 16 * 32 * 4 <= thin_mma.SMEM_LIMIT
+    # columns -1 .. 16 widened to -4 .. 19: 16-byte runs; two stages of 16 channels' 10 x 24 windows (240
+    # words, padded to 264) and 48 weight rows of 80 bytes, or the 48 x (192 + 4) word result
+    assert c["STAGES"] == 2 and c["VEC"] == 4
+    assert plan.smem_bytes == max(2 * (16 * 264 * 4 + 48 * 80), 48 * 196 * 4) <= thin_mma.SMEM_LIMIT
+    # an unaligned pointer, or rows of a width that is not a whole number of 16-byte runs: word copies
+    assert dict(thin_mma.plan_forward(PIX2PIX_RGB, "float32", False, "tf32", False).spec.constants)["VEC"] == 1
+    odd = _layer((2, 32, 9, 7), (32, 3, 4, 4), stride=2, padding=1)
+    assert dict(thin_mma.plan_forward(odd, "float32", False).spec.constants)["VEC"] == 1
     assert thin_mma.plan_forward(_layer((2, 32, 9, 7), (32, 3, 3, 3), stride=3), "float32", True).spec.constants
     with pytest.raises(ValueError, match="thin-output forward"):
         thin_mma.plan_forward(PIX2PIX_RGB, "float32", False, "strict")
+
+
+def test_tiles_shrink_until_the_accumulators_fit():
+    """Eight (tap, output channel) n8 tiles take 8-row tiles, ten 4-row tiles and sixteen one-row tiles, whose
+    3 x 18 window is one m16 tile a warp."""
+    g = _layer((2, 32, 9, 7), (32, 8, 4, 4), stride=2, padding=1)
+    assert thin_mma.tile_rows(g) == 1 and thin_mma.mma_tiles(g, 1) == (1, 16)
+    g = _layer((2, 32, 9, 7), (32, 4, 4, 4), stride=2, padding=1)
+    assert thin_mma.tile_rows(g) == 8 and thin_mma.mma_tiles(g, 8) == (3, 8)
+    g = _layer((2, 32, 9, 7), (32, 5, 4, 4), stride=2, padding=1)
+    assert thin_mma.tile_rows(g) == 4 and thin_mma.mma_tiles(g, 4) == (2, 10)
+    for rows in thin_mma.TILE_ROWS:
+        mi, ni = thin_mma.mma_tiles(PIX2PIX_RGB, rows)
+        height, width = thin_mma.window(PIX2PIX_RGB, rows)
+        assert 64 * (mi - 1) < height * width <= 64 * mi and ni * 8 >= 48 > ni * 8 - 16
 
 
 def test_the_table_puts_it_ahead_of_the_direct_and_tiled_kernels_which_race_it():
@@ -99,20 +123,23 @@ TF32_EPS = 2.0 ** -10
 
 # (input shape, weight shape, stride, padding, output_padding, dilation): small enough for one or two blocks
 EMULATED_LAYERS = {
-    # an RGB layer of 32 channels (two chunks) over two images
-    "rgb": ((2, 32, 5, 6), (32, 3, 4, 4), (2, 2), (1, 1), (0, 0), (1, 1)),
+    # an RGB layer of 32 channels (two chunks) over two images, 16-byte rows; and one of odd width (word copies)
+    "rgb": ((2, 32, 5, 8), (32, 3, 4, 4), (2, 2), (1, 1), (0, 0), (1, 1)),
+    "rgb_odd": ((1, 48, 5, 7), (48, 3, 4, 4), (2, 2), (1, 1), (0, 0), (1, 1)),
     # stride 1, eight output channels
     "eight_s1": ((1, 16, 9, 7), (16, 8, 3, 3), (1, 1), (1, 1), (0, 0), (1, 1)),
-    # asymmetric stride, padding, output padding and dilation; 40 channels (a part-empty chunk)
-    "asym": ((1, 40, 4, 5), (40, 5, 5, 3), (3, 2), (2, 1), (1, 0), (1, 2)),
+    # asymmetric stride, padding, output padding and dilation; 40 channels (a part-empty chunk); 16-byte rows
+    "asym": ((1, 40, 4, 8), (40, 5, 5, 3), (3, 2), (2, 1), (1, 0), (1, 2)),
     # stride 4 past a 2 x 2 kernel: phases with no tap, bias alone
     "gaps": ((1, 20, 3, 2), (20, 2, 2, 2), (4, 4), (0, 0), (3, 1), (1, 1)),
+    # 128 (tap, output channel) pairs: one-row tiles, sixteen n8 tiles a warp
+    "wide": ((1, 16, 4, 5), (16, 8, 4, 4), (2, 2), (1, 1), (0, 0), (1, 1)),
 }
 
 
 @emulated
-@pytest.mark.parametrize("name,weight_cl", [("rgb", False), ("rgb", True), ("eight_s1", False), ("asym", True),
-                                            ("gaps", False)])
+@pytest.mark.parametrize("name,weight_cl", [("rgb", False), ("rgb", True), ("rgb_odd", False), ("eight_s1", False), ("asym", True),
+                                            ("gaps", False), ("wide", False)])
 def test_the_emulated_kernel_matches_the_float64_reference(name, weight_cl):
     """The kernel run by the C++ emulator (``mma.sync`` and ``ldmatrix`` as the PTX manual lays out their
     fragments): each output within twice TF32's epsilon of the sum of its terms' magnitudes."""
@@ -123,6 +150,7 @@ def test_the_emulated_kernel_matches_the_float64_reference(name, weight_cl):
     x, w, b = (rng.standard_normal(shape).astype(np.float32) for shape in (x_shape, w_shape, (w_shape[1],)))
     stored_w = np.ascontiguousarray(w.transpose(0, 2, 3, 1)) if weight_cl else w
     plan = thin_mma.plan_forward(g.with_weight_channels_last(weight_cl), "float32", True)
+    assert dict(plan.spec.constants)["VEC"] == (4 if x_shape[-1] % 4 == 0 else 1)
     y = np.full(g.output_shape, np.nan, dtype=np.float32)
     *_, y = cuda_emulator.run(plan, [x, stored_w, b, y], ["float"] * 4)
     ref_args = dict(kwargs, groups=1)

@@ -64,6 +64,8 @@ LAYERS = {
     "asym": Layer(2, 40, 5, (5, 3), (3, 2), (2, 1), (1, 0), (1, 2), 1, True, (7, 5), ""),
     # stride 4 past a 2 x 2 kernel: phases with no tap (bias alone); 136 input channels; batch 1
     "k2s4_gaps": Layer(1, 136, 2, (2, 2), (4, 4), (0, 0), (3, 1), (1, 1), 1, True, (6, 5), ""),
+    # 8 output channels at 4 x 4: 128 (tap, output channel) pairs, one-row tiles
+    "eight_k4s2": Layer(2, 48, 8, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (7, 9), ""),
     # one output channel (a mask head)
     "mask": Layer(2, 32, 1, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (11, 7), ""),
     # unbatched

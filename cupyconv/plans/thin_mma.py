@@ -2,15 +2,16 @@
 
 A generator's RGB output layer (128 input channels up to 3, 4 x 4 at stride 2) runs its float32 forward on the
 direct kernels, TAPS x C_out CUDA-core multiply-adds for each input value; the GEMM families need 16 output
-channels and the wgmma kernel's thin tiles lost to the direct kernels in TF32.  Here each stride phase is an
-mma.sync GEMM whose N is one n8 tile of output channels, fed from an input window staged once per channel chunk
-and read by every tap through per-row ldmatrix addresses (``kernels/conv_transpose2d_forward_thin_mma.cu``).
-TF32 only: strict float32 keeps the direct kernels.
+channels and the wgmma kernel's thin tiles lost to the direct kernels in TF32.  Here a block stages the input
+window of an output tile and runs one mma.sync GEMM over it, N = every (tap, output channel) pair, then sums each
+output's terms from shared memory (``kernels/conv_transpose2d_forward_thin_mma.cu``).  Each input value leaves
+shared memory once a k-step for all its taps, where a GEMM a stride phase read it once a tap and lost on shared
+memory bandwidth.  TF32 only: strict float32 keeps the direct kernels.
 """
 from __future__ import annotations
 
 import functools
-from typing import List
+from typing import List, Optional
 
 from ..core.device import MMA_SYNC, Device
 from ..core.geometry import Geometry
@@ -22,25 +23,22 @@ from .launch import Plan, cdiv, index_type, layer_constants, numel
 from .sequences import OneKernel, PassPlan
 
 THREADS = 128
-PHASE_COLUMNS = 16          # output pixels of a phase row in a tile: one m16 tile
+PHASE_COLUMNS = 16          # input columns a tile's outputs take from, before the halo
 CHANNEL_CHUNK = 16          # input channels a stage: 64 bytes of float32 K
-MAX_OUT_CHANNELS = 8        # one n8 tile
+TILE_ROWS = (8, 4, 2, 1)    # input rows likewise, the most that fit the accumulators first
+MAX_OUT_CHANNELS = 8
 MAX_STRIDE = 4
-MAX_TILES_A_WARP = 16       # phases x phase rows a warp accumulates (four registers each)
+MAX_ACCUMULATOR_TILES = 24  # m16 x n8 tiles a warp accumulates (four registers each)
+STAGES = 2                  # cp.async buffers of channel chunks: one in flight while the MMAs read one
 ROW_BYTES = 80              # a staged pixel's or weight row's channels, padded for ldmatrix
 SMEM_LIMIT = 99 * 1024      # the least a block may opt in to on the sm_80+ GPUs the family runs on
 WARPS = THREADS // 32
 GRID_Y_LIMIT = 65535
 
 
-def phase_rows(g: Geometry) -> int:
-    """Phase rows of a tile (an m16 tile a phase each, every WARPS-th to a warp): 8 up to stride 2 x 2, whose
-    four phases give a warp eight tiles; 4 past it (up to 16 tiles a warp at stride 4 x 4)."""
-    return 8 if g.params.stride[0] * g.params.stride[1] <= 4 else 4
-
-
 def window(g: Geometry, rows: int) -> tuple:
-    """The input window a tile of ``rows`` phase rows reads: (rows, columns) of input pixels."""
+    """The input window a tile of ``rows`` x :data:`PHASE_COLUMNS` input positions reads: (rows, columns) of
+    input pixels, its halo included."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.params.stride, g.params.padding, g.params.dilation
     # (the lowest row a tap reaches, phase 0's last tap, to the highest, the last phase's tap 0; floor division)
     low_h, top_h = (ph - (kh - 1) * dh) // sh, (sh - 1 + ph) // sh
@@ -48,45 +46,84 @@ def window(g: Geometry, rows: int) -> tuple:
     return rows + top_h - low_h, PHASE_COLUMNS + top_w - low_w
 
 
-def smem_bytes(g: Geometry, rows: int) -> int:
-    """Two stages of the window and the chunk's weights ([tap][8 output channels] rows), and the output tile."""
+def mma_tiles(g: Geometry, rows: int) -> tuple:
+    """(m16 tiles a warp, n8 tiles a warp): the window's pixels over the warps, and every (tap, output
+    channel) pair in each warp, an even count of n8 tiles."""
     wr, wc = window(g, rows)
-    taps = g.kernel[0] * g.kernel[1]
-    stage = (wr * wc + taps * 8) * ROW_BYTES
-    sh, sw = g.params.stride
-    return 2 * stage + g.out_channels * sh * rows * sw * PHASE_COLUMNS * 4
+    pairs = g.kernel[0] * g.kernel[1] * g.out_channels
+    return cdiv(cdiv(wr * wc, 16), WARPS), 2 * cdiv(pairs, 16)
+
+
+def tile_rows(g: Geometry) -> Optional[int]:
+    """The most input rows a tile (of :data:`TILE_ROWS`) whose accumulators stay within
+    :data:`MAX_ACCUMULATOR_TILES` a warp; None where none does."""
+    for rows in TILE_ROWS:
+        mi, ni = mma_tiles(g, rows)
+        if mi * ni <= MAX_ACCUMULATOR_TILES:
+            return rows
+    return None
+
+
+def window_words(g: Geometry, rows: int, vec: int) -> int:
+    """Words a channel's window takes in a stage: its rows widened to whole ``vec``-word runs, padded to 8 mod 32
+    words (the kernel's CHANNEL_WORDS)."""
+    wr, wc = window(g, rows)
+    low = (g.params.padding[1] - (g.kernel[1] - 1) * g.params.dilation[1]) // g.params.stride[1]
+    run_low, run_high = low // vec * vec, -(-(low + wc) // vec) * vec
+    return (wr * (run_high - run_low) + 23) // 32 * 32 + 8
+
+
+def smem_bytes(g: Geometry, rows: int, vec: int = 1, stages: Optional[int] = None) -> int:
+    """``stages`` buffers of the window (:func:`window_words` a channel) and the chunk's weights ([tap, output
+    channel] rows of 80 bytes), or the GEMM's result that replaces them ([pair][window pixel] rows of 4 words
+    more than the window's whole m16 tiles)."""
+    mi, ni = mma_tiles(g, rows)
+    stages = STAGES if stages is None else stages
+    stage = CHANNEL_CHUNK * window_words(g, rows, vec) * 4 + ni * 8 * ROW_BYTES
+    return max(stages * stage, ni * 8 * (WARPS * mi * 16 + 4) * 4)
+
+
+def vector_words(g: Geometry, aligned: bool) -> int:
+    """4 where x's rows are whole 16-byte runs from a 16-byte aligned pointer (window rows land in 16-byte
+    copies), else 1."""
+    return 4 if aligned and g.in_size[1] % 4 == 0 else 1
 
 
 def eligible(g: Geometry, dtype: str, layout: str, precision: str) -> bool:
     """float32 at TF32 precision, NCHW, one group of at most :data:`MAX_OUT_CHANNELS` output channels and 16 or
-    more input channels (a chunk's K), strides up to :data:`MAX_STRIDE`, and the two stages within
-    :data:`SMEM_LIMIT`; a grid row of blocks an image (at most :data:`GRID_Y_LIMIT` images)."""
+    more input channels (a chunk's K), strides up to :data:`MAX_STRIDE`, a tile whose accumulators fit
+    (:func:`tile_rows`) within :data:`SMEM_LIMIT`; a grid row of blocks an image (at most :data:`GRID_Y_LIMIT`
+    images)."""
     sh, sw = g.params.stride
-    rows = phase_rows(g)
-    return (dtype == "float32" and precision == "tf32" and layout == "nchw" and g.groups == 1
+    if not (dtype == "float32" and precision == "tf32" and layout == "nchw" and g.groups == 1
             and g.out_channels <= MAX_OUT_CHANNELS and g.in_channels >= CHANNEL_CHUNK and g.batch <= GRID_Y_LIMIT
-            and max(sh, sw) <= MAX_STRIDE and sh * sw * (rows // WARPS) <= MAX_TILES_A_WARP
-            and smem_bytes(g, rows) <= SMEM_LIMIT)
+            and max(sh, sw) <= MAX_STRIDE):
+        return False
+    rows = tile_rows(g)
+    return rows is not None and smem_bytes(g, rows, 4) <= SMEM_LIMIT and smem_bytes(g, rows, 1) <= SMEM_LIMIT
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_forward(g: Geometry, dtype: str, has_bias: bool, precision: str = "tf32") -> Plan:
-    """A block a (tile, image): tiles of phase_rows x 16 pixels a phase, every phase."""
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, precision: str = "tf32", aligned: bool = True) -> Plan:
+    """A block a (tile, image): tiles of stride x tile_rows by stride x 16 output pixels."""
     if not eligible(g, dtype, "nchw", precision):
         raise ValueError("the thin-output forward runs NCHW float32 layers at TF32 precision of one group with at "
-                         f"most {MAX_OUT_CHANNELS} output channels, {CHANNEL_CHUNK} or more input channels and "
-                         f"strides up to {MAX_STRIDE}")
-    rows = phase_rows(g)
+                         f"most {MAX_OUT_CHANNELS} output channels, {CHANNEL_CHUNK} or more input channels, "
+                         f"strides up to {MAX_STRIDE}, and few enough (tap, output channel) pairs for a warp's "
+                         f"accumulators ({MAX_ACCUMULATOR_TILES} m16 x n8 tiles)")
+    rows = tile_rows(g)
+    mi, ni = mma_tiles(g, rows)
     sh, sw = g.params.stride
     h_out, w_out = g.out_size
     tiles_h, tiles_w = cdiv(h_out, sh * rows), cdiv(w_out, sw * PHASE_COLUMNS)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     constants = layer_constants(g, dtype, index_t)
-    constants.update(HAS_BIAS=bool(has_bias), PR=rows)
+    vec = vector_words(g, aligned)
+    constants.update(HAS_BIAS=bool(has_bias), PR=rows, MI=mi, NI=ni, VEC=vec, STAGES=STAGES)
     spec = KernelSpec.make("conv_transpose2d_forward_thin_mma.cu", "conv_transpose2d_forward_thin_mma", constants)
     h, w = g.in_size
     return Plan(spec, (tiles_h * tiles_w, g.batch, 1), (THREADS, 1, 1), (h, w, h_out, w_out, tiles_w), index_t,
-                smem_bytes=smem_bytes(g, rows))
+                smem_bytes=smem_bytes(g, rows, vec))
 
 
 class ThinMmaFamily(Family):
@@ -103,8 +140,7 @@ class ThinMmaFamily(Family):
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
-        # scalar loads and stores only: any alignment
-        return OneKernel(plan_forward(g, dtype, has_bias, precision))
+        return OneKernel(plan_forward(g, dtype, has_bias, precision, aligned))
 
     def clear(self) -> None:
         for planner in (plan_forward, _eligible):

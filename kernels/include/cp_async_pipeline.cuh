@@ -13,6 +13,11 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool 
 __device__ __forceinline__ void cp_async_16_l1(unsigned dst, const void* src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
 }
+// One 4-byte word through L1, zero-filled where masked off: for tiles whose shared rows run across global
+// memory's contiguous dimension (a [pixel][channel] tile of an NCHW image), where no 16-byte run lines up.
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
+}
 template <bool L1>
 __device__ __forceinline__ void cp_async_16_via(unsigned dst, const void* src, bool ok) {
     if constexpr (L1) cp_async_16_l1(dst, src, ok); else cp_async_16(dst, src, ok);
