@@ -3,10 +3,10 @@
 //
 // One GEMM a block, then a gather in shared memory.  A block owns a TH x TW output tile of one image and stages
 // the input window that tile reads (HR x HC pixels, its halo included), ICC input channels at a time, beside the
-// chunk's weights as [tap, output channel][channel] rows of 80 bytes: a ring of STAGES buffers that cp.async
-// fills with no registers staging the data.  The window stays as x lays it out, [channel][row][column], its
-// columns widened to whole 16-byte runs (VEC = 4) where the image's rows are, so a channel's rows land in 16-byte
-// copies; A fragments come from it word by word.  The GEMM takes M = the window's pixels, N = every (tap, output
+// chunk's weights: a ring of STAGES buffers that cp.async fills with no registers staging the data.  Both stay
+// as x and w lay them out, [channel][row][column] and [channel][(tap, output channel) pair], the window's columns
+// widened to whole 16-byte runs (VEC = 4) where the image's rows are, so that they land in 16-byte copies; the
+// fragments come from them word by word.  The GEMM takes M = the window's pixels, N = every (tap, output
 // channel) pair and K = the input channels: each input value is read from shared memory once a k-step for all its
 // taps, where a GEMM a stride phase (M = output pixels, N = the few output channels) reads it once a tap.  Its
 // result, what each window pixel sends through each tap, goes to shared memory, and each output pixel sums the
@@ -23,9 +23,9 @@ constexpr int NI = {{NI}};                  // n8 tiles ((tap, output channel) p
 constexpr int ICC = TILE_K_WORDS;           // input channels a chunk: 64 bytes of K, two k8 steps
 constexpr int TH = SH * PR, TW = SW * PC;   // the output tile
 constexpr int WARPS = 4, THREADS = 32 * WARPS;
-constexpr int PAIRS = TAPS * COUT;          // GEMM columns: n = tap * COUT + output channel
+constexpr int PAIRS = TAPS * COUT;          // GEMM columns, in the weight's own order within an input channel
 static_assert(COUT == COUT_G && GROUPS == 1, "one group");
-static_assert(NI % 2 == 0 && PAIRS <= NI * 8 && PAIRS > NI * 8 - 16, "the fewest n8 pairs that hold every column");
+static_assert(PAIRS <= NI * 8 && PAIRS > NI * 8 - 8, "the fewest n8 tiles that hold every pair");
 
 __host__ __device__ constexpr int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 // Input window of a tile, relative to its input origin (tile row * PR): from the lowest row a tap reaches
@@ -44,10 +44,12 @@ constexpr int HC_LOW = floor_div(HC0, VEC) * VEC, HC_HIGH = -floor_div(-(HC0 + H
 constexpr int HCV = HC_HIGH - HC_LOW, CS = HC0 - HC_LOW;
 constexpr int CHANNEL_WORDS = (HR * HCV + 23) / 32 * 32 + 8;
 constexpr int WINDOW_WORDS = ICC * CHANNEL_WORDS;
-constexpr int PITCH = ROW_WORDS;            // weight rows of 80 bytes: conflict-free ldmatrix phases
-constexpr int STAGE_WORDS = WINDOW_WORDS + N_ROWS * PITCH;
+// The chunk's weights likewise as w lays them out, [channel][pair]: a channel's pairs are one run of w.
+constexpr int WEIGHT_PITCH = (N_ROWS + 23) / 32 * 32 + 8;
+constexpr int STAGE_WORDS = WINDOW_WORDS + ICC * WEIGHT_PITCH;
 constexpr int STAGES = {{STAGES}};
-static_assert(WINDOW_WORDS % 4 == 0 && PITCH % 4 == 0, "16-byte aligned buffers");
+static_assert(WINDOW_WORDS % 4 == 0 && WEIGHT_PITCH % 4 == 0, "16-byte aligned buffers");
+__host__ __device__ constexpr int pair_column(int tap, int oc) { return WEIGHT_CL ? tap * COUT + oc : oc * TAPS + tap; }
 // The GEMM's result, [n][window pixel] over the stages once the last chunk is done: a pitch of 4 mod 32 words
 // puts a fragment's stores (eight pixels by four even columns) on 32 banks, and the gather's reads of
 // consecutive pixels on consecutive banks.
@@ -55,14 +57,31 @@ constexpr int D_PITCH = M_ROWS + 4;
 static_assert(D_PITCH % 32 == 4, "conflict-free fragment stores");
 
 // A chunk's copies into a stage: the window's VEC-word runs, zeros past the image and the channels (VEC divides
-// W, so a run lies wholly inside a row or wholly outside it), then the weight rows, zeros past the last pair.
+// W, so a run lies wholly inside a row or wholly outside it), then each channel's pairs, in 16-byte runs where
+// they are whole runs of an aligned w, zeros past the last pair.
 constexpr int RUNS = ICC * HR * (HCV / VEC);
 constexpr int RUN_COPIES = (RUNS + THREADS - 1) / THREADS;
-constexpr int WEIGHT_COPIES = (N_ROWS * ICC + THREADS - 1) / THREADS;
+constexpr int WEIGHT_VEC = PAIRS % 4 == 0 ? 4 : 1;
+
+template <int V>
+__device__ __forceinline__ void copy_weights(unsigned* weight_tile, const scalar_t* __restrict__ w, int ic0) {
+    constexpr int RUNS_A_CHANNEL = N_ROWS / V, COPIES = (ICC * RUNS_A_CHANNEL + THREADS - 1) / THREADS;
+#pragma unroll 1
+    for (int i = 0; i < COPIES; ++i) {
+        const int e = threadIdx.x + i * THREADS;
+        const int c = e / RUNS_A_CHANNEL, column = e % RUNS_A_CHANNEL * V;
+        const bool ok = column < PAIRS && ic0 + c < CIN;
+        const scalar_t* at = ok ? w + static_cast<index_t>(ic0 + c) * PAIRS + column : w;
+        const unsigned dst = smem_addr(weight_tile + c * WEIGHT_PITCH + column);
+        if (c < ICC) {
+            if constexpr (V == 4) cp_async_16_l1(dst, at, ok); else cp_async_4(dst, at, ok);
+        }
+    }
+}
 
 __device__ __forceinline__ void copy_chunk(unsigned* stage, const scalar_t* __restrict__ x,
                                            const scalar_t* __restrict__ w, int n, int ic0, index_t ih0, index_t iw0,
-                                           index_t H, index_t W) {
+                                           index_t H, index_t W, bool w_aligned) {
     // (rolled: unrolled, ptxas kept every copy's addresses across the chunk loop, past the register budget)
 #pragma unroll 1
     for (int i = 0; i < RUN_COPIES; ++i) {
@@ -77,32 +96,27 @@ __device__ __forceinline__ void copy_chunk(unsigned* stage, const scalar_t* __re
         }
     }
     unsigned* weight_tile = stage + WINDOW_WORDS;
-#pragma unroll 1
-    for (int i = 0; i < WEIGHT_COPIES; ++i) {
-        const int e = threadIdx.x + i * THREADS;
-        const int c = e % ICC, pair = e / ICC;
-        const bool ok = pair < PAIRS && ic0 + c < CIN;
-        if (pair < N_ROWS)
-            cp_async_4(smem_addr(weight_tile + pair * PITCH + c),
-                       ok ? w + weight_index(ic0 + c, pair % COUT, pair / COUT) : w, ok);
+    if (WEIGHT_VEC == 4 && w_aligned) {
+        copy_weights<4>(weight_tile, w, ic0);
+    } else {
+        copy_weights<1>(weight_tile, w, ic0);
     }
 }
 
-// A warp's MMAs over one k8 step of a stage: B fragments (every pair) through ldmatrix as in warp_tile_mma, A
-// fragments word by word at the pixel offsets of the warp's rows, each rounded to TF32 once.
+// A warp's MMAs over one k8 step of a stage, fragments read word by word and each rounded to TF32 once: B's
+// (every pair) at k rows t and t + 4, column g of each n8 tile; A's at the pixel offsets of the warp's rows.
 __device__ __forceinline__ void mma_kstep(float (&acc)[MI][NI][4], const unsigned* stage, int ks,
                                           const int (&pixel_at)[MI][2], int lane) {
-    const unsigned* weight_tile = stage + WINDOW_WORDS;
+    const int g = lane / 4, t = lane % 4;
+    const unsigned* b_row = stage + WINDOW_WORDS + (ks * KSTEP_WORDS + t) * WEIGHT_PITCH + g;
     unsigned b[NI][2];
 #pragma unroll
-    for (int j = 0; j < NI; j += 2) {
-        unsigned r[4];
-        const int row = j * 8 + (lane & 7) + ((lane >> 4) << 3);
-        ldmatrix_x4(r, smem_addr(weight_tile + row * PITCH + ks * KSTEP_WORDS + ((lane >> 3) & 1) * 4));
-        b[j][0] = to_tf32(r[0]); b[j][1] = to_tf32(r[1]); b[j + 1][0] = to_tf32(r[2]); b[j + 1][1] = to_tf32(r[3]);
+    for (int j = 0; j < NI; ++j) {
+        b[j][0] = to_tf32(b_row[j * 8]);
+        b[j][1] = to_tf32(b_row[4 * WEIGHT_PITCH + j * 8]);
     }
-    // a0: (row g, k t), a1: (g + 8, t), a2: (g, t + 4), a3: (g + 8, t + 4); g = lane / 4, t = lane % 4
-    const unsigned* k_row = stage + (ks * KSTEP_WORDS + lane % 4) * CHANNEL_WORDS;
+    // a0: (row g, k t), a1: (g + 8, t), a2: (g, t + 4), a3: (g + 8, t + 4)
+    const unsigned* k_row = stage + (ks * KSTEP_WORDS + t) * CHANNEL_WORDS;
 #pragma unroll
     for (int i = 0; i < MI; ++i) {
         const unsigned a[4] = {to_tf32(k_row[pixel_at[i][0]]), to_tf32(k_row[pixel_at[i][1]]),
@@ -123,6 +137,7 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
     const int n = blockIdx.y;
     const index_t tile_h = blockIdx.x / tiles_w, tile_w = blockIdx.x % tiles_w;
     const index_t ih0 = tile_h * PR + HR0, iw0 = tile_w * PC + HC0;
+    const bool w_aligned = reinterpret_cast<unsigned long long>(w) % 16 == 0;
 
     float acc[MI][NI][4];
 #pragma unroll
@@ -143,12 +158,13 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
             pixel_at[i][half] = m < WINDOW ? (m / HC) * HCV + m % HC + CS : 0;
         }
 
-    // (a k8 step at a time: both unrolled, the fragments of the second held registers a block an SM needed)
     cp_async_pipeline<STAGES>(
         (CIN + ICC - 1) / ICC,
-        [&](int chunk, int s) { copy_chunk(smem + s * STAGE_WORDS, x, w, n, chunk * ICC, ih0, iw0, H, W); },
+        [&](int chunk, int s) {
+            copy_chunk(smem + s * STAGE_WORDS, x, w, n, chunk * ICC, ih0, iw0, H, W, w_aligned);
+        },
         [&](int s) {
-#pragma unroll 1
+#pragma unroll
             for (int ks = 0; ks < ICC / KSTEP_WORDS; ++ks) mma_kstep(acc, smem + s * STAGE_WORDS, ks, pixel_at, lane);
         });
     __syncthreads();  // every warp done with the stages the result overwrites
@@ -175,7 +191,7 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
             const int oc = e / (PR * PC), r = (e / PC) % PR, c = e % PC;
             const index_t oh = oh0 + SH * r + a;
             if (oh >= H_out) continue;
-            const float* from = sent + oc * D_PITCH + r * HC + c;
+            const float* from = sent + pair_column(0, oc) * D_PITCH + r * HC + c;
 #pragma unroll
             for (int b = 0; b < SW; ++b) {
                 const index_t ow = ow0 + SW * c + b;
@@ -189,7 +205,7 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
                     for (int kw = 0; kw < KW; ++kw) {
                         const int dc = b + PW - kw * DW;
                         if (dc % SW != 0) continue;
-                        v += from[(kh * KW + kw) * COUT * D_PITCH + (dr / SH - HR0) * HC + dc / SW - HC0];
+                        v += from[pair_column(kh * KW + kw, 0) * D_PITCH + (dr / SH - HR0) * HC + dc / SW - HC0];
                     }
                 }
                 if constexpr (HAS_BIAS) v += load(bias + oc);

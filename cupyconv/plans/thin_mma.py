@@ -30,7 +30,6 @@ MAX_OUT_CHANNELS = 8
 MAX_STRIDE = 4
 MAX_ACCUMULATOR_TILES = 24  # m16 x n8 tiles a warp accumulates (four registers each)
 STAGES = 2                  # cp.async buffers of channel chunks: one in flight while the MMAs read one
-ROW_BYTES = 80              # a staged pixel's or weight row's channels, padded for ldmatrix
 SMEM_LIMIT = 99 * 1024      # the least a block may opt in to on the sm_80+ GPUs the family runs on
 WARPS = THREADS // 32
 GRID_Y_LIMIT = 65535
@@ -48,10 +47,10 @@ def window(g: Geometry, rows: int) -> tuple:
 
 def mma_tiles(g: Geometry, rows: int) -> tuple:
     """(m16 tiles a warp, n8 tiles a warp): the window's pixels over the warps, and every (tap, output
-    channel) pair in each warp, an even count of n8 tiles."""
+    channel) pair in each warp."""
     wr, wc = window(g, rows)
     pairs = g.kernel[0] * g.kernel[1] * g.out_channels
-    return cdiv(cdiv(wr * wc, 16), WARPS), 2 * cdiv(pairs, 16)
+    return cdiv(cdiv(wr * wc, 16), WARPS), cdiv(pairs, 8)
 
 
 def tile_rows(g: Geometry) -> Optional[int]:
@@ -74,12 +73,12 @@ def window_words(g: Geometry, rows: int, vec: int) -> int:
 
 
 def smem_bytes(g: Geometry, rows: int, vec: int = 1, stages: Optional[int] = None) -> int:
-    """``stages`` buffers of the window (:func:`window_words` a channel) and the chunk's weights ([tap, output
-    channel] rows of 80 bytes), or the GEMM's result that replaces them ([pair][window pixel] rows of 4 words
-    more than the window's whole m16 tiles)."""
+    """``stages`` buffers of the window (:func:`window_words` a channel) and the chunk's weights (a channel's
+    pairs padded to 8 mod 32 words), or the GEMM's result that replaces them ([pair][window pixel] rows of 4
+    words more than the window's whole m16 tiles)."""
     mi, ni = mma_tiles(g, rows)
     stages = STAGES if stages is None else stages
-    stage = CHANNEL_CHUNK * window_words(g, rows, vec) * 4 + ni * 8 * ROW_BYTES
+    stage = CHANNEL_CHUNK * (window_words(g, rows, vec) + (ni * 8 + 23) // 32 * 32 + 8) * 4
     return max(stages * stage, ni * 8 * (WARPS * mi * 16 + 4) * 4)
 
 
