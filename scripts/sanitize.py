@@ -290,6 +290,13 @@ def base_cases() -> List[Case]:
         cases.append(Case(f"expanded-taps-{dtype}-{precision}-nchw", (3, 24, 5, 8), (24, 3, 4, 4),
                           _kw(stride=2, padding=1), True, dtype, precision=precision, layout="nchw",
                           variants=(("grad_input", "expanded_taps"), ("grad_weight", "expanded_taps"))))
+    # the thin-output forward: an RGB layer of 16-byte rows (40 channels: a part-empty chunk), with bias; then one
+    # of five output channels from activations one element off (word copies) with output padding
+    cases.append(Case("thin-mma-tf32-nchw", (2, 40, 5, 8), (40, 3, 4, 4), _kw(stride=2, padding=1), True,
+                      "float32", "tf32", variants=(("forward", "thin_mma"),)))
+    cases.append(Case("thin-mma-tf32-nchw-unaligned", (1, 24, 7, 8), (24, 5, 3, 3),
+                      _kw(stride=2, padding=1, output_padding=1), False, "float32", "tf32", unaligned=True,
+                      variants=(("forward", "thin_mma"),)))
     # the grouped mma forward, grad_input and grad_weight (8 input channels a group): grad_weight split over five
     # chunks and reduced, segments of 32 pixels past the row's end; six groups in grad_weight blocks of four (the
     # second block's last two warps idle); one chunk writing a channels_last weight's gradient itself, in segments
