@@ -58,10 +58,55 @@ static_assert(D_PITCH % 32 == 4, "conflict-free fragment stores");
 
 // A chunk's copies into a stage: the window's VEC-word runs, zeros past the image and the channels (VEC divides
 // W, so a run lies wholly inside a row or wholly outside it), then each channel's pairs, in 16-byte runs where
-// they are whole runs of an aligned w, zeros past the last pair.
-constexpr int RUNS = ICC * HR * (HCV / VEC);
-constexpr int RUN_COPIES = (RUNS + THREADS - 1) / THREADS;
+// they are whole runs of an aligned w, zeros past the last pair.  A thread keeps the same window positions (run
+// of a window row) from chunk to chunk and takes them in every CH_GROUPS-th channel: where they lie, and whether
+// inside the image, are worked out once.
+constexpr int POSITIONS = HR * (HCV / VEC);
+constexpr int CH_GROUPS = POSITIONS >= THREADS ? 1 : THREADS / POSITIONS;
+constexpr int POS_SPAN = CH_GROUPS == 1 ? THREADS : POSITIONS;   // threads a channel group
+constexpr int POS_ITERS = (POSITIONS + POS_SPAN - 1) / POS_SPAN;  // positions a thread
+constexpr int CH_ITERS = (ICC + CH_GROUPS - 1) / CH_GROUPS;      // channels a thread takes each position in
 constexpr int WEIGHT_VEC = PAIRS % 4 == 0 ? 4 : 1;
+
+struct WindowRuns {
+    index_t source[POS_ITERS];   // offset of the run in its channel's plane of x
+    int target[POS_ITERS];       // word of the run in its channel's window
+    bool inside[POS_ITERS];
+    int group;                   // first channel (CH_GROUPS past it: none of this thread's)
+
+    __device__ __forceinline__ WindowRuns(index_t ih0, index_t iw0, index_t H, index_t W) {
+        group = threadIdx.x / POS_SPAN;
+#pragma unroll
+        for (int k = 0; k < POS_ITERS; ++k) {
+            const int position = threadIdx.x % POS_SPAN + k * POS_SPAN;
+            const int r = position / (HCV / VEC), v = position % (HCV / VEC);
+            const index_t ih = ih0 + r, iw = iw0 - CS + v * VEC;
+            inside[k] = position < POSITIONS && ih >= 0 && ih < H && iw >= 0 && iw < W;
+            source[k] = inside[k] ? ih * W + iw : 0;
+            target[k] = position < POSITIONS ? r * HCV + v * VEC : -1;
+        }
+    }
+
+    __device__ __forceinline__ void copy(unsigned* stage, const scalar_t* __restrict__ x, int n, int ic0,
+                                         index_t plane) const {
+        if (group >= CH_GROUPS) return;
+        const scalar_t* channel = x + (static_cast<index_t>(n) * CIN + ic0 + group) * plane;
+#pragma unroll
+        for (int k = 0; k < POS_ITERS; ++k) {
+            if (target[k] < 0) continue;
+#pragma unroll
+            for (int i = 0; i < CH_ITERS; ++i) {
+                const int c = group + i * CH_GROUPS;
+                const bool ok = inside[k] && ic0 + c < CIN;
+                const scalar_t* at = ok ? channel + i * CH_GROUPS * plane + source[k] : x;
+                const unsigned dst = smem_addr(stage + c * CHANNEL_WORDS + target[k]);
+                if (c < ICC) {
+                    if constexpr (VEC == 4) cp_async_16_l1(dst, at, ok); else cp_async_4(dst, at, ok);
+                }
+            }
+        }
+    }
+};
 
 template <int V>
 __device__ __forceinline__ void copy_weights(unsigned* weight_tile, const scalar_t* __restrict__ w, int ic0) {
@@ -79,22 +124,10 @@ __device__ __forceinline__ void copy_weights(unsigned* weight_tile, const scalar
     }
 }
 
-__device__ __forceinline__ void copy_chunk(unsigned* stage, const scalar_t* __restrict__ x,
-                                           const scalar_t* __restrict__ w, int n, int ic0, index_t ih0, index_t iw0,
-                                           index_t H, index_t W, bool w_aligned) {
-    // (rolled: unrolled, ptxas kept every copy's addresses across the chunk loop, past the register budget)
-#pragma unroll 1
-    for (int i = 0; i < RUN_COPIES; ++i) {
-        const int e = threadIdx.x + i * THREADS;
-        const int v = e % (HCV / VEC), r = (e / (HCV / VEC)) % HR, c = e / (HCV / VEC * HR);
-        const index_t ih = ih0 + r, iw = iw0 - CS + v * VEC;
-        const bool ok = e < RUNS && ic0 + c < CIN && ih >= 0 && ih < H && iw >= 0 && iw < W;
-        const scalar_t* at = ok ? x + ((static_cast<index_t>(n) * CIN + ic0 + c) * H + ih) * W + iw : x;
-        const unsigned dst = smem_addr(stage + c * CHANNEL_WORDS + r * HCV + v * VEC);
-        if (e < RUNS) {
-            if constexpr (VEC == 4) cp_async_16_l1(dst, at, ok); else cp_async_4(dst, at, ok);
-        }
-    }
+__device__ __forceinline__ void copy_chunk(unsigned* stage, const WindowRuns& runs, const scalar_t* __restrict__ x,
+                                           const scalar_t* __restrict__ w, int n, int ic0, index_t plane,
+                                           bool w_aligned) {
+    runs.copy(stage, x, n, ic0, plane);
     unsigned* weight_tile = stage + WINDOW_WORDS;
     if (WEIGHT_VEC == 4 && w_aligned) {
         copy_weights<4>(weight_tile, w, ic0);
@@ -138,6 +171,7 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
     const index_t tile_h = blockIdx.x / tiles_w, tile_w = blockIdx.x % tiles_w;
     const index_t ih0 = tile_h * PR + HR0, iw0 = tile_w * PC + HC0;
     const bool w_aligned = reinterpret_cast<unsigned long long>(w) % 16 == 0;
+    const WindowRuns runs(ih0, iw0, H, W);
 
     float acc[MI][NI][4];
 #pragma unroll
@@ -161,7 +195,7 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
     cp_async_pipeline<STAGES>(
         (CIN + ICC - 1) / ICC,
         [&](int chunk, int s) {
-            copy_chunk(smem + s * STAGE_WORDS, x, w, n, chunk * ICC, ih0, iw0, H, W, w_aligned);
+            copy_chunk(smem + s * STAGE_WORDS, runs, x, w, n, chunk * ICC, H * W, w_aligned);
         },
         [&](int s) {
 #pragma unroll
