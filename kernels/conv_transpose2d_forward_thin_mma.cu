@@ -66,6 +66,8 @@ constexpr int CH_GROUPS = POSITIONS >= THREADS ? 1 : THREADS / POSITIONS;
 constexpr int POS_SPAN = CH_GROUPS == 1 ? THREADS : POSITIONS;   // threads a channel group
 constexpr int POS_ITERS = (POSITIONS + POS_SPAN - 1) / POS_SPAN;  // positions a thread
 constexpr int CH_ITERS = (ICC + CH_GROUPS - 1) / CH_GROUPS;      // channels a thread takes each position in
+// (word copies, 16 channels of two or more positions, unrolled held registers enough for ptxas to spill on sm_80)
+constexpr int CH_UNROLL = VEC == 4 ? CH_ITERS : 4;
 constexpr int WEIGHT_VEC = PAIRS % 4 == 0 ? 4 : 1;
 
 struct WindowRuns {
@@ -94,7 +96,7 @@ struct WindowRuns {
 #pragma unroll
         for (int k = 0; k < POS_ITERS; ++k) {
             if (target[k] < 0) continue;
-#pragma unroll
+#pragma unroll CH_UNROLL
             for (int i = 0; i < CH_ITERS; ++i) {
                 const int c = group + i * CH_GROUPS;
                 const bool ok = inside[k] && ic0 + c < CIN;

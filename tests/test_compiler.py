@@ -399,11 +399,11 @@ def _grouped_mma_plans():
     return seen
 
 
-# The thin-output forward: an RGB layer (stride 2, bias), two of 8 output channels (stride 1; 4 x 4 at stride 2,
-# one-row tiles), and one of asymmetric stride and dilation with a part-empty channel chunk and a channels_last
-# weight
+# The thin-output forward: an RGB layer (stride 2, bias, rows of whole 16-byte runs), two of 8 output channels
+# (stride 1; 4 x 4 at stride 2, one-row tiles), and one of asymmetric stride and dilation with a part-empty channel
+# chunk and a channels_last weight (the last three copy words)
 THIN_MMA_LAYERS = {
-    "rgb": (_layer((2, 128, 12, 10), (128, 3, 4, 4), stride=2, padding=1), True),
+    "rgb": (_layer((2, 128, 10, 12), (128, 3, 4, 4), stride=2, padding=1), True),
     "eight_s1": (_layer((2, 16, 9, 7), (16, 8, 3, 3), stride=1, padding=1), False),
     "eight_k4s2": (_layer((2, 48, 7, 9), (48, 8, 4, 4), stride=2, padding=1), True),
     "asym_wcl": (_layer((2, 40, 7, 5), (40, 5, 5, 3), stride=(3, 2), padding=(2, 1), output_padding=(1, 0),
