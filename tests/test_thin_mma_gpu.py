@@ -56,6 +56,8 @@ def tf32_on():
 LAYERS = {
     # an RGB output layer; three images
     "rgb_k4s2p1": Layer(3, 128, 3, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (12, 10), ""),
+    # rows of whole 16-byte runs: the window and the weights land in 16-byte copies
+    "rgb_runs": Layer(2, 64, 3, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, True, (10, 16), ""),
     # odd sizes: the last tiles part outside the output in both directions; no bias
     "rgb_odd": Layer(2, 64, 3, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (13, 17), ""),
     # stride 1 (one phase, 8-row tiles), 8 output channels: the whole n8 tile
@@ -81,13 +83,14 @@ def _rel(t, ref):
     return float(torch.linalg.vector_norm(t.double() - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300))
 
 
-@pytest.mark.parametrize("name", LAYERS)
-def test_thin_forward_matches_float64(name, ampere_or_newer, tf32_on):
-    layer = LAYERS[name]
+def _check(layer: Layer, seed: int, sm_count: int, unaligned: bool = False) -> None:
+    """Runs the pinned forward and holds it to float64; ``unaligned``: x one element past a 16-byte boundary."""
     g = _geometry(layer)
     assert thin_mma.eligible(g, "float32", "nchw", "tf32")
-    x64, w64, b64, _ = _data(layer, list(LAYERS).index(name))
+    x64, w64, b64, _ = _data(layer, seed)
     x, w = x64.float(), w64.float()
+    if unaligned:
+        x = torch.empty(x.numel() + 1, device="cuda")[1:].view(x.shape).copy_(x)
     b = None if b64 is None else b64.float()
     blocks = [torch.full(F.conv_transpose2d(x64, w64, None, **layer.kwargs()).shape, float("nan"), device="cuda")
               for _ in range(3)]
@@ -95,9 +98,12 @@ def test_thin_forward_matches_float64(name, ampere_or_newer, tf32_on):
     with tuning.pinned({"forward": THIN}), launch.watch() as seen:
         ours = ct.conv_transpose2d(x, w, b, **layer.kwargs())
         torch.cuda.synchronize()
-    assert FUNCTION in {plan.spec.function for _, plan in seen}
-    planned = set(table.plan("forward", THIN, g, "float32", "nchw", "tf32", b is not None, True,
-                             ampere_or_newer.sm_count).plans())
+    ran = [plan for _, plan in seen if plan.spec.function == FUNCTION]
+    assert ran, "the thin-output kernel did not run"
+    whole_runs = not unaligned and g.in_size[1] % 4 == 0
+    assert dict(ran[0].spec.constants)["VEC"] == (4 if whole_runs else 1)
+    planned = set(table.plan("forward", THIN, g, "float32", "nchw", "tf32", b is not None, not unaligned,
+                             sm_count).plans())
     assert planned <= {plan for _, plan in seen}
     ref = F.conv_transpose2d(x64, w64, b64, **layer.kwargs())
     magnitude = F.conv_transpose2d(x64.abs(), w64.abs(), None if b64 is None else b64.abs(), **layer.kwargs())
@@ -109,6 +115,15 @@ def test_thin_forward_matches_float64(name, ampere_or_newer, tf32_on):
     assert not bool(bad.any()), f"{int(bad.sum())} of {ours.numel()} values off"
     torch_error = max(_rel(theirs, ref), _rel(rounded, ref))
     assert _rel(ours, ref) <= 2 * torch_error + 1e-6, f"error {_rel(ours, ref):.3e} vs torch's {torch_error:.3e}"
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_thin_forward_matches_float64(name, ampere_or_newer, tf32_on):
+    _check(LAYERS[name], list(LAYERS).index(name), ampere_or_newer.sm_count)
+
+
+def test_unaligned_activations_take_word_copies(ampere_or_newer, tf32_on):
+    _check(LAYERS["rgb_runs"], 11, ampere_or_newer.sm_count, unaligned=True)
 
 
 def test_untuned_tf32_runs_the_family_and_strict_the_direct_kernels(ampere_or_newer, monkeypatch):
