@@ -1,5 +1,5 @@
 // The NCHW float32 forward of a transposed convolution with few output channels (an RGB generator's last layer)
-// on the tensor cores as TF32 (mma.sync m16n8k8, sm_80+), one group.
+// on the tensor cores (mma.sync m16n8k8, sm_80+) as TF32, or as 3xTF32 for strict float32; one group.
 //
 // One GEMM a block, then a gather in shared memory.  A block owns a TH x TW output tile of one image and stages
 // the input window that tile reads (HR x HC pixels, its halo included), ICC input channels at a time, beside the
@@ -16,6 +16,7 @@
 #include "cp_async_pipeline.cuh"
 
 constexpr bool HAS_BIAS = {{HAS_BIAS}};
+constexpr int MMA_KIND = {{MMA_KIND}};       // MMA_TF32, or MMA_3XTF32 for strict float32
 constexpr int PR = {{PR}};                  // input rows a tile's outputs take from (before the halo)
 constexpr int PC = 16;                      // input columns likewise
 constexpr int MI = {{MI}};                  // m16 tiles (window pixels) a warp
@@ -138,35 +139,74 @@ __device__ __forceinline__ void copy_chunk(unsigned* stage, const WindowRuns& ru
     }
 }
 
-// A warp's MMAs over one k8 step of a stage, fragments read word by word and each rounded to TF32 once: B's
-// (every pair) at k rows t and t + 4, column g of each n8 tile; A's at the pixel offsets of the warp's rows.
+// A warp's MMAs over one k8 step of a stage, fragments read word by word: B's (every pair) at k rows t and t + 4,
+// column g of each n8 tile; A's at the pixel offsets of the warp's rows.  TF32 rounds each operand once; 3xTF32
+// splits each into TF32 big and small parts and adds the two cross products, smaller first, before big x big (a
+// non-finite big part enters the cross products as zero, so that it meets no residual: as warp_tile_mma does).
 __device__ __forceinline__ void mma_kstep(float (&acc)[MI][NI][4], const unsigned* stage, int ks,
                                           const int (&pixel_at)[MI][2], int lane) {
     const int g = lane / 4, t = lane % 4;
     const unsigned* b_row = stage + WINDOW_WORDS + (ks * KSTEP_WORDS + t) * WEIGHT_PITCH + g;
-    unsigned b[NI][2];
-#pragma unroll
-    for (int j = 0; j < NI; ++j) {
-        b[j][0] = to_tf32(b_row[j * 8]);
-        b[j][1] = to_tf32(b_row[4 * WEIGHT_PITCH + j * 8]);
-    }
     // a0: (row g, k t), a1: (g + 8, t), a2: (g, t + 4), a3: (g + 8, t + 4)
     const unsigned* k_row = stage + (ks * KSTEP_WORDS + t) * CHANNEL_WORDS;
+    unsigned a_raw[MI][4];
 #pragma unroll
-    for (int i = 0; i < MI; ++i) {
-        const unsigned a[4] = {to_tf32(k_row[pixel_at[i][0]]), to_tf32(k_row[pixel_at[i][1]]),
-                               to_tf32(k_row[4 * CHANNEL_WORDS + pixel_at[i][0]]),
-                               to_tf32(k_row[4 * CHANNEL_WORDS + pixel_at[i][1]])};
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int j = 0; j < NI; ++j) mma_16x8<MMA_TF32>(acc[i][j], a, b[j]);
+        for (int q = 0; q < 4; ++q) a_raw[i][q] = k_row[(q / 2) * 4 * CHANNEL_WORDS + pixel_at[i][q % 2]];
+    if constexpr (MMA_KIND == MMA_3XTF32) {
+        // (an n8 tile at a time, its B parts made once and each A's kept: the fewest live registers beside the
+        // totals)
+        unsigned a[MI][4], a_small[MI][4], a_cross[MI][4];
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                a[i][q] = to_tf32(a_raw[i][q]);
+                a_small[i][q] = tf32_residual(a_raw[i][q], a[i][q]);
+                a_cross[i][q] = finite_or_zero(a[i][q]);
+            }
+#pragma unroll
+        for (int j = 0; j < NI; ++j) {
+            unsigned b[2], b_small[2], b_cross[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const unsigned raw = b_row[q * 4 * WEIGHT_PITCH + j * 8];
+                b[q] = to_tf32(raw);
+                b_small[q] = tf32_residual(raw, b[q]);
+                b_cross[q] = finite_or_zero(b[q]);
+            }
+#pragma unroll
+            for (int i = 0; i < MI; ++i) {
+                mma_16x8<MMA_TF32>(acc[i][j], a_small[i], b_cross);
+                mma_16x8<MMA_TF32>(acc[i][j], a_cross[i], b_small);
+                mma_16x8<MMA_TF32>(acc[i][j], a[i], b);
+            }
+        }
+    } else {
+        unsigned b[NI][2];
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) b[j][q] = to_tf32(b_row[q * 4 * WEIGHT_PITCH + j * 8]);
+#pragma unroll
+        for (int i = 0; i < MI; ++i) {
+            unsigned a[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) a[q] = to_tf32(a_raw[i][q]);
+#pragma unroll
+            for (int j = 0; j < NI; ++j) mma_16x8<MMA_TF32>(acc[i][j], a, b[j]);
+        }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+// (three blocks an SM: 3xTF32's totals need more than the 128 registers of four)
+constexpr int MIN_BLOCKS = MMA_KIND == MMA_3XTF32 ? 3 : 4;
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
                                   const scalar_t* __restrict__ bias, scalar_t* __restrict__ y, index_t H, index_t W,
                                   index_t H_out, index_t W_out, index_t tiles_w) {
-    static_assert(sizeof(scalar_t) == 4, "float32 as TF32");
+    static_assert(sizeof(scalar_t) == 4 && (MMA_KIND == MMA_TF32 || MMA_KIND == MMA_3XTF32), "float32 as TF32");
     extern __shared__ __align__(16) unsigned smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int n = blockIdx.y;
@@ -175,13 +215,10 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
     const bool w_aligned = reinterpret_cast<unsigned long long>(w) % 16 == 0;
     const WindowRuns runs(ih0, iw0, H, W);
 
-    float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+    // (3xTF32 moves each chunk's sums into an fp32 total: tensor-core accumulation does not round to nearest)
+    float acc[MI][NI][4], total[MI][NI][4];
+    zero(acc);
+    zero(total);
 
     // The window offsets of this thread's fragment rows: m = warp*MI*16 + i*16 + lane/4 (+8); rows past the
     // window read pixel 0, and their results are never summed.
@@ -202,6 +239,7 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
         [&](int s) {
 #pragma unroll
             for (int ks = 0; ks < ICC / KSTEP_WORDS; ++ks) mma_kstep(acc, smem + s * STAGE_WORDS, ks, pixel_at, lane);
+            if constexpr (MMA_KIND == MMA_3XTF32) promote(total, acc);
         });
     __syncthreads();  // every warp done with the stages the result overwrites
 
@@ -214,7 +252,7 @@ conv_transpose2d_forward_thin_mma(const scalar_t* __restrict__ x, const scalar_t
 #pragma unroll
             for (int r = 0; r < 4; ++r)
                 sent[(j * 8 + 2 * (lane % 4) + r % 2) * D_PITCH + warp * MI * 16 + i * 16 + lane / 4 + (r / 2) * 8] =
-                    acc[i][j][r];
+                    pick_result<MMA_KIND>(acc, total)[i][j][r];
     __syncthreads();
 
     // Output row SH * r + a of the tile takes tap kh where kh's offset from phase a is a whole number of strides,

@@ -290,10 +290,12 @@ def base_cases() -> List[Case]:
         cases.append(Case(f"expanded-taps-{dtype}-{precision}-nchw", (3, 24, 5, 8), (24, 3, 4, 4),
                           _kw(stride=2, padding=1), True, dtype, precision=precision, layout="nchw",
                           variants=(("grad_input", "expanded_taps"), ("grad_weight", "expanded_taps"))))
-    # the thin-output forward: an RGB layer of 16-byte rows (40 channels: a part-empty chunk), with bias; then one
-    # of five output channels from activations one element off (word copies) with output padding
-    cases.append(Case("thin-mma-tf32-nchw", (2, 40, 5, 8), (40, 3, 4, 4), _kw(stride=2, padding=1), True,
-                      "float32", "tf32", variants=(("forward", "thin_mma"),)))
+    # the thin-output forward: an RGB layer of 16-byte rows (40 channels: a part-empty chunk), with bias, in TF32 and
+    # strict float32 (3xTF32); then one of five output channels from activations one element off (word copies) with
+    # output padding
+    for precision in ("tf32", "strict"):
+        cases.append(Case(f"thin-mma-{precision}-nchw", (2, 40, 5, 8), (40, 3, 4, 4), _kw(stride=2, padding=1), True,
+                          "float32", precision, variants=(("forward", "thin_mma"),)))
     cases.append(Case("thin-mma-tf32-nchw-unaligned", (1, 24, 7, 8), (24, 5, 3, 3),
                       _kw(stride=2, padding=1, output_padding=1), False, "float32", "tf32", unaligned=True,
                       variants=(("forward", "thin_mma"),)))

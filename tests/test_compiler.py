@@ -401,19 +401,22 @@ def _grouped_mma_plans():
 
 # The thin-output forward: an RGB layer (stride 2, bias, rows of whole 16-byte runs), two of 8 output channels
 # (stride 1; 4 x 4 at stride 2, one-row tiles), and one of asymmetric stride and dilation with a part-empty channel
-# chunk and a channels_last weight (the last three copy words)
+# chunk and a channels_last weight (the last three copy words); then strict float32's 3xTF32 on RGB layers of
+# 16-byte rows and of odd width
 THIN_MMA_LAYERS = {
-    "rgb": (_layer((2, 128, 10, 12), (128, 3, 4, 4), stride=2, padding=1), True),
-    "eight_s1": (_layer((2, 16, 9, 7), (16, 8, 3, 3), stride=1, padding=1), False),
-    "eight_k4s2": (_layer((2, 48, 7, 9), (48, 8, 4, 4), stride=2, padding=1), True),
+    "rgb": (_layer((2, 128, 10, 12), (128, 3, 4, 4), stride=2, padding=1), True, "tf32"),
+    "eight_s1": (_layer((2, 16, 9, 7), (16, 8, 3, 3), stride=1, padding=1), False, "tf32"),
+    "eight_k4s2": (_layer((2, 48, 7, 9), (48, 8, 4, 4), stride=2, padding=1), True, "tf32"),
     "asym_wcl": (_layer((2, 40, 7, 5), (40, 5, 5, 3), stride=(3, 2), padding=(2, 1), output_padding=(1, 0),
-                        dilation=(1, 2)).with_weight_channels_last(), True),
+                        dilation=(1, 2)).with_weight_channels_last(), True, "tf32"),
+    "rgb_strict": (_layer((2, 128, 10, 12), (128, 3, 4, 4), stride=2, padding=1), True, "strict"),
+    "rgb_strict_words": (_layer((2, 64, 11, 13), (64, 3, 4, 4), stride=2, padding=1), False, "strict"),
 }
 
 
 def _thin_mma_plans():
-    return {thin_mma.plan_forward(g, "float32", bias).spec: f"thin_mma-{name}"
-            for name, (g, bias) in THIN_MMA_LAYERS.items()}
+    return {thin_mma.plan_forward(g, "float32", bias, precision).spec: f"thin_mma-{name}"
+            for name, (g, bias, precision) in THIN_MMA_LAYERS.items()}
 
 
 WGMMA_PLANS = _wgmma_plans()
@@ -915,8 +918,8 @@ def test_expanded_taps_kernels_build_without_spilling(name):
 @pytest.mark.parametrize("name", list(THIN_MMA_LAYERS))
 def test_thin_mma_kernels_build_without_spilling(name):
     """The thin-output forward builds for sm_80 and sm_90 with no stack frame."""
-    g, bias = THIN_MMA_LAYERS[name]
-    spec = thin_mma.plan_forward(g, "float32", bias).spec
+    g, bias, precision = THIN_MMA_LAYERS[name]
+    spec = thin_mma.plan_forward(g, "float32", bias, precision).spec
     for arch in ("sm_80", "sm_90"):
         log = _ptxas_log(spec, (f"-arch={arch}",))
         found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)

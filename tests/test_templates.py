@@ -115,7 +115,7 @@ def test_the_thin_mma_template_inlines_the_mma_header():
     name, = THIN_MMA
     text = templates.expanded(name)
     assert "#include" not in text and "ldmatrix_x4" in text and "weight_index" in text and "cp_async_4" in text
-    assert {"SCALAR_T", "INDEX_T", "HAS_BIAS", "PR", "MI", "NI", "VEC", "STAGES"} | LAYER == templates.placeholders(name)
+    assert {"SCALAR_T", "INDEX_T", "HAS_BIAS", "MMA_KIND", "PR", "MI", "NI", "VEC", "STAGES"} | LAYER == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))

@@ -6,7 +6,7 @@ channels and the wgmma kernel's thin tiles lost to the direct kernels in TF32.  
 window of an output tile and runs one mma.sync GEMM over it, N = every (tap, output channel) pair, then sums each
 output's terms from shared memory (``kernels/conv_transpose2d_forward_thin_mma.cu``).  Each input value leaves
 shared memory once a k-step for all its taps, where a GEMM a stride phase read it once a tap and lost on shared
-memory bandwidth.  TF32 only: strict float32 keeps the direct kernels.
+memory bandwidth.  TF32, or 3xTF32 for strict float32 (smaller tiles: an fp32 total beside each accumulator).
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ CHANNEL_CHUNK = 16          # input channels a stage: 64 bytes of float32 K
 TILE_ROWS = (8, 4, 2, 1)    # input rows likewise, the most that fit the accumulators first
 MAX_OUT_CHANNELS = 8
 MAX_STRIDE = 4
-MAX_ACCUMULATOR_TILES = 24  # m16 x n8 tiles a warp accumulates (four registers each)
+# m16 x n8 tiles a warp accumulates (four registers each); 3xTF32 keeps an fp32 total beside each
+MAX_ACCUMULATOR_TILES = {"tf32": 24, "strict": 12}
+MMA_KINDS = {"tf32": 2, "strict": 3}   # kernels/include/mma.cuh: MMA_TF32, MMA_3XTF32
 STAGES = 2                  # cp.async buffers of channel chunks: one in flight while the MMAs read one
 SMEM_LIMIT = 99 * 1024      # the least a block may opt in to on the sm_80+ GPUs the family runs on
 WARPS = THREADS // 32
@@ -53,12 +55,12 @@ def mma_tiles(g: Geometry, rows: int) -> tuple:
     return cdiv(cdiv(wr * wc, 16), WARPS), cdiv(pairs, 8)
 
 
-def tile_rows(g: Geometry) -> Optional[int]:
-    """The most input rows a tile (of :data:`TILE_ROWS`) whose accumulators stay within
+def tile_rows(g: Geometry, precision: str = "tf32") -> Optional[int]:
+    """The most input rows a tile (of :data:`TILE_ROWS`) whose accumulators stay within ``precision``'s
     :data:`MAX_ACCUMULATOR_TILES` a warp; None where none does."""
     for rows in TILE_ROWS:
         mi, ni = mma_tiles(g, rows)
-        if mi * ni <= MAX_ACCUMULATOR_TILES:
+        if mi * ni <= MAX_ACCUMULATOR_TILES[precision]:
             return rows
     return None
 
@@ -89,16 +91,16 @@ def vector_words(g: Geometry, aligned: bool) -> int:
 
 
 def eligible(g: Geometry, dtype: str, layout: str, precision: str) -> bool:
-    """float32 at TF32 precision, NCHW, one group of at most :data:`MAX_OUT_CHANNELS` output channels and 16 or
+    """float32 (TF32 or strict), NCHW, one group of at most :data:`MAX_OUT_CHANNELS` output channels and 16 or
     more input channels (a chunk's K), strides up to :data:`MAX_STRIDE`, a tile whose accumulators fit
     (:func:`tile_rows`) within :data:`SMEM_LIMIT`; a grid row of blocks an image (at most :data:`GRID_Y_LIMIT`
     images)."""
     sh, sw = g.params.stride
-    if not (dtype == "float32" and precision == "tf32" and layout == "nchw" and g.groups == 1
+    if not (dtype == "float32" and precision in MMA_KINDS and layout == "nchw" and g.groups == 1
             and g.out_channels <= MAX_OUT_CHANNELS and g.in_channels >= CHANNEL_CHUNK and g.batch <= GRID_Y_LIMIT
             and max(sh, sw) <= MAX_STRIDE):
         return False
-    rows = tile_rows(g)
+    rows = tile_rows(g, precision)
     return rows is not None and smem_bytes(g, rows, 4) <= SMEM_LIMIT and smem_bytes(g, rows, 1) <= SMEM_LIMIT
 
 
@@ -106,11 +108,11 @@ def eligible(g: Geometry, dtype: str, layout: str, precision: str) -> bool:
 def plan_forward(g: Geometry, dtype: str, has_bias: bool, precision: str = "tf32", aligned: bool = True) -> Plan:
     """A block a (tile, image): tiles of stride x tile_rows by stride x 16 output pixels."""
     if not eligible(g, dtype, "nchw", precision):
-        raise ValueError("the thin-output forward runs NCHW float32 layers at TF32 precision of one group with at "
+        raise ValueError("the thin-output forward runs NCHW float32 layers (TF32 or strict) of one group with at "
                          f"most {MAX_OUT_CHANNELS} output channels, {CHANNEL_CHUNK} or more input channels, "
                          f"strides up to {MAX_STRIDE}, and few enough (tap, output channel) pairs for a warp's "
-                         f"accumulators ({MAX_ACCUMULATOR_TILES} m16 x n8 tiles)")
-    rows = tile_rows(g)
+                         "accumulators")
+    rows = tile_rows(g, precision)
     mi, ni = mma_tiles(g, rows)
     sh, sw = g.params.stride
     h_out, w_out = g.out_size
@@ -118,7 +120,8 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, precision: str = "tf32
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     constants = layer_constants(g, dtype, index_t)
     vec = vector_words(g, aligned)
-    constants.update(HAS_BIAS=bool(has_bias), PR=rows, MI=mi, NI=ni, VEC=vec, STAGES=STAGES)
+    constants.update(HAS_BIAS=bool(has_bias), MMA_KIND=MMA_KINDS[precision], PR=rows, MI=mi, NI=ni, VEC=vec,
+                     STAGES=STAGES)
     spec = KernelSpec.make("conv_transpose2d_forward_thin_mma.cu", "conv_transpose2d_forward_thin_mma", constants)
     h, w = g.in_size
     return Plan(spec, (tiles_h * tiles_w, g.batch, 1), (THREADS, 1, 1), (h, w, h_out, w_out, tiles_w), index_t,
