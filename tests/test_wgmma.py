@@ -299,9 +299,10 @@ def test_thin_destinations_take_narrow_n_tiles_and_wide_patches():
     32-wide tile they had before the thin ones existed."""
     for x, w in (((16, 128, 128, 128), (128, 3, 4, 4)), ((128, 64, 32, 32), (64, 3, 4, 4))):
         g = _g(x, w, stride=2, padding=1)
-        assert not wgmma.eligible(g, "float32", "forward", "tf32"), "thin float32 stays on the CUDA-core kernels"
-        assert table.candidates("forward", g, "float32", "nchw", "tf32")[0] == Variant("direct")
-        assert {v.family for v in table.candidates("forward", g, "float32", "nchw", "tf32")} == {"direct", "tiled"}
+        assert not wgmma.eligible(g, "float32", "forward", "tf32"), "thin float32 runs on mma.sync, not wgmma"
+        assert table.candidates("forward", g, "float32", "nchw", "tf32")[0] == Variant("thin_mma")
+        assert ({v.family for v in table.candidates("forward", g, "float32", "nchw", "tf32")}
+                == {"thin_mma", "direct", "tiled"})
         for dtype in ("float16", "bfloat16", "float32"):
             assert wgmma.forward_tile(g, "forward", dtype) == wgmma.TILES["32x16x8"]
             tiles = {o.get("tile") for o in wgmma.options(g, "forward", dtype)} - {None}
