@@ -27,7 +27,6 @@ module reruns exactly that layer and data.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -54,7 +53,7 @@ from cupyconv.plans.launch import Recorder  # noqa: E402
 from cupyconv.jit.compiler import compile_many  # noqa: E402
 from cupyconv.core.geometry import ConvParams, geometry, output_size  # noqa: E402
 from layers import uses_gemm  # noqa: E402
-from tf32 import round_tf32  # noqa: E402
+from tf32 import round_tf32, tf32_allowed  # noqa: E402
 
 EXAMPLES = int(os.environ.get("CUPYCONV_FUZZ_EXAMPLES", "200"))
 BATCH = max(1, int(os.environ.get("CUPYCONV_FUZZ_BATCH", "20")))
@@ -334,16 +333,6 @@ def _specs(case: FuzzCase) -> list:
     return [plan.spec for _, plan in recorder.launches]
 
 
-@contextlib.contextmanager
-def _tf32(allowed: bool):
-    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = allowed
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 # ---------------------------------------------------------------------------- the check
 
 def _run_ours(case: FuzzCase, x, w, b, go, variants: dict, dtype):
@@ -370,7 +359,7 @@ def check_case(case: FuzzCase) -> dict:
                 None if b64 is None else _view(b64, dtype, views(case.b_view)),
                 _view(go64, dtype, views(case.go_view)))
 
-    with _tf32(case.mode == "tf32"):
+    with tf32_allowed(case.mode == "tf32"):
         ref = _run(F.conv_transpose2d, x64.clone(), w64.clone(), None if b64 is None else b64.clone(), go64, case)
         floor = [0.0] * 4
         theirs = [None] * 4

@@ -10,8 +10,6 @@ GPU.
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -31,11 +29,11 @@ from cupyconv.tuning import Variant  # noqa: E402
 
 from layers import Layer  # noqa: E402
 from test_gemm_gpu import _data  # noqa: E402
-from tf32 import round_tf32  # noqa: E402
+from test_expanded_taps_gpu import _check_near_float64  # noqa: E402
+from tf32 import round_tf32, tf32_allowed  # noqa: E402
 
 THIN = Variant("thin_mma")
 FUNCTION = "conv_transpose2d_forward_thin_mma"
-TF32_EPS = 2.0 ** -10
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +75,6 @@ def _rel(t, ref):
     return float(torch.linalg.vector_norm(t.double() - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300))
 
 
-@contextlib.contextmanager
-def _tf32(allowed: bool):
-    saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = allowed
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32 = saved
-
-
 def _check(layer: Layer, seed: int, sm_count: int, precision: str = "tf32", unaligned: bool = False) -> None:
     """Runs the pinned forward and holds it to float64; ``unaligned``: x one element past a 16-byte boundary."""
     g = _geometry(layer)
@@ -99,7 +87,7 @@ def _check(layer: Layer, seed: int, sm_count: int, precision: str = "tf32", unal
     blocks = [torch.full(F.conv_transpose2d(x64, w64, None, **layer.kwargs()).shape, float("nan"), device="cuda")
               for _ in range(3)]
     del blocks
-    with _tf32(precision == "tf32"), tuning.pinned({"forward": THIN}), launch.watch() as seen:
+    with tf32_allowed(precision == "tf32"), tuning.pinned({"forward": THIN}), launch.watch() as seen:
         ours = ct.conv_transpose2d(x, w, b, **layer.kwargs())
         torch.cuda.synchronize()
         theirs = F.conv_transpose2d(x, w, b, **layer.kwargs())
@@ -113,17 +101,12 @@ def _check(layer: Layer, seed: int, sm_count: int, precision: str = "tf32", unal
     assert planned <= {plan for _, plan in seen}
     ref = F.conv_transpose2d(x64, w64, b64, **layer.kwargs())
     magnitude = F.conv_transpose2d(x64.abs(), w64.abs(), None if b64 is None else b64.abs(), **layer.kwargs())
-    assert ours.dtype == torch.float32 and ours.shape == ref.shape and ours.is_contiguous()
-    assert bool(torch.isfinite(ours).all()), "values not finite (unwritten?)"
-    bound = 2 * TF32_EPS if precision == "tf32" else 1e-5
-    bad = (ours.double() - ref).abs() > bound * magnitude
-    assert not bool(bad.any()), f"{int(bad.sum())} of {ours.numel()} values off"
+    assert ours.is_contiguous()
+    rounded = F.conv_transpose2d(round_tf32(x), round_tf32(w), b64, **layer.kwargs()) if precision == "tf32" else None
+    _check_near_float64(ours, theirs, ref, magnitude, torch.float32, "forward", rounded)
     if precision == "strict":
-        assert _rel(ours, ref) <= 1e-5, f"strict float32 error {_rel(ours, ref):.3e}"
-        return
-    rounded = F.conv_transpose2d(round_tf32(x), round_tf32(w), b64, **layer.kwargs())
-    torch_error = max(_rel(theirs, ref), _rel(rounded, ref))
-    assert _rel(ours, ref) <= 2 * torch_error + 1e-6, f"error {_rel(ours, ref):.3e} vs torch's {torch_error:.3e}"
+        bad = (ours.double() - ref).abs() > 1e-5 * magnitude
+        assert not bool(bad.any()), f"{int(bad.sum())} of {ours.numel()} values off"
 
 
 # the layers whose (tap, output channel) pairs fit 3xTF32's accumulators (not eight_k4s2's 128)
@@ -150,7 +133,7 @@ def test_untuned_calls_run_the_family_as_tf32_or_3xtf32(ampere_or_newer, monkeyp
     x64, w64, b64, _ = _data(layer, 9)
     try:
         for allow_tf32 in (True, False):
-            with _tf32(allow_tf32), launch.watch() as seen:
+            with tf32_allowed(allow_tf32), launch.watch() as seen:
                 ours = ct.conv_transpose2d(x64.float(), w64.float(), b64.float(), **layer.kwargs())
                 torch.cuda.synchronize()
             kinds = {dict(plan.spec.constants)["MMA_KIND"] for _, plan in seen if plan.spec.function == FUNCTION}
