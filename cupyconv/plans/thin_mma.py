@@ -37,14 +37,24 @@ WARPS = THREADS // 32
 GRID_Y_LIMIT = 65535
 
 
+def _reach(k: int, s: int, p: int, d: int) -> tuple:
+    """(lowest, highest) input row a tile's phase-row 0 reads, relative to the tile's origin: phase 0's last tap to
+    the last phase's tap 0 (floor division, as the kernel's HR0 and HR_TOP)."""
+    return (p - (k - 1) * d) // s, (s - 1 + p) // s
+
+
 def window(g: Geometry, rows: int) -> tuple:
     """The input window a tile of ``rows`` x :data:`PHASE_COLUMNS` input positions reads: (rows, columns) of
     input pixels, its halo included."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.params.stride, g.params.padding, g.params.dilation
-    # (the lowest row a tap reaches, phase 0's last tap, to the highest, the last phase's tap 0; floor division)
-    low_h, top_h = (ph - (kh - 1) * dh) // sh, (sh - 1 + ph) // sh
-    low_w, top_w = (pw - (kw - 1) * dw) // sw, (sw - 1 + pw) // sw
+    low_h, top_h = _reach(kh, sh, ph, dh)
+    low_w, top_w = _reach(kw, sw, pw, dw)
     return rows + top_h - low_h, PHASE_COLUMNS + top_w - low_w
+
+
+def _banked(words: int) -> int:
+    """The fewest words, at least ``words``, that are 8 mod 32: a fragment's four k rows on distinct banks."""
+    return (words + 23) // 32 * 32 + 8
 
 
 def mma_tiles(g: Geometry, rows: int) -> tuple:
@@ -66,22 +76,21 @@ def tile_rows(g: Geometry, precision: str = "tf32") -> Optional[int]:
 
 
 def window_words(g: Geometry, rows: int, vec: int) -> int:
-    """Words a channel's window takes in a stage: its rows widened to whole ``vec``-word runs, padded to 8 mod 32
-    words (the kernel's CHANNEL_WORDS)."""
+    """Words a channel's window takes in a stage: its rows widened to whole ``vec``-word runs (the kernel's
+    CHANNEL_WORDS)."""
     wr, wc = window(g, rows)
-    low = (g.params.padding[1] - (g.kernel[1] - 1) * g.params.dilation[1]) // g.params.stride[1]
+    low, _ = _reach(g.kernel[1], g.params.stride[1], g.params.padding[1], g.params.dilation[1])
     run_low, run_high = low // vec * vec, -(-(low + wc) // vec) * vec
-    return (wr * (run_high - run_low) + 23) // 32 * 32 + 8
+    return _banked(wr * (run_high - run_low))
 
 
-def smem_bytes(g: Geometry, rows: int, vec: int = 1, stages: Optional[int] = None) -> int:
-    """``stages`` buffers of the window (:func:`window_words` a channel) and the chunk's weights (a channel's
-    pairs padded to 8 mod 32 words), or the GEMM's result that replaces them ([pair][window pixel] rows of 4
-    words more than the window's whole m16 tiles)."""
+def smem_bytes(g: Geometry, rows: int, vec: int = 1) -> int:
+    """:data:`STAGES` buffers of the window (:func:`window_words` a channel) and the chunk's weights (a channel's
+    pairs), or the GEMM's result that replaces them ([pair][window pixel] rows of 4 words more than the window's
+    whole m16 tiles)."""
     mi, ni = mma_tiles(g, rows)
-    stages = STAGES if stages is None else stages
-    stage = CHANNEL_CHUNK * (window_words(g, rows, vec) + (ni * 8 + 23) // 32 * 32 + 8) * 4
-    return max(stages * stage, ni * 8 * (WARPS * mi * 16 + 4) * 4)
+    stage = CHANNEL_CHUNK * (window_words(g, rows, vec) + _banked(ni * 8)) * 4
+    return max(STAGES * stage, ni * 8 * (WARPS * mi * 16 + 4) * 4)
 
 
 def vector_words(g: Geometry, aligned: bool) -> int:
