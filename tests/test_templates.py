@@ -29,6 +29,7 @@ EXPANDED_TAPS = {"conv_transpose2d_grad_input_expanded_taps.cu", "conv_transpose
 GROUPED_MMA = {"conv_transpose2d_forward_grouped_mma.cu", "conv_transpose2d_grad_input_grouped_mma.cu",
                "conv_transpose2d_grad_weight_grouped_mma.cu"}
 THIN_MMA = {"conv_transpose2d_forward_thin_mma.cu"}
+DEPTHWISE = {"conv_transpose2d_depthwise_nhwc.cu"}
 # the constants of kernels/include/layer.cuh: every layer template takes them
 LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CIN_G", "COUT_G",
                    "WEIGHT_CL"})
@@ -37,7 +38,7 @@ LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CI
 def test_every_template_is_found():
     assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
                                                | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED | SCATTER_GEMM
-                                               | EXPANDED_TAPS | GROUPED_MMA | THIN_MMA)
+                                               | EXPANDED_TAPS | GROUPED_MMA | THIN_MMA | DEPTHWISE)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "wgmma.cuh").is_file()
@@ -116,6 +117,14 @@ def test_the_thin_mma_template_inlines_the_mma_header():
     text = templates.expanded(name)
     assert "#include" not in text and "ldmatrix_x4" in text and "weight_index" in text and "cp_async_4" in text
     assert {"SCALAR_T", "INDEX_T", "HAS_BIAS", "MMA_KIND", "PR", "MI", "NI", "VEC", "STAGES"} | LAYER == templates.placeholders(name)
+
+
+def test_the_depthwise_template_takes_its_patch_and_channel_runs():
+    name, = DEPTHWISE
+    text = templates.expanded(name)
+    assert "#include" not in text and "store_run" in text and "weight_index" in text
+    tile = {"MODE", "ROWS", "COLS", "VEC", "CV_BLOCK", "TILES_BLOCK", "HAS_BIAS", "MIN_BLOCKS"}
+    assert {"SCALAR_T", "INDEX_T"} | LAYER | tile == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(GEMM))

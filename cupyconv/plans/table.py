@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..core.device import ASSUMED, Device
 from ..core.geometry import Geometry
 from ..tuning.variants import Variant
-from . import direct, expanded_taps, gemm, grouped_mma, large_kernel, reduction, scatter_gemm, thin_mma, tiled, wgmma
+from . import (depthwise, direct, expanded_taps, gemm, grouped_mma, large_kernel, reduction, scatter_gemm, thin_mma,
+               tiled, wgmma)
 from .family import Family
 from .launch import Plan
 from .sequences import PassPlan
@@ -26,8 +27,8 @@ PASSES = (FORWARD, GRAD_INPUT, GRAD_WEIGHT, GRAD_BIAS)
 
 # Families in order of preference; each runs the passes it lists.
 FAMILIES: Tuple[Family, ...] = (scatter_gemm.FAMILY, expanded_taps.FAMILY, wgmma.FAMILY, gemm.FAMILY,
-                                grouped_mma.FAMILY, thin_mma.FAMILY, tiled.FAMILY, direct.FAMILY, large_kernel.FAMILY,
-                                reduction.FAMILY)
+                                grouped_mma.FAMILY, thin_mma.FAMILY, tiled.FAMILY, depthwise.FAMILY, direct.FAMILY,
+                                large_kernel.FAMILY, reduction.FAMILY)
 
 _BY_PASS: Dict[str, Tuple[Family, ...]] = {p: tuple(f for f in FAMILIES if p in f.passes) for p in PASSES}
 _BY_NAME: Dict[str, Family] = {f.name: f for f in FAMILIES}

@@ -120,6 +120,26 @@ __device__ __forceinline__ void store_pair(T16* p, float v0, float v1) {
     *reinterpret_cast<unsigned*>(p) = pack_pair<T16>(v0, v1);
 }
 
+// N neighbouring values stored as one 16-byte run (p 16-byte aligned; 16-bit values rounded two at a time), or
+// one plain store where N is 1.
+template <int N, typename T, typename A>
+__device__ __forceinline__ void store_run(T* p, const A (&v)[N]) {
+    static_assert(N == 1 || N * sizeof(T) == 16, "one element or a 16-byte run of them");
+    if constexpr (N == 1) {
+        store(p, v[0]);
+    } else if constexpr (sizeof(T) == 2) {
+        unsigned words[N / 2];
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) words[i] = pack_pair<T>(v[2 * i], v[2 * i + 1]);
+        *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+    } else {
+        Run<T, N> run;
+#pragma unroll
+        for (int i = 0; i < N; ++i) run.v[i] = v[i];
+        *reinterpret_cast<uint4*>(p) = run.bytes;
+    }
+}
+
 // What a split-K partial pass writes: acc_t partials that reduce_partials.cu adds up,
 // or, when the pass has one chunk (SINGLE_CHUNK), the result itself in the storage
 // type, which saves the reduce launch and the scratch.

@@ -1,0 +1,171 @@
+"""The depthwise family: channels_last forward and grad_input of layers with one input and one output channel a group.
+
+A depthwise layer does a multiply-add per tap for each value it moves, so its passes are bound by memory.  The
+direct channels_last kernels ran its forward at 28% of the copy bandwidth (H100, fp16).  Here each thread takes a
+16-byte run of a pixel's channels (8 in 16 bits, 4 in float32, 2 in float64; one where the channels or the pointers
+do not allow runs) for a patch of destination pixels, so every load and store moves whole runs and a warp's
+neighbouring runs fill whole lines (``kernels/conv_transpose2d_depthwise_nhwc.cu``).  The forward's patches start on
+a whole stride period, so its taps and their input pixels are compile-time constants and the patch's input window is
+loaded once into registers for all its taps.  A patch is named ``{rows}x{cols}`` in the tuner's variants
+(``depthwise:2x4``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Tuple
+
+from ..core import dtypes
+from ..core.device import Device
+from ..core.geometry import Geometry
+from ..jit.compiler import KernelSpec
+from ..tuning.variants import Variant
+from .family import Family
+from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
+from .sequences import OneKernel, PassPlan
+
+THREADS = 256
+MIN_BLOCKS = 2            # blocks an SM holds at once: at most 128 registers a thread
+# 32-bit registers a thread's window (as loaded) and accumulators may take: room for the addresses, the weights of
+# a tap and the widened values under MIN_BLOCKS' cap.
+REGISTER_BUDGET = 96
+WEIGHT_SMEM = 32 * 1024   # the block's taps, widened, in static shared memory
+MAX_TAPS = 64             # the unrolled tap loops grow with the kernel
+MAX_CHANNEL_RUNS = 32     # a block's channel runs: a warp's worth
+
+
+def eligible(g: Geometry, dtype: str, layout: str) -> bool:
+    """channels_last, one input and one output channel a group, at most :data:`MAX_TAPS` taps, the channel blocks
+    within a grid dimension."""
+    taps = g.kernel[0] * g.kernel[1]
+    return (layout == "nhwc" and g.in_per_group == 1 and g.out_per_group == 1 and taps <= MAX_TAPS
+            and cdiv(g.in_channels, MAX_CHANNEL_RUNS) <= GRID_YZ_LIMIT)
+
+
+def vector(g: Geometry, dtype: str, aligned: bool) -> int:
+    """Channels a thread: a 16-byte run where every pixel's channels start on one (the pointers 16-byte aligned, the
+    channels whole runs), else one."""
+    run = 16 // dtypes.get(dtype).itemsize
+    return run if aligned and g.in_channels % run == 0 else 1
+
+
+def _mode(pass_: str) -> int:
+    if pass_ not in ("forward", "grad_input"):
+        raise ValueError(f"the depthwise kernels run forward and grad_input, not {pass_!r}")
+    return 0 if pass_ == "forward" else 1
+
+
+def _reach(extent: int, kernel: int, s: int, p: int, d: int, mode: int) -> Tuple[int, int]:
+    """The lowest and highest source offset an axis of a patch reads (the kernel's ``reach``)."""
+    offsets = [(a + p - k * d) // s if mode == 0 else a * s + k * d
+               for a in range(extent) for k in range(kernel) if mode == 1 or (a + p - k * d) % s == 0]
+    return min(offsets), max(offsets)
+
+
+def window(g: Geometry, rows: int, cols: int, pass_: str = "forward") -> Tuple[int, int]:
+    """The source pixels (rows, columns) a patch reads, from the first it reads to the last."""
+    mode = _mode(pass_)
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.params.stride, g.params.padding, g.params.dilation
+    low_h, high_h = _reach(rows, kh, sh, ph, dh, mode)
+    low_w, high_w = _reach(cols, kw, sw, pw, dw, mode)
+    return high_h - low_h + 1, high_w - low_w + 1
+
+
+def registers(g: Geometry, dtype: str, rows: int, cols: int, vec: int, pass_: str = "forward") -> int:
+    """32-bit registers of a thread's accumulators and, in the forward, its window as loaded."""
+    item, acc = dtypes.get(dtype).itemsize, dtypes.get(dtype).accumulator_bytes
+    held = rows * cols * vec * acc
+    if _mode(pass_) == 0:
+        win_h, win_w = window(g, rows, cols, pass_)
+        held += win_h * win_w * vec * item
+    return cdiv(held, 4)
+
+
+def patches(g: Geometry, dtype: str, pass_: str, vec: int) -> List[Tuple[int, int]]:
+    """The patches worth running, the heuristic first: forward patches of whole stride periods, up to four periods
+    along a row and two down, within :data:`REGISTER_BUDGET`; the most pixels first (a window's pixels then serve
+    the most taps), then the fewest window pixels each.  grad_input: one pixel, then two or four side by side."""
+    sh, sw = g.params.stride
+    if _mode(pass_) == 1:
+        shapes = [(1, 1), (1, 2), (2, 2)]
+    else:
+        shapes = [(sh * r, sw * c) for r in (1, 2) for c in (1, 2, 3, 4)]
+    fitting = [s for s in shapes if registers(g, dtype, *s, vec, pass_) <= REGISTER_BUDGET]
+    if _mode(pass_) == 1:
+        return fitting or [(1, 1)]
+    if not fitting:
+        return [(sh, sw)]
+
+    def per_pixel(s: Tuple[int, int]) -> float:
+        h, w = window(g, *s, pass_)
+        return h * w / (s[0] * s[1])
+
+    return sorted(fitting, key=lambda s: (-min(s[0] * s[1], 8), per_pixel(s), s[0]))
+
+
+def _channel_runs(g: Geometry, dtype: str, vec: int) -> int:
+    """Channel runs a block covers: all of them up to a warp's worth, fewer where the taps would pass
+    :data:`WEIGHT_SMEM`."""
+    runs = min(cdiv(g.in_channels, vec), MAX_CHANNEL_RUNS)
+    taps, acc = g.kernel[0] * g.kernel[1], dtypes.get(dtype).accumulator_bytes
+    while runs > 1 and taps * runs * vec * acc > WEIGHT_SMEM:
+        runs //= 2
+    return runs
+
+
+def parse_patch(name: str) -> Tuple[int, int]:
+    rows, cols = name.split("x")
+    return int(rows), int(cols)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(g: Geometry, dtype: str, pass_: str, has_bias: bool = False, aligned: bool = True,
+         patch: Optional[Tuple[int, int]] = None) -> Plan:
+    """A thread a (patch, channel run); a block :data:`THREADS` threads (fewer where the channel runs do not
+    divide it), its channel runs fastest."""
+    if not eligible(g, dtype, "nhwc"):
+        raise ValueError("the depthwise kernels run channels_last layers of one input and one output channel a "
+                         f"group and at most {MAX_TAPS} taps")
+    mode = _mode(pass_)
+    vec = vector(g, dtype, aligned)
+    rows, cols = patch or patches(g, dtype, pass_, vec)[0]
+    sh, sw = g.params.stride
+    if rows < 1 or cols < 1 or (mode == 0 and (rows % sh or cols % sw)):
+        raise ValueError(f"a depthwise forward patch is whole stride periods, got {rows}x{cols}")
+    runs = _channel_runs(g, dtype, vec)
+    tiles_block = THREADS // runs
+    h_dst, w_dst = g.out_size if mode == 0 else g.in_size
+    h_src, w_src = g.in_size if mode == 0 else g.out_size
+    tiles_h, tiles_w = cdiv(h_dst, rows), cdiv(w_dst, cols)
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
+    constants = layer_constants(g, dtype, index_t)
+    constants.update(MODE=mode, ROWS=rows, COLS=cols, VEC=vec, CV_BLOCK=runs, TILES_BLOCK=tiles_block,
+                     HAS_BIAS=bool(has_bias) and mode == 0, MIN_BLOCKS=MIN_BLOCKS)
+    spec = KernelSpec.make("conv_transpose2d_depthwise_nhwc.cu", "conv_transpose2d_depthwise_nhwc", constants)
+    grid = (cdiv(g.batch * tiles_h * tiles_w, tiles_block), cdiv(cdiv(g.in_channels, vec), runs), 1)
+    return Plan(spec, grid, (runs * tiles_block, 1, 1), (g.batch, h_src, w_src, h_dst, w_dst, tiles_h, tiles_w),
+                index_t)
+
+
+class DepthwiseFamily(Family):
+    name = "depthwise"
+    passes = ("forward", "grad_input")
+    max_variants = 4
+
+    def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
+                 precision: str = "strict") -> bool:
+        return eligible(g, dtype, layout)
+
+    def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
+        found = patches(g, dtype, pass_, vector(g, dtype, True))
+        return [Variant(self.name)] + [Variant.make(self.name, tile=f"{r}x{c}") for r, c in found[1:]]
+
+    def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
+             has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        tile = variant.kwargs.get("tile")
+        return OneKernel(plan(g, dtype, pass_, has_bias, aligned, parse_patch(tile) if tile else None))
+
+    def clear(self) -> None:
+        plan.cache_clear()
+
+
+FAMILY = DepthwiseFamily()
