@@ -11,7 +11,7 @@
 //   grad_input (MODE 1): src = grad_out, dst = grad_in, a strided depthwise conv2d: grad_in row i reads
 //     grad_out rows SH*i - PH + kh*DH for every tap.
 // The block's taps (its channels' weights, widened) sit in shared memory as [tap][channel], so a thread reads a
-// tap's VEC weights as whole vectors.  Sums are in acc_t (fp32, or fp64 for float64), in tap order.
+// tap's VEC weights as whole vectors.  Sums are in fp32, in tap order.
 #include "layer.cuh"
 
 constexpr int MODE = {{MODE}};
@@ -53,9 +53,11 @@ constexpr int WIN_H = reach(true, ROWS, KH, SH, PH, DH) - LOW_H + 1;
 constexpr int WIN_W = reach(true, COLS, KW, SW, PW, DW) - LOW_W + 1;
 
 typedef Run<scalar_t, VEC> Vector;
-// grad_input unrolls a large kernel's rows one at a time: unrolled whole, a 7 x 7 kernel's 49 loads in flight
-// spilled (bf16, sm_80); the forward needs its taps unrolled, their window places being compile-time constants.
-constexpr int KH_UNROLL = MODE == 0 || TAPS <= 16 ? KH : 1;
+// grad_input walks the kernel's rows one at a time where every tap's loads at once would take more than 64
+// registers: unrolled whole, a 7 x 7 kernel's 49 loads (bf16, sm_80) and two pixels' 16 float64 taps (sm_90)
+// spilled.  The forward needs its taps unrolled, their window places being compile-time constants.
+constexpr int TAP_LOAD_WORDS = ROWS * COLS * ((VEC * static_cast<int>(sizeof(scalar_t)) + 3) / 4);
+constexpr int KH_UNROLL = MODE == 0 || TAPS * TAP_LOAD_WORDS <= 64 ? KH : 1;
 
 #if {{MODE}} == 0
 #define BIAS_ARGUMENT const scalar_t* __restrict__ bias,

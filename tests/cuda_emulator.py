@@ -78,6 +78,8 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 inline float2 make_float2(float x, float y) { return {x, y}; }
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct uint2 { unsigned x, y; };
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 struct double2 { double x, y; };
 
 template <class T> T emu_exchange(T v, int src) {

@@ -419,14 +419,16 @@ def _thin_mma_plans():
             for name, (g, bias, precision) in THIN_MMA_LAYERS.items()}
 
 
-# The depthwise kernels: depthwise_up's forward and grad_input in each dtype (16-byte channel runs), the largest
-# forward patches the register budget lets float32 take, a single-channel build of an asymmetric, dilated layer with
-# a channels_last weight, and a 7 x 7 kernel's grad_input
+# The depthwise kernels: depthwise_up's forward and grad_input in each dtype (the heuristic tiles), every other tile
+# the tuner races in fp16 and float32, a single-channel build of an asymmetric, dilated layer with a channels_last
+# weight, and a 7 x 7 kernel's grad_input
 DEPTHWISE_UP = _layer((16, 128, 64, 64), (128, 1, 4, 4), stride=2, padding=1, groups=128)
 DEPTHWISE_LAYERS = {
     **{f"up-{pass_}-{dtype}": (DEPTHWISE_UP, dtype, pass_, None)
-       for dtype in ("float16", "bfloat16", "float32", "float64") for pass_ in ("forward", "grad_input")},
-    "up-forward-float32-4x2": (DEPTHWISE_UP, "float32", "forward", (4, 2)),
+       for dtype in ("float16", "bfloat16", "float32") for pass_ in ("forward", "grad_input")},
+    **{f"up-{pass_}-{dtype}-{depthwise.tile_name(t)}": (DEPTHWISE_UP, dtype, pass_, t)
+       for dtype in ("float16", "float32") for pass_ in ("forward", "grad_input")
+       for t in depthwise.tiles(DEPTHWISE_UP, dtype, pass_)[1:]},
     "asym-forward-single": (_layer((2, 5, 7, 9), (5, 1, 3, 5), stride=(3, 2), padding=(2, 1), output_padding=(1, 0),
                                    dilation=(1, 2), groups=5).with_weight_channels_last(), "float16", "forward", None),
     "k7-grad_input": (_layer((2, 64, 9, 9), (64, 1, 7, 7), padding=3, groups=64), "bfloat16", "grad_input", None),
@@ -434,8 +436,8 @@ DEPTHWISE_LAYERS = {
 
 
 def _depthwise_plans():
-    return {depthwise.plan(g, dtype, pass_, pass_ == "forward", True, patch).spec: f"depthwise-{name}"
-            for name, (g, dtype, pass_, patch) in DEPTHWISE_LAYERS.items()}
+    return {depthwise.plan(g, dtype, pass_, pass_ == "forward", True, tile).spec: f"depthwise-{name}"
+            for name, (g, dtype, pass_, tile) in DEPTHWISE_LAYERS.items()}
 
 
 WGMMA_PLANS = _wgmma_plans()
@@ -949,8 +951,8 @@ def test_thin_mma_kernels_build_without_spilling(name):
 def test_depthwise_kernels_build_without_spilling(name):
     """The depthwise kernels build for sm_80 and sm_90 with no stack frame (their windows and accumulators stay in
     registers)."""
-    g, dtype, pass_, patch = DEPTHWISE_LAYERS[name]
-    spec = depthwise.plan(g, dtype, pass_, pass_ == "forward", True, patch).spec
+    g, dtype, pass_, tile = DEPTHWISE_LAYERS[name]
+    spec = depthwise.plan(g, dtype, pass_, pass_ == "forward", True, tile).spec
     for arch in ("sm_80", "sm_90"):
         log = _ptxas_log(spec, (f"-arch={arch}",))
         found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)

@@ -3,8 +3,8 @@
 Each case pins the pass to the ``depthwise`` family and checks, through ``launch.watch()``, that its kernel ran;
 the destination must be finite (free blocks of its size are NaN-filled first).  fp16 and bf16: every element within
 twice the dtype's epsilon of the sum of its terms' magnitudes, and no worse than twice torch's own error; float32
-(computed in fp32 whatever torch's TF32 switch says) within 1e-5 of float64; float64 every element within 1e-13 of
-its terms' magnitudes.
+(computed in fp32 whatever torch's TF32 switch says) within 1e-5 of float64.  (CUDA float64 runs NCHW, as torch's own
+float64 convolution answers, so the family does not take it.)
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from test_expanded_taps_gpu import _check_near_float64  # noqa: E402
 from test_gemm_gpu import _data  # noqa: E402
 
 FUNCTION = "conv_transpose2d_depthwise_nhwc"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _depthwise(batch, channels, kernel, stride, padding, output_padding, dilation, bias, size):
@@ -114,14 +114,8 @@ def _check(layer: Layer, dtype_name: str, pass_: str, seed: int, variant: Varian
     planned = set(table.plan(pass_, variant, g, dtype_name, "nhwc", "strict", b is not None and pass_ == "forward",
                              not unaligned).plans())
     assert planned <= set(ran)
-    if ours.dim() == 4:
-        assert ours.is_contiguous(memory_format=torch.channels_last)
-    if dtype == torch.float64:
-        assert bool(torch.isfinite(ours).all())
-        bad = (ours - ref).abs() > 1e-13 * magnitude
-        assert not bool(bad.any()), f"{int(bad.sum())} of {ours.numel()} values off"
-    else:
-        _check_near_float64(ours, theirs, ref, magnitude, dtype, pass_)
+    assert ours.stride() == theirs.stride(), "torch's memory format"
+    _check_near_float64(ours, theirs, ref, magnitude, dtype, pass_)
 
 
 @pytest.mark.parametrize("pass_", ["forward", "grad_input"])

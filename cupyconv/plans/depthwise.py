@@ -2,12 +2,12 @@
 
 A depthwise layer does a multiply-add per tap for each value it moves, so its passes are bound by memory.  The
 direct channels_last kernels ran its forward at 28% of the copy bandwidth (H100, fp16).  Here each thread takes a
-16-byte run of a pixel's channels (8 in 16 bits, 4 in float32, 2 in float64; one where the channels or the pointers
-do not allow runs) for a patch of destination pixels, so every load and store moves whole runs and a warp's
+16-byte run of a pixel's channels (8 in 16 bits, 4 in float32; one where the channels or the pointers do not allow
+runs) for a patch of destination pixels, so every load and store moves whole runs and a warp's
 neighbouring runs fill whole lines (``kernels/conv_transpose2d_depthwise_nhwc.cu``).  The forward's patches start on
 a whole stride period, so its taps and their input pixels are compile-time constants and the patch's input window is
-loaded once into registers for all its taps.  A patch is named ``{rows}x{cols}`` in the tuner's variants
-(``depthwise:2x4``).
+loaded once into registers for all its taps.  A tile is named ``{rows}x{cols}x{channels}b{blocks}`` in the tuner's
+variants (``depthwise:2x4x4b2``): a thread's destination rows, columns and channels, and the blocks an SM must hold.
 """
 from __future__ import annotations
 
@@ -24,27 +24,25 @@ from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, nume
 from .sequences import OneKernel, PassPlan
 
 THREADS = 256
-MIN_BLOCKS = 2            # blocks an SM holds at once: at most 128 registers a thread
-# 32-bit registers a thread's window (as loaded) and accumulators may take: room for the addresses, the weights of
-# a tap and the widened values under MIN_BLOCKS' cap.
-REGISTER_BUDGET = 96
+MIN_BLOCKS = 2            # blocks an SM holds at once, at least: at most 128 registers a thread
 WEIGHT_SMEM = 32 * 1024   # the block's taps, widened, in static shared memory
 MAX_TAPS = 64             # the unrolled tap loops grow with the kernel
 MAX_CHANNEL_RUNS = 32     # a block's channel runs: a warp's worth
 
 
 def eligible(g: Geometry, dtype: str, layout: str) -> bool:
-    """channels_last, one input and one output channel a group, at most :data:`MAX_TAPS` taps, the channel blocks
-    within a grid dimension."""
+    """channels_last fp16, bf16 or float32 (CUDA float64 runs NCHW, as torch's own float64 convolution answers), one
+    input and one output channel a group, at most :data:`MAX_TAPS` taps, the channel blocks within a grid
+    dimension."""
     taps = g.kernel[0] * g.kernel[1]
-    return (layout == "nhwc" and g.in_per_group == 1 and g.out_per_group == 1 and taps <= MAX_TAPS
+    return (layout == "nhwc" and dtype in ("float16", "bfloat16", "float32") and g.in_per_group == 1 and g.out_per_group == 1 and taps <= MAX_TAPS
             and cdiv(g.in_channels, MAX_CHANNEL_RUNS) <= GRID_YZ_LIMIT)
 
 
-def vector(g: Geometry, dtype: str, aligned: bool) -> int:
-    """Channels a thread: a 16-byte run where every pixel's channels start on one (the pointers 16-byte aligned, the
-    channels whole runs), else one."""
-    run = 16 // dtypes.get(dtype).itemsize
+def vector(g: Geometry, dtype: str, aligned: bool, run_bytes: int = 16) -> int:
+    """Channels a thread: a ``run_bytes`` run (16 or 8) where every pixel's channels start on one (the pointers
+    16-byte aligned, the channels whole runs), else one."""
+    run = max(1, run_bytes // dtypes.get(dtype).itemsize)
     return run if aligned and g.in_channels % run == 0 else 1
 
 
@@ -80,26 +78,66 @@ def registers(g: Geometry, dtype: str, rows: int, cols: int, vec: int, pass_: st
     return cdiv(held, 4)
 
 
-def patches(g: Geometry, dtype: str, pass_: str, vec: int) -> List[Tuple[int, int]]:
-    """The patches worth running, the heuristic first: forward patches of whole stride periods, up to four periods
-    along a row and two down, within :data:`REGISTER_BUDGET`; the most pixels first (a window's pixels then serve
-    the most taps), then the fewest window pixels each.  grad_input: one pixel, then two or four side by side."""
+Tile = Tuple[int, int, int, int]   # destination rows, columns, channels a thread; blocks an SM
+
+
+def register_budget(blocks: int) -> int:
+    """32-bit registers a thread's window and accumulators may take with ``blocks`` blocks an SM: the register file's
+    share less 32 for the addresses, a tap's weights and the widened values."""
+    return 65536 // (THREADS * blocks) - 32
+
+
+def _shapes(g: Geometry, pass_: str) -> List[Tuple[int, int]]:
+    """Patch shapes: forward patches of whole stride periods, up to four periods along a row and two down;
+    grad_input one pixel, two side by side, or two by two."""
+    if _mode(pass_) == 1:
+        return [(1, 2), (2, 2), (1, 1)]
     sh, sw = g.params.stride
-    if _mode(pass_) == 1:
-        shapes = [(1, 1), (1, 2), (2, 2)]
-    else:
-        shapes = [(sh * r, sw * c) for r in (1, 2) for c in (1, 2, 3, 4)]
-    fitting = [s for s in shapes if registers(g, dtype, *s, vec, pass_) <= REGISTER_BUDGET]
-    if _mode(pass_) == 1:
-        return fitting or [(1, 1)]
+    return [(sh * r, sw * c) for r in (1, 2) for c in (1, 2, 3, 4)]
+
+
+def _best_shape(g: Geometry, dtype: str, pass_: str, vec: int, blocks: int) -> Optional[Tuple[int, int]]:
+    """The patch that fits :func:`register_budget`: the forward's with the most pixels (up to eight) and then the
+    fewest window pixels a pixel, the first of :func:`_shapes` for grad_input."""
+    fitting = [s for s in _shapes(g, pass_) if registers(g, dtype, *s, vec, pass_) <= register_budget(blocks)]
     if not fitting:
-        return [(sh, sw)]
+        return None
+    if _mode(pass_) == 1:
+        return fitting[0]
 
     def per_pixel(s: Tuple[int, int]) -> float:
         h, w = window(g, *s, pass_)
         return h * w / (s[0] * s[1])
 
-    return sorted(fitting, key=lambda s: (-min(s[0] * s[1], 8), per_pixel(s), s[0]))
+    return min(fitting, key=lambda s: (-min(s[0] * s[1], 8), per_pixel(s), s[0]))
+
+
+def tiles(g: Geometry, dtype: str, pass_: str, aligned: bool = True) -> List[Tile]:
+    """The tiles worth running, the heuristic first: 16-byte channel runs, then 8-byte ones (half the registers a
+    pixel, so larger patches or more blocks an SM), each at :data:`MIN_BLOCKS` and, for the forward, one block
+    more.  grad_input keeps every tap's loads in flight at once, which a third block's registers do not hold
+    (sm_90 spilled its fp16 and float32 two-pixel patches)."""
+    found: List[Tile] = []
+    for run_bytes in (16, 8):
+        vec = vector(g, dtype, aligned, run_bytes)
+        for blocks in (MIN_BLOCKS, MIN_BLOCKS + 1) if _mode(pass_) == 0 else (MIN_BLOCKS,):
+            shape = _best_shape(g, dtype, pass_, vec, blocks)
+            if shape is not None and (shape + (vec, blocks)) not in found:
+                found.append(shape + (vec, blocks))
+    if not found:
+        sh, sw = g.params.stride
+        found.append((sh, sw, 1, MIN_BLOCKS) if _mode(pass_) == 0 else (1, 1, 1, MIN_BLOCKS))
+    return found
+
+
+def tile_name(tile: Tile) -> str:
+    return "{}x{}x{}b{}".format(*tile)
+
+
+def parse_tile(name: str) -> Tile:
+    shape, blocks = name.split("b")
+    rows, cols, vec = shape.split("x")
+    return int(rows), int(cols), int(vec), int(blocks)
 
 
 def _channel_runs(g: Geometry, dtype: str, vec: int) -> int:
@@ -112,22 +150,19 @@ def _channel_runs(g: Geometry, dtype: str, vec: int) -> int:
     return runs
 
 
-def parse_patch(name: str) -> Tuple[int, int]:
-    rows, cols = name.split("x")
-    return int(rows), int(cols)
-
-
 @functools.lru_cache(maxsize=1024)
 def plan(g: Geometry, dtype: str, pass_: str, has_bias: bool = False, aligned: bool = True,
-         patch: Optional[Tuple[int, int]] = None) -> Plan:
+         tile: Optional[Tile] = None) -> Plan:
     """A thread a (patch, channel run); a block :data:`THREADS` threads (fewer where the channel runs do not
-    divide it), its channel runs fastest."""
+    divide it), its channel runs fastest.  A tile whose runs the pointers or channels do not allow takes single
+    channels."""
     if not eligible(g, dtype, "nhwc"):
-        raise ValueError("the depthwise kernels run channels_last layers of one input and one output channel a "
-                         f"group and at most {MAX_TAPS} taps")
+        raise ValueError("the depthwise kernels run channels_last fp16, bf16 and float32 layers of one input and one "
+                         f"output channel a group and at most {MAX_TAPS} taps")
     mode = _mode(pass_)
-    vec = vector(g, dtype, aligned)
-    rows, cols = patch or patches(g, dtype, pass_, vec)[0]
+    rows, cols, vec, blocks = tile or tiles(g, dtype, pass_, aligned)[0]
+    if not aligned or g.in_channels % vec:
+        vec = 1
     sh, sw = g.params.stride
     if rows < 1 or cols < 1 or (mode == 0 and (rows % sh or cols % sw)):
         raise ValueError(f"a depthwise forward patch is whole stride periods, got {rows}x{cols}")
@@ -139,7 +174,7 @@ def plan(g: Geometry, dtype: str, pass_: str, has_bias: bool = False, aligned: b
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), numel(g.weight_shape))
     constants = layer_constants(g, dtype, index_t)
     constants.update(MODE=mode, ROWS=rows, COLS=cols, VEC=vec, CV_BLOCK=runs, TILES_BLOCK=tiles_block,
-                     HAS_BIAS=bool(has_bias) and mode == 0, MIN_BLOCKS=MIN_BLOCKS)
+                     HAS_BIAS=bool(has_bias) and mode == 0, MIN_BLOCKS=blocks)
     spec = KernelSpec.make("conv_transpose2d_depthwise_nhwc.cu", "conv_transpose2d_depthwise_nhwc", constants)
     grid = (cdiv(g.batch * tiles_h * tiles_w, tiles_block), cdiv(cdiv(g.in_channels, vec), runs), 1)
     return Plan(spec, grid, (runs * tiles_block, 1, 1), (g.batch, h_src, w_src, h_dst, w_dst, tiles_h, tiles_w),
@@ -156,13 +191,14 @@ class DepthwiseFamily(Family):
         return eligible(g, dtype, layout)
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        found = patches(g, dtype, pass_, vector(g, dtype, True))
-        return [Variant(self.name)] + [Variant.make(self.name, tile=f"{r}x{c}") for r, c in found[1:]]
+        return [Variant(self.name)] + [Variant.make(self.name, tile=tile_name(t)) for t in tiles(g, dtype, pass_)[1:]]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        if layout != "nhwc":
+            raise ValueError(f"the depthwise kernels run channels_last tensors, not {layout!r}")
         tile = variant.kwargs.get("tile")
-        return OneKernel(plan(g, dtype, pass_, has_bias, aligned, parse_patch(tile) if tile else None))
+        return OneKernel(plan(g, dtype, pass_, has_bias, aligned, parse_tile(tile) if tile else None))
 
     def clear(self) -> None:
         plan.cache_clear()

@@ -46,20 +46,22 @@ template <typename T16> __device__ __forceinline__ void widen_pair(unsigned word
     v[1] = widen(T16{static_cast<unsigned short>(word >> 16)});
 }
 
-// N neighbouring elements as stored: one 16-byte load where N fills 16 bytes (p then 16-byte aligned), a plain
-// load where N is 1.
+// N neighbouring elements as stored: one 16- or 8-byte load where N fills 16 or 8 bytes (p then aligned to them), a
+// plain load where N is 1.
+template <int BYTES> struct RunBytes { typedef uint4 type; };
+template <> struct RunBytes<8> { typedef uint2 type; };
 template <typename T, int N>
 struct Run {
-    static_assert(N == 1 || N * sizeof(T) == 16, "one element or a 16-byte run of them");
+    static_assert(N == 1 || N * sizeof(T) == 16 || N * sizeof(T) == 8, "one element or a 16- or 8-byte run of them");
     union {
-        uint4 bytes;
+        typename RunBytes<N == 1 ? 16 : N * sizeof(T)>::type bytes;
         T v[N];
     };
 };
 template <int N, typename T> __device__ __forceinline__ Run<T, N> load_run(const T* p) {
     Run<T, N> run;
     if constexpr (N == 1) run.v[0] = load_raw(p);
-    else run.bytes = __ldg(reinterpret_cast<const uint4*>(p));
+    else run.bytes = __ldg(reinterpret_cast<const decltype(run.bytes)*>(p));
     return run;
 }
 
@@ -120,23 +122,24 @@ __device__ __forceinline__ void store_pair(T16* p, float v0, float v1) {
     *reinterpret_cast<unsigned*>(p) = pack_pair<T16>(v0, v1);
 }
 
-// N neighbouring values stored as one 16-byte run (p 16-byte aligned; 16-bit values rounded two at a time), or
+// N neighbouring values stored as one 16- or 8-byte run (p aligned to it; 16-bit values rounded two at a time), or
 // one plain store where N is 1.
 template <int N, typename T, typename A>
 __device__ __forceinline__ void store_run(T* p, const A (&v)[N]) {
-    static_assert(N == 1 || N * sizeof(T) == 16, "one element or a 16-byte run of them");
+    static_assert(N == 1 || N * sizeof(T) == 16 || N * sizeof(T) == 8, "one element or a 16- or 8-byte run of them");
     if constexpr (N == 1) {
         store(p, v[0]);
     } else if constexpr (sizeof(T) == 2) {
         unsigned words[N / 2];
 #pragma unroll
         for (int i = 0; i < N / 2; ++i) words[i] = pack_pair<T>(v[2 * i], v[2 * i + 1]);
-        *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+        if constexpr (N == 8) *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+        else *reinterpret_cast<uint2*>(p) = make_uint2(words[0], words[1]);
     } else {
         Run<T, N> run;
 #pragma unroll
         for (int i = 0; i < N; ++i) run.v[i] = v[i];
-        *reinterpret_cast<uint4*>(p) = run.bytes;
+        *reinterpret_cast<decltype(run.bytes)*>(p) = run.bytes;
     }
 }
 
