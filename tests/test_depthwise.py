@@ -82,6 +82,8 @@ def test_the_window_covers_every_fed_tap():
 def test_forward_patches_are_whole_stride_periods():
     with pytest.raises(ValueError, match="stride periods"):
         depthwise.plan(DEPTHWISE_UP, "float16", "forward", tile=(3, 2, 8, 2))
+    with pytest.raises(ValueError, match="8- or 16-byte run"):
+        depthwise.plan(DEPTHWISE_UP, "float16", "forward", tile=(2, 2, 2, 2))
     plan = depthwise.FAMILY.plan("forward", Variant.parse("depthwise:2x4x2b3"), DEPTHWISE_UP, "float32", "nhwc",
                                  "strict", False, True, 132)
     assert isinstance(plan, OneKernel)

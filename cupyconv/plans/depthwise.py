@@ -168,6 +168,8 @@ def plan(g: Geometry, dtype: str, pass_: str, has_bias: bool = False, aligned: b
                          f"output channel a group and at most {MAX_TAPS} taps")
     mode = _mode(pass_)
     rows, cols, vec, blocks = tile or tiles(g, dtype, pass_, aligned)[0]
+    if vec != 1 and vec * dtypes.get(dtype).itemsize not in (8, 16):
+        raise ValueError(f"a depthwise thread takes one channel or an 8- or 16-byte run of them, not {vec} {dtype}")
     if not aligned or g.in_channels % vec:
         vec = 1
     sh, sw = g.params.stride
