@@ -69,13 +69,16 @@ def window(g: Geometry, rows: int, cols: int, pass_: str = "forward") -> Tuple[i
 
 
 def registers(g: Geometry, dtype: str, rows: int, cols: int, vec: int, pass_: str = "forward") -> int:
-    """32-bit registers of a thread's accumulators and, in the forward, its window as loaded."""
+    """32-bit registers of a thread's accumulators and the loads it holds: the forward's window, grad_input's taps
+    in flight (every tap's where those take at most 64 registers, else a kernel row's: the kernel's KH_UNROLL)."""
     item, acc = dtypes.get(dtype).itemsize, dtypes.get(dtype).accumulator_bytes
-    held = rows * cols * vec * acc
+    words = cdiv(rows * cols * vec * acc, 4)
     if _mode(pass_) == 0:
         win_h, win_w = window(g, rows, cols, pass_)
-        held += win_h * win_w * vec * item
-    return cdiv(held, 4)
+        return words + cdiv(win_h * win_w * vec * item, 4)
+    tap_words = rows * cols * cdiv(vec * item, 4)
+    taps = g.kernel[0] * g.kernel[1]
+    return words + tap_words * (taps if taps * tap_words <= 64 else g.kernel[1])
 
 
 Tile = Tuple[int, int, int, int]   # destination rows, columns, channels a thread; blocks an SM
@@ -89,9 +92,9 @@ def register_budget(blocks: int) -> int:
 
 def _shapes(g: Geometry, pass_: str) -> List[Tuple[int, int]]:
     """Patch shapes: forward patches of whole stride periods, up to four periods along a row and two down;
-    grad_input one pixel, two side by side, or two by two."""
+    grad_input two by two pixels, two side by side, or one."""
     if _mode(pass_) == 1:
-        return [(1, 2), (2, 2), (1, 1)]
+        return [(2, 2), (1, 2), (1, 1)]
     sh, sw = g.params.stride
     return [(sh * r, sw * c) for r in (1, 2) for c in (1, 2, 3, 4)]
 
@@ -115,8 +118,8 @@ def _best_shape(g: Geometry, dtype: str, pass_: str, vec: int, blocks: int) -> O
 
 # Channel runs in the order the heuristic prefers them.  On the H200 (NOTES v40) the forward ran fastest on 8-byte
 # runs, whose halved registers a pixel buy patches twice the size (depthwise_up fp16: 43 us at 4 x 4 against 71 at
-# 2 x 2 in 16-byte runs; float32 45 us at 4 x 6 against 55 at 2 x 4), and grad_input on 16-byte runs (46 against
-# 74 us in fp16, 65 against 77 in float32).
+# 2 x 2 in 16-byte runs; float32 45 us at 4 x 6 against 54 at 2 x 4), and grad_input on 16-byte runs of 2 x 2
+# pixels (fp16 42 us against 64 in 8-byte runs; float32 60 against 78 in 8-byte runs of 1 x 2).
 RUN_BYTES = {"forward": (8, 16), "grad_input": (16, 8)}
 
 
