@@ -323,6 +323,17 @@ def base_cases() -> List[Case]:
                       "bfloat16", layout="nchw",
                       variants=(("forward", "grouped_mma"), ("grad_input", "grouped_mma"),
                                 ("grad_weight", "grouped_mma"))))
+    # the depthwise family (channels_last): 16- and 8-byte channel runs, patches past the image's edges, a bias;
+    # single channels from activations one element off; explicit tiles of the float32 runs on a stride-1 layer
+    cases.append(Case("depthwise-float16-nhwc", (2, 24, 5, 7), (24, 1, 4, 4), _kw(stride=2, padding=1, groups=24), True,
+                      "float16", layout="nhwc", variants=(("forward", "depthwise"), ("grad_input", "depthwise"))))
+    cases.append(Case("depthwise-bfloat16-nhwc-unaligned", (1, 16, 4, 7), (16, 1, 5, 3),
+                      _kw(stride=(3, 2), padding=(2, 1), output_padding=(1, 0), dilation=(1, 2), groups=16), True,
+                      "bfloat16", layout="nhwc", unaligned=True,
+                      variants=(("forward", "depthwise"), ("grad_input", "depthwise"))))
+    cases.append(Case("depthwise-float32-nhwc-tiles", (2, 12, 6, 5), (12, 1, 3, 3), _kw(padding=1, groups=12), False,
+                      "float32", layout="nhwc",
+                      variants=(("forward", "depthwise:2x4x2b3"), ("grad_input", "depthwise:1x2x4b2"))))
     return cases
 
 

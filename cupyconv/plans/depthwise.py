@@ -35,8 +35,8 @@ def eligible(g: Geometry, dtype: str, layout: str) -> bool:
     input and one output channel a group, at most :data:`MAX_TAPS` taps, the channel blocks within a grid
     dimension."""
     taps = g.kernel[0] * g.kernel[1]
-    return (layout == "nhwc" and dtype in ("float16", "bfloat16", "float32") and g.in_per_group == 1 and g.out_per_group == 1 and taps <= MAX_TAPS
-            and cdiv(g.in_channels, MAX_CHANNEL_RUNS) <= GRID_YZ_LIMIT)
+    return (layout == "nhwc" and dtype in ("float16", "bfloat16", "float32") and g.in_per_group == 1
+            and g.out_per_group == 1 and taps <= MAX_TAPS and cdiv(g.in_channels, MAX_CHANNEL_RUNS) <= GRID_YZ_LIMIT)
 
 
 def vector(g: Geometry, dtype: str, aligned: bool, run_bytes: int = 16) -> int:
