@@ -16,7 +16,7 @@
 
 constexpr int MODE = {{MODE}};
 constexpr int ROWS = {{ROWS}}, COLS = {{COLS}};   // destination pixels a thread: rows x columns
-constexpr int VEC = {{VEC}};                      // channels a thread: a 16-byte run, or one
+constexpr int VEC = {{VEC}};                      // channels a thread: an 8- or 16-byte run, or one
 constexpr int CV_BLOCK = {{CV_BLOCK}};            // channel runs a block covers
 constexpr int TILES_BLOCK = {{TILES_BLOCK}};      // patches a block covers, one a thread of each channel run
 constexpr int BLOCK = CV_BLOCK * TILES_BLOCK;
@@ -54,7 +54,7 @@ constexpr int WIN_W = reach(true, COLS, KW, SW, PW, DW) - LOW_W + 1;
 
 typedef Run<scalar_t, VEC> Vector;
 // grad_input walks the kernel's rows one at a time where every tap's loads at once would take more than 64
-// registers: unrolled whole, a 7 x 7 kernel's 49 loads (bf16, sm_80) and two pixels' 16 float64 taps (sm_90)
+// registers: unrolled whole, a 7 x 7 kernel's 49 loads (bf16, sm_80) and two pixels' 16 taps of 16-byte runs
 // spilled.  The forward needs its taps unrolled, their window places being compile-time constants.
 constexpr int TAP_LOAD_WORDS = ROWS * COLS * ((VEC * static_cast<int>(sizeof(scalar_t)) + 3) / 4);
 constexpr int KH_UNROLL = MODE == 0 || TAPS * TAP_LOAD_WORDS <= 64 ? KH : 1;

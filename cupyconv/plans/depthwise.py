@@ -1,13 +1,13 @@
 """The depthwise family: channels_last forward and grad_input of layers with one input and one output channel a group.
 
 A depthwise layer does a multiply-add per tap for each value it moves, so its passes are bound by memory.  The
-direct channels_last kernels ran its forward at 28% of the copy bandwidth (H100, fp16).  Here each thread takes a
-16-byte run of a pixel's channels (8 in 16 bits, 4 in float32; one where the channels or the pointers do not allow
-runs) for a patch of destination pixels, so every load and store moves whole runs and a warp's
-neighbouring runs fill whole lines (``kernels/conv_transpose2d_depthwise_nhwc.cu``).  The forward's patches start on
-a whole stride period, so its taps and their input pixels are compile-time constants and the patch's input window is
-loaded once into registers for all its taps.  A tile is named ``{rows}x{cols}x{channels}b{blocks}`` in the tuner's
-variants (``depthwise:2x4x4b2``): a thread's destination rows, columns and channels, and the blocks an SM must hold.
+direct channels_last kernels ran its forward at 28% of the copy bandwidth (H100, fp16).  Here each thread takes an
+8- or 16-byte run of a pixel's channels (one channel where the channels or the pointers do not allow runs) for a
+patch of destination pixels, so every load and store moves whole runs and a warp's neighbouring runs fill whole
+lines (``kernels/conv_transpose2d_depthwise_nhwc.cu``).  The forward's patches start on a whole stride period, so
+its taps and their input pixels are compile-time constants and the patch's input window is loaded once into
+registers for all its taps.  A tile is named ``{rows}x{cols}x{channels}b{blocks}`` in the tuner's variants
+(``depthwise:4x6x2b2``): a thread's destination rows, columns and channels, and the blocks an SM must hold.
 """
 from __future__ import annotations
 
@@ -28,15 +28,18 @@ MIN_BLOCKS = 2            # blocks an SM holds at once, at least: at most 128 re
 WEIGHT_SMEM = 32 * 1024   # the block's taps, widened, in static shared memory
 MAX_TAPS = 64             # the unrolled tap loops grow with the kernel
 MAX_CHANNEL_RUNS = 32     # a block's channel runs: a warp's worth
+GRID_X_LIMIT = 2 ** 31 - 1
 
 
 def eligible(g: Geometry, dtype: str, layout: str) -> bool:
     """channels_last fp16, bf16 or float32 (CUDA float64 runs NCHW, as torch's own float64 convolution answers), one
-    input and one output channel a group, at most :data:`MAX_TAPS` taps, the channel blocks within a grid
-    dimension."""
+    input and one output channel a group, at most :data:`MAX_TAPS` taps, the blocks within the grid's dimensions
+    even at a pixel a thread."""
     taps = g.kernel[0] * g.kernel[1]
+    pixels = max(numel(g.out_size), numel(g.in_size)) * g.batch
     return (layout == "nhwc" and dtype in ("float16", "bfloat16", "float32") and g.in_per_group == 1
-            and g.out_per_group == 1 and taps <= MAX_TAPS and cdiv(g.in_channels, MAX_CHANNEL_RUNS) <= GRID_YZ_LIMIT)
+            and g.out_per_group == 1 and taps <= MAX_TAPS and cdiv(g.in_channels, MAX_CHANNEL_RUNS) <= GRID_YZ_LIMIT
+            and cdiv(pixels, THREADS // MAX_CHANNEL_RUNS) <= GRID_X_LIMIT)
 
 
 def vector(g: Geometry, dtype: str, aligned: bool, run_bytes: int = 16) -> int:
