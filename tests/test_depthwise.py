@@ -108,6 +108,12 @@ def test_tiles_fit_their_register_budget_and_name_themselves(dtype, pass_):
         assert Variant.parse("depthwise:" + depthwise.tile_name(tile)).kwargs["tile"] == depthwise.tile_name(tile)
 
 
+def test_one_kernel_serves_both_weight_layouts():
+    """A weight of one output channel a group lies the same in either layout."""
+    plans = {depthwise.plan(DEPTHWISE_UP.with_weight_channels_last(cl), "float16", "forward").spec for cl in (0, 1)}
+    assert len(plans) == 1 and not dict(plans.pop().constants)["WEIGHT_CL"]
+
+
 def test_large_kernels_take_fewer_channel_runs_a_block():
     g = _layer((1, 512, 8, 8), (512, 1, 8, 8), groups=512)
     constants = dict(depthwise.plan(g, "float32", "grad_input", tile=(1, 1, 4, 2)).spec.constants)

@@ -116,12 +116,14 @@ def test_channels_last_cases_have_memory_that_says_so(plan):
 def test_channels_last_weights_reach_every_template_that_reads_or_writes_weights(plan):
     """Cases with a channels_last weight (one whose memory differs from the contiguous one) plan every kernel that
     takes the weight layout with it, and wgmma's grad_weight both split over K and in one K range of many taps.
-    The torch path runs such a layer in channels_last (as cuDNN does), so the takers are the nhwc cases'."""
+    The torch path runs such a layer in channels_last (as cuDNN does), so the takers are the nhwc cases' kernels of
+    layers whose weight layout matters: more than one output channel a group (one lies the same either way, and the
+    depthwise kernels take it as contiguous)."""
     cases, specs = plan
     cl_cases = [c for c in cases if c.weight_cl]
     assert all(c.w_shape[1] > 1 and c.w_shape[2] * c.w_shape[3] > 1 and c.layout == "nhwc" for c in cl_cases)
-    takers = {s.function for c in cases if c.layout == "nhwc" and c.api == "torch" for s in specs[c.name]
-              if "WEIGHT_CL" in dict(s.constants)}
+    takers = {s.function for c in cases if c.layout == "nhwc" and c.api == "torch" and c.w_shape[1] > 1
+              for s in specs[c.name] if "WEIGHT_CL" in dict(s.constants)}
     with_cl = {s.function for c in cl_cases for s in specs[c.name] if dict(s.constants).get("WEIGHT_CL")}
     assert with_cl == takers
     # the scatter GEMM reads channels_last order whatever the weight's layout (a contiguous one's copy)

@@ -830,9 +830,9 @@ def test_engine_asks_the_tuner_once_per_configuration(fresh, monkeypatch):
         assert {plan for _, plan in recorded.launches} == set(_plans("grad_input", cands[1]))
     assert len(timer.calls) == 1 and timer.calls[0] == [v.name for v in cands] and timer.devices == [DEV]
     assert tuning.current("grad_input", THIN, "float16", "nchw", "strict", DEV, cands) == cands[1]
-    # a layer with one candidate never reaches the tuner
-    assert table.candidates("grad_input", DEPTHWISE, "float16", "nhwc", "strict", DEV) == (DIRECT,)
-    assert _run_engine(launcher, "grad_input", g=DEPTHWISE, layout="nhwc").variant == DIRECT
+    # a pass with one candidate never reaches the tuner
+    assert table.candidates("grad_input", DEPTHWISE, "float64", "nchw", "strict", DEV) == (DIRECT,)
+    assert _run_engine(launcher, "grad_input", g=DEPTHWISE, dtype="float64").variant == DIRECT
     assert len(timer.calls) == 1
 
 

@@ -183,6 +183,8 @@ def plan(g: Geometry, dtype: str, pass_: str, has_bias: bool = False, aligned: b
         raise ValueError(f"a depthwise forward patch is whole stride periods, got {rows}x{cols}")
     runs = _channel_runs(g, dtype, vec)
     tiles_block = THREADS // runs
+    # A weight of one output channel a group lies the same in either layout: one kernel serves both.
+    g = g.with_weight_channels_last(False)
     h_dst, w_dst = g.out_size if mode == 0 else g.in_size
     h_src, w_src = g.in_size if mode == 0 else g.out_size
     tiles_h, tiles_w = cdiv(h_dst, rows), cdiv(w_dst, cols)
