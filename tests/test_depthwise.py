@@ -141,7 +141,10 @@ EMULATED_LAYERS = {
 }
 
 
-def _emulate(name: str, dtype: str, pass_: str, aligned: bool = True, weight_cl: bool = False, run8: bool = False):
+def _emulate(name: str, dtype: str, pass_: str, aligned: bool = True, weight_cl: bool = False, run8: bool = False,
+             **wrong):
+    """The kernel's destination in the emulator and the float64 reference and magnitudes; ``wrong``: kernel constants
+    changed from the plan's (a deliberately wrong kernel)."""
     x_shape, kernel, stride, padding, output_padding, dilation = EMULATED_LAYERS[name]
     channels = x_shape[1]
     kwargs = dict(stride=stride, padding=padding, output_padding=output_padding, dilation=dilation,
@@ -156,6 +159,8 @@ def _emulate(name: str, dtype: str, pass_: str, aligned: bool = True, weight_cl:
     if run8:   # the 8-byte runs' tile, which the heuristic does not take first
         tile = next(t for t in depthwise.tiles(g, dtype, pass_) if t[2] * np.dtype(C_NUMPY[dtype]).itemsize == 8)
     plan = depthwise.plan(g, dtype, pass_, pass_ == "forward", aligned, tile)
+    if wrong:
+        plan = cuda_emulator.respecialized(plan, **wrong)
     c_type = C_TYPE[dtype]
     ref_args = dict(kwargs, groups=channels)
     x64, w64, b64, go64 = (_values(a, dtype) for a in (x, w, b, go))
@@ -194,13 +199,5 @@ def test_the_emulated_kernel_matches_the_float64_reference(name, dtype, pass_, a
 @emulated
 def test_a_wrong_tap_offset_shows():
     """The comparison can fail: the same kernel with its padding one off gives wrong values."""
-    _, want, magnitude, plan = _emulate("up", "float32", "forward")
-    x_shape, *_ = EMULATED_LAYERS["up"]
-    wrong = cuda_emulator.respecialized(plan, PH=0)
-    g = _layer(x_shape, (16, 1, 4, 4), stride=2, padding=1, groups=16)
-    rng = np.random.default_rng(len("up") + len("float32"))
-    x, w, b, _ = (_storage(rng.standard_normal(shape), "float32")
-                  for shape in (x_shape, g.weight_shape, (16,), g.output_shape))
-    out = np.full(g.output_shape, np.nan, np.float32).transpose(0, 2, 3, 1).copy()
-    *_, out = cuda_emulator.run(wrong, [np.ascontiguousarray(x.transpose(0, 2, 3, 1)), w, b, out], ["float"] * 4)
-    assert (np.abs(out.transpose(0, 3, 1, 2) - want) > BOUND["float32"] * magnitude).any()
+    ours, want, magnitude, _ = _emulate("up", "float32", "forward", PH=0)
+    assert (np.abs(ours - want) > BOUND["float32"] * magnitude).any()

@@ -19,6 +19,7 @@ from ..core.device import Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
+from . import tiled
 from .family import Family
 from .launch import GRID_YZ_LIMIT, Plan, cdiv, index_type, layer_constants, numel
 from .sequences import OneKernel, PassPlan
@@ -55,20 +56,11 @@ def _mode(pass_: str) -> int:
     return 0 if pass_ == "forward" else 1
 
 
-def _reach(extent: int, kernel: int, s: int, p: int, d: int, mode: int) -> Tuple[int, int]:
-    """The lowest and highest source offset an axis of a patch reads (the kernel's ``reach``)."""
-    offsets = [(a + p - k * d) // s if mode == 0 else a * s + k * d
-               for a in range(extent) for k in range(kernel) if mode == 1 or (a + p - k * d) % s == 0]
-    return min(offsets), max(offsets)
-
-
-def window(g: Geometry, rows: int, cols: int, pass_: str = "forward") -> Tuple[int, int]:
-    """The source pixels (rows, columns) a patch reads, from the first it reads to the last."""
-    mode = _mode(pass_)
+def window(g: Geometry, rows: int, cols: int) -> Tuple[int, int]:
+    """The input pixels (rows, columns) a forward patch reads, from the first it reads to the last (the tiled
+    family's stride-period tile edges)."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.params.stride, g.params.padding, g.params.dilation
-    low_h, high_h = _reach(rows, kh, sh, ph, dh, mode)
-    low_w, high_w = _reach(cols, kw, sw, pw, dw, mode)
-    return high_h - low_h + 1, high_w - low_w + 1
+    return tiled.phase_tile_edges(rows, kh, sh, ph, dh)[1], tiled.phase_tile_edges(cols, kw, sw, pw, dw)[1]
 
 
 def registers(g: Geometry, dtype: str, rows: int, cols: int, vec: int, pass_: str = "forward") -> int:
@@ -77,7 +69,7 @@ def registers(g: Geometry, dtype: str, rows: int, cols: int, vec: int, pass_: st
     item, acc = dtypes.get(dtype).itemsize, dtypes.get(dtype).accumulator_bytes
     words = cdiv(rows * cols * vec * acc, 4)
     if _mode(pass_) == 0:
-        win_h, win_w = window(g, rows, cols, pass_)
+        win_h, win_w = window(g, rows, cols)
         return words + cdiv(win_h * win_w * vec * item, 4)
     tap_words = rows * cols * cdiv(vec * item, 4)
     taps = g.kernel[0] * g.kernel[1]
@@ -113,7 +105,7 @@ def _best_shape(g: Geometry, dtype: str, pass_: str, vec: int, blocks: int) -> O
         return fitting[0]
 
     def per_pixel(s: Tuple[int, int]) -> float:
-        h, w = window(g, *s, pass_)
+        h, w = window(g, *s)
         return h * w / (s[0] * s[1])
 
     return min(fitting, key=lambda s: (-s[0] * s[1], per_pixel(s), s[0]))

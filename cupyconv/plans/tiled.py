@@ -97,7 +97,7 @@ def _weight_bytes(g: Geometry, dtype: str, channels: int) -> int:
     return _weight_cells(g, channels) * _acc_bytes(dtype)
 
 
-def _edges(extent: int, kernel: int, stride: int, padding: int, dilation: int) -> Tuple[int, int]:
+def phase_tile_edges(extent: int, kernel: int, stride: int, padding: int, dilation: int) -> Tuple[int, int]:
     """The first input position a tile of ``extent`` positions (from a whole stride period) reads along one axis,
     and how many it reads: the kernel's ROW0/ROWS (COL0/COLS)."""
     offsets = [(i + padding) // stride - (t * dilation) // stride for i in range(extent) for t in range(kernel)
@@ -130,10 +130,10 @@ def _window(g: Geometry, dtype: str, tile: Tile) -> Tuple[int, int, int, int]:
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.params.stride, g.params.padding, g.params.dilation
     tr, tc = rows // sh, cols // sw
     width, height = patch(g, tile)
-    rows_read = (height - 1) * tr + _edges(rows, kh, sh, ph, dh)[1]
+    rows_read = (height - 1) * tr + phase_tile_edges(rows, kh, sh, ph, dh)[1]
     vr_max = 16 // _acc_bytes(dtype)
     vr = vr_max if tc % vr_max == 0 else 2 if tc % 2 == 0 else 1
-    col0, cols_read = _edges(cols, kw, sw, pw, dw)
+    col0, cols_read = phase_tile_edges(cols, kw, sw, pw, dw)
     padded = cdiv((width - 1) * tc + cdiv(cols_read, vr) * vr, vr) * vr
     return rows_read, (width - 1) * tc + cols_read, padded, col0
 
