@@ -24,6 +24,7 @@ from ..core import dtypes
 from ..core.geometry import Geometry
 from ..jit import compiler
 from ..jit.compiler import KernelSpec, get_function
+from . import graphs as _graphs
 from .tensor_map import Encoded, TensorMap
 
 INT32_LIMIT = 2 ** 31
@@ -273,6 +274,7 @@ class Launcher:
 
     timing = True   # the tuner may time candidate kernels on this launcher's stream
     replays = True  # a repeated configuration may replay its taped launches here (see Tape)
+    graphs = True   # and launch them as one CUDA graph when its pointers repeat (see graphs)
 
     def __init__(self, device_id: int, stream_ptr: int, alloc: Allocator):
         self.device = _device.get(device_id)
@@ -317,6 +319,7 @@ class Recorder(Launcher):
 
     timing = False
     replays = False  # it is asked what a call would launch: it plans every call
+    graphs = False   # and a replay on one (tests) launches one by one, through launch()
 
     def __init__(self, device: _device.Device):
         self.device = device
@@ -406,16 +409,21 @@ class Tape(Recorder):
         self.final = False  # only empty batches zero, and they are not taped
 
     def replay(self, generation: object) -> "Replay":
-        return Replay(tuple(self._steps), self._next - self._scratch_base, generation)
+        steps = tuple(self._steps)
+        # a call of one kernel launches it as cheaply as it would launch a graph of it
+        return Replay(steps, self._next - self._scratch_base, generation,
+                      _graphs.GraphReplays() if len(steps) > 1 else None)
 
 
 @dataclass(frozen=True)
 class Replay:
-    """A taped call's launches; ``generation`` is the tuner's state it was taped under."""
+    """A taped call's launches; ``generation`` is the tuner's state it was taped under. ``graphs`` holds the CUDA
+    graphs of the call's repeated pointer sets (None for a call of one launch)."""
 
     steps: Tuple[Tuple[str, Plan, Tuple[Tuple[int, int], ...]], ...]
     scratch_bytes: int
     generation: object
+    graphs: Optional[_graphs.GraphReplays] = field(default=None, compare=False)
 
     def run(self, launcher: Launcher, pointers: Sequence[int]) -> None:
         sources = list(pointers)
@@ -423,6 +431,19 @@ class Replay:
         if self.scratch_bytes:
             keep, base = launcher.alloc(self.scratch_bytes)
             sources.append(base)
-        for stage, plan, recipe in self.steps:
-            launcher.launch(stage, plan, [sources[i] + offset if i >= 0 else 0 for i, offset in recipe])
+        graphs = self.graphs
+        if (graphs is not None and _graphs.enabled and launcher.graphs and not graphs.failed
+                and graphs.launch(launcher.device_id, launcher.stream_ptr, sources, self)):
+            if _watchers:
+                for seen in _watchers:
+                    seen.extend((stage, plan) for stage, plan, _ in self.steps)
+        else:
+            for stage, plan, recipe in self.steps:
+                launcher.launch(stage, plan, [sources[i] + offset if i >= 0 else 0 for i, offset in recipe])
         del keep
+
+    def launch_on(self, device_id: int, stream_ptr: int, sources: Sequence[int]) -> None:
+        """Launch the steps on ``stream_ptr`` with the call's pointers and scratch (``sources``), unwatched: a
+        graph's capture, whose launches run when the graph does."""
+        for _, plan, recipe in self.steps:
+            plan.run(device_id, stream_ptr, [sources[i] + offset if i >= 0 else 0 for i, offset in recipe])

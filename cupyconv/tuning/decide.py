@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 
 from ..core.device import Device
 from ..core.geometry import Geometry
+from ..core.streams import capturing as _capturing
 from . import store
 from .variants import Variant
 
@@ -164,16 +165,6 @@ def remember(key: tuple, v: Variant) -> None:
         _memo.clear()
     _memo[key] = v
     _changed()
-
-
-def _capturing(stream_ptr: int) -> bool:
-    """Whether the stream is being captured into a CUDA graph (True when that cannot be told)."""
-    try:
-        from cupy.cuda import runtime
-
-        return bool(runtime.streamIsCapturing(stream_ptr))
-    except Exception:  # e.g. the legacy stream while another stream captures: do not synchronise
-        return True
 
 
 def _deterministic() -> bool:
