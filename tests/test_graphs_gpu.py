@@ -105,7 +105,7 @@ def test_a_graph_runs_in_order_on_the_callers_stream(graph_launches):
     go = torch.randn(8, 32, 32, 32, device="cuda")
     want = torch.nn.functional.conv_transpose2d(x.double(), w.double(), stride=2, padding=1)
     want.backward(go.double())
-    want_gx, want_gw = x.grad.clone(), w.grad.clone()
+    want_gx, want_gw = x.grad.double(), w.grad.double()   # float32 leaves: the float64 graph's gradients land cast
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
