@@ -559,8 +559,8 @@ def test_tf32_sources_are_rounded_by_their_channels_last_copy(pass_):
 @pytest.mark.parametrize("pass_", ["forward", "grad_input"])
 def test_a_channels_last_tf32_source_may_be_copied_rounded_first(pass_):
     """The ``copy`` option: a channels_last TF32 source is copied rounded (layout unchanged) into scratch, and the
-    kernel reads the copy as it reads an NCHW source's rounding channels_last copy. The tuner races it second; it
-    applies to nothing else."""
+    kernel reads the copy as it reads an NCHW source's rounding channels_last copy. Every TF32 channels_last option
+    copies, the heuristic first, and in place is raced second; it applies to nothing else."""
     g = _g((4, 64, 12, 12), (64, 48, 4, 4), stride=2, padding=1)
     plan_of = wgmma.plan_forward if pass_ == "forward" else wgmma.plan_grad_input
     args = (g, "float32", True, "nhwc") if pass_ == "forward" else (g, "float32", "nhwc")
@@ -574,11 +574,16 @@ def test_a_channels_last_tf32_source_may_be_copied_rounded_first(pass_):
     assert dict(in_place.gemm.spec.constants)["SRC_ROUNDED"] is False
     assert copied.gemm.spec != in_place.gemm.spec
     variants = wgmma.FAMILY.variants(pass_, g, "float32", "nhwc", "tf32")
-    assert variants[1] == Variant.make("wgmma", copy=True) and variants[1].name == "wgmma:copy"
-    plan = table.plan(pass_, variants[1], g, "float32", "nhwc", "tf32", True, True)
+    assert variants[0] == Variant.make("wgmma", copy=True) and variants[0].name == "wgmma:copy"
+    assert variants[1] == Variant.make("wgmma")
+    assert all(v.kwargs.get("copy") for i, v in enumerate(variants) if i != 1) and len(variants) > 3
+    assert [dict(v.kwargs, copy=True) for v in variants if v != variants[1]] == \
+        [dict(opts, copy=True) for opts in wgmma.options(g, pass_, "float32", "tf32")]
+    plan = table.plan(pass_, variants[0], g, "float32", "nhwc", "tf32", True, True)
     assert plan.to_channels_last is copy
+    assert table.candidates(pass_, g, "float32", "nhwc", "tf32")[0] == variants[0] or not wgmma.tf32_leads(g, pass_)
     rec = Recorder(device.ASSUMED)
-    rec.enter(pass_, variants[1])
+    rec.enter(pass_, variants[0])
     plan.run(rec, (1 << 32, 2 << 32, 3 << 32, 4 << 32)[:4 if pass_ == "forward" else 3])
     assert [stage for stage, _ in rec.launches][:2] == ["pack", "round_tf32_copy"]
     for dtype, layout, precision in (("float16", "nhwc", "strict"), ("float32", "nchw", "tf32"),
