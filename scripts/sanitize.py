@@ -172,6 +172,10 @@ def base_cases() -> List[Case]:
         tag = "tf32" if precision == "tf32" else dtype
         cases.append(Case(f"wgmma-persistent-{tag}-{layout}", (256, 16, 1, 2), (16, 64, 3, 3), _kw(), True,
                           dtype, precision, layout=layout, variants=(("forward", "wgmma:8x8x64"),)))
+    # and a channels_last TF32 source copied rounded first (the ``copy`` option), read as the NCHW copy is, the
+    # forward and grad_input pinned to it
+    cases.append(Case("wgmma-persistent-tf32-nhwc-copy", (256, 16, 1, 2), (16, 64, 3, 3), _kw(), True, "float32",
+                      "tf32", layout="nhwc", variants=(("forward", "wgmma:8x8x64:copy"), ("grad_input", "wgmma:copy"))))
     # strict float32 runs them as 3xTF32, its producer splitting each halo vector into two parts in shared memory,
     # the forward and grad_input pinned in both layouts, and once with NaN and Inf in the sources
     for layout, nonfinite in (("nhwc", False), ("nchw", False), ("nhwc", True)):

@@ -235,6 +235,11 @@ def _wgmma_plans():
     for tile in ("8x8x64", "16x16x128"):
         add(f"wgmma-tf32-tile-{tile}", wgmma.plan_forward(dense, "float32", True, "nhwc", wgmma.TILES[tile],
                                                             precision="tf32"))
+    # a channels_last TF32 source copied rounded first: the kernel reads it as it reads an NCHW source's copy
+    add("wgmma_dense_3x5-tf32-nhwc-copy", wgmma.plan_forward(dense, "float32", True, "nhwc", precision="tf32",
+                                                             copy=True))
+    add("wgmma_grad_stride2-tf32-nhwc-copy", wgmma.plan_grad_input(WGMMA_GRAD_INPUT_LAYERS["wgmma_grad_stride2"],
+                                                                   "float32", "nhwc", precision="tf32", copy=True))
     for layout in launch.LAYOUTS:
         add(f"wgmma_one_row-tf32-{layout}", wgmma.plan_forward(_wgmma_layer("wgmma_one_row"), "float32", True, layout,
                                                                precision="tf32"))

@@ -7,6 +7,7 @@ stores, the split-K reductions and the fp16/bf16 conversions) in every dtype.  S
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -697,6 +698,30 @@ def test_weight_packs_match_the_layout_written_out(bits, kernel, pads, tile, mod
     np.testing.assert_array_equal(out, _packed_reference(w, groups, mode, n_pad, k_pad, tile))
 
 
+def _tf32_rounded(words):
+    finite = (words & 0x7F800000) != 0x7F800000
+    return np.where(finite, (words.astype(np.uint64) + 0x1000) & 0xFFFFE000, words).astype(np.uint32)
+
+
+@pytest.mark.parametrize("words,blocks", [
+    (7, None),               # only the words one by one past the last whole vector
+    (4 * 1024 * 4 + 15, None),   # five blocks, the last one's vectors partly past the end, three words left over
+    (4096 * 3 + 5, 2),       # fewer blocks than the words need: the loop walks the rest
+])
+def test_round_tf32_copy_rounds_every_word_in_place(words, blocks):
+    """The rounding copy of a channels_last TF32 source, bit for bit: 16-byte vectors, the words past the last
+    vector, Inf, NaN, a tie and the largest finite value (which rounds to Inf)."""
+    rng = np.random.default_rng(words)
+    src = rng.integers(0, 2 ** 32 - 1, size=words, dtype=np.uint64).astype(np.uint32)
+    src[:4] = [0x7F800000, 0x7FC00001, 0x3F801000, 0x7F7FFFFF]
+    plan = gemm.plan_round_tf32(words)
+    if blocks is not None:
+        plan = dataclasses.replace(plan, grid=(blocks, 1, 1))
+    _, out = cuda_emulator.run(plan, [src, np.full(words, 0xAAAAAAAA, np.uint32)], ["unsigned int", "unsigned int"])
+    assert out[:4].tolist() == [0x7F800000, 0x7FC00001, 0x3F802000, 0x7F800000]
+    np.testing.assert_array_equal(out, _tf32_rounded(src))
+
+
 @pytest.mark.parametrize("dtype,round_tf32,batch,channels,pixels", [
     ("float16", False, 2, 31, 97),     # odd channels and planes: 16-bit pairs fall back to single elements
     ("float16", False, 1, 130, 128),   # three channel tiles, two pixel tiles, pairs both ways
@@ -717,7 +742,6 @@ def test_to_channels_last_moves_every_element_to_its_place(dtype, round_tf32, ba
     _, out = cuda_emulator.run(plan, [src, sentinel], [c_type, c_type])
     want = src.transpose(0, 2, 1)
     if round_tf32:
-        finite = (want & 0x7F800000) != 0x7F800000
-        want = np.where(finite, (want.astype(np.uint64) + 0x1000) & 0xFFFFE000, want).astype(bits)
+        want = _tf32_rounded(want)
         assert out[0, :4, 0].tolist() == [0x7F800000, 0x7FC00001, 0x3F802000, 0x7F800000]
     np.testing.assert_array_equal(out, want)

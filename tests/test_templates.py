@@ -16,7 +16,7 @@ EXPECTED = {
     "conv_transpose2d_grad_weight_nhwc.cu",
 }
 GEMM = {"conv_transpose2d_igemm.cu", "conv_transpose2d_grad_weight_igemm.cu"}
-DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu", "to_image_quads.cu"}
+DATA_MOVEMENT = {"pack_weight.cu", "to_channels_last.cu", "to_image_quads.cu", "round_tf32.cu"}
 LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_large_kernel_grad_input.cu",
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
 WGMMA = {"conv_transpose2d_wgmma.cu"}

@@ -4,6 +4,7 @@ launches it plans.
 
 The kernels themselves run in tests/test_wgmma_gpu.py and compile in tests/test_compiler.py.
 """
+import math
 import random
 
 import pytest
@@ -555,6 +556,44 @@ def test_tf32_sources_are_rounded_by_their_channels_last_copy(pass_):
     assert dict(strict.to_channels_last.spec.constants)["ROUND_TF32"] is False
 
 
+@pytest.mark.parametrize("pass_", ["forward", "grad_input"])
+def test_a_channels_last_tf32_source_may_be_copied_rounded_first(pass_):
+    """The ``copy`` option: a channels_last TF32 source is copied rounded (layout unchanged) into scratch, and the
+    kernel reads the copy as it reads an NCHW source's rounding channels_last copy. Every TF32 channels_last option
+    copies, the heuristic first, and in place is raced second; it applies to nothing else."""
+    g = _g((4, 64, 12, 12), (64, 48, 4, 4), stride=2, padding=1)
+    plan_of = wgmma.plan_forward if pass_ == "forward" else wgmma.plan_grad_input
+    args = (g, "float32", True, "nhwc") if pass_ == "forward" else (g, "float32", "nhwc")
+    copied = plan_of(*args, precision="tf32", copy=True)
+    copy = copied.to_channels_last
+    assert copy.spec.function == "round_tf32_copy"
+    source = g.input_shape if pass_ == "forward" else g.output_shape
+    assert copy.scalars == (math.prod(source),) and copy.scratch_bytes == 4 * math.prod(source)
+    assert dict(copied.gemm.spec.constants)["SRC_ROUNDED"] is True
+    in_place = plan_of(*args, precision="tf32")
+    assert dict(in_place.gemm.spec.constants)["SRC_ROUNDED"] is False
+    assert copied.gemm.spec != in_place.gemm.spec
+    variants = wgmma.FAMILY.variants(pass_, g, "float32", "nhwc", "tf32")
+    assert variants[0] == Variant.make("wgmma", copy=True) and variants[0].name == "wgmma:copy"
+    assert variants[1] == Variant.make("wgmma")
+    assert all(v.kwargs.get("copy") for i, v in enumerate(variants) if i != 1) and len(variants) > 3
+    assert [dict(v.kwargs, copy=True) for v in variants if v != variants[1]] == \
+        [dict(opts, copy=True) for opts in wgmma.options(g, pass_, "float32", "tf32")]
+    plan = table.plan(pass_, variants[0], g, "float32", "nhwc", "tf32", True, True)
+    assert plan.to_channels_last is copy
+    assert table.candidates(pass_, g, "float32", "nhwc", "tf32")[0] == variants[0] or not wgmma.tf32_leads(g, pass_)
+    rec = Recorder(device.ASSUMED)
+    rec.enter(pass_, variants[0])
+    plan.run(rec, (1 << 32, 2 << 32, 3 << 32, 4 << 32)[:4 if pass_ == "forward" else 3])
+    assert [stage for stage, _ in rec.launches][:2] == ["pack", "round_tf32_copy"]
+    for dtype, layout, precision in (("float16", "nhwc", "strict"), ("float32", "nchw", "tf32"),
+                                     ("float32", "nhwc", "strict")):
+        assert Variant.make("wgmma", copy=True) not in wgmma.FAMILY.variants(pass_, g, dtype, layout, precision)
+        with pytest.raises(ValueError, match="copy rounds a channels_last source to TF32"):
+            plan_of(g, dtype, True, layout, precision=precision, copy=True) if pass_ == "forward" else \
+                plan_of(g, dtype, layout, precision=precision, copy=True)
+
+
 def test_tf32_leads_where_it_beat_the_gemm_on_the_h100():
     """float32 at TF32 precision: the wgmma kernel leads on the layers where it was faster than the mma.sync GEMM on
     the H100 and steps back, still racing, where it was slower (NOTES v13: the models' layers and the suite's)."""
@@ -602,6 +641,11 @@ def test_wgmma_variant_names_round_trip():
     every += [Variant.make("wgmma", tile=t, stages=s) for t in wgmma.TILES for s in wgmma.STAGE_CHOICES]
     assert all(Variant.parse(v.name) == v for v in every) and len({v.name for v in every}) == len(every)
     assert Variant.parse("wgmma:4i8x8x128") == Variant.make("wgmma", tile="4i8x8x128")
+    copied = Variant.make("wgmma", tile="16x16x64", stages=6, split=2, copy=True)
+    assert copied.name == "wgmma:16x16x64:s6:k2:copy" and Variant.parse(copied.name) == copied
+    for bad in ("wgmma:copy:copy", "wgmma:copy:k2", "wgmma:copy:s6"):
+        with pytest.raises(ValueError, match="not a cupyconv variant name"):
+            Variant.parse(bad)
 
 
 # ----------------------------------------------------------------------------- the plans

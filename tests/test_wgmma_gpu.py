@@ -688,6 +688,11 @@ def _tf32_cases():
               for i, name in enumerate(sorted(wgmma.TILES))]
     cases += [Case(NO_TAP_LAYERS["empty_phases"], TF32, True), Case(UNBATCHED, TF32, False),
               Case(replace(UNBATCHED, bias=False), TF32, False, weight_channels_last=True, pass_=GRAD)]
+    # a channels_last source copied rounded first (the ``copy`` option), both passes
+    copied = Variant.make("wgmma", copy=True)
+    cases += [case for case in [Case(layer, TF32, True, copied) for layer in wgmma_layers(4, seed=41)]
+              + [Case(layer, TF32, True, copied, pass_=GRAD) for layer in grad_input_layers(4, seed=43)]
+              if case.layout == "nhwc"]
     return cases
 
 
@@ -981,6 +986,31 @@ def test_halos_from_the_copy_engine_match_cp_async_bit_for_bit(case, hopper, mon
 
     _engine_against_cp_async(monkeypatch, run, FUNCTION, "halo_tensor_map", None)
     (_check if forward else _check_grad_input)(case, seed=23, hopper=hopper)
+
+
+COPY_CASES = [c for c in TF32_CASES if c.variant.kwargs.get("copy")]
+
+
+@pytest.mark.parametrize("case", _params("tf32_copy", COPY_CASES))
+def test_a_rounded_copy_matches_the_producers_rounding_bit_for_bit(case, hopper):
+    """A channels_last TF32 source copied rounded first (``copy``) and the same source rounded by the producer in
+    shared memory are the same TF32 words multiplied in the same order: the outputs agree bit for bit."""
+    forward = case.pass_ == "forward"
+
+    def run(variant):
+        pinned = replace(case, variant=variant)
+        if forward:
+            x, w, b = _inputs(pinned, *_data(case.layer, case.dtype, 29))
+            out, seen = _run_ours(pinned, x, w, b)
+        else:
+            x, w, go = _grad_inputs(pinned, *_grad_data(case.layer, case.dtype, 29))
+            out, seen = _run_grad(pinned, go, x, w)
+        return out, [plan.spec.function for _, plan in seen]
+
+    copied, copied_functions = run(case.variant)
+    in_place, in_place_functions = run(WGMMA)
+    assert "round_tf32_copy" in copied_functions and "round_tf32_copy" not in in_place_functions
+    assert torch.equal(copied, in_place)
 
 
 # ------------------------------------------------------------------------ grad_weight

@@ -205,6 +205,23 @@ def _plan_to_channels_last(batch: int, channels: int, pixels: int, dtype: str, r
     return Plan(spec, grid, (32, 8, 1), (batch, channels, pixels), index_t, scratch_bytes=total * element)
 
 
+# 16-byte vectors a block of round_tf32.cu moves per step of its loop, and the most blocks a copy launches (the
+# loop walks any remainder)
+_ROUND_VECTORS_A_BLOCK = 256 * 4
+_ROUND_BLOCKS = 1 << 16
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_round_tf32(words: int) -> Plan:
+    """Copy ``words`` fp32 words into scratch rounded to TF32, layout unchanged (see round_tf32.cu): a
+    channels_last source's counterpart of :func:`plan_to_channels_last`'s rounding. Both pointers 16-byte
+    aligned."""
+    index_t = index_type(words)
+    spec = KernelSpec.make("round_tf32.cu", "round_tf32_copy", dict(INDEX_T=index_t))
+    blocks = max(1, min(cdiv(cdiv(words, 4), _ROUND_VECTORS_A_BLOCK), _ROUND_BLOCKS))
+    return Plan(spec, (blocks, 1, 1), (256, 1, 1), (words,), index_t, scratch_bytes=words * 4)
+
+
 def vector_ok(g: Geometry, dtype: str, mode: int) -> bool:
     """Whether channels_last rows of the GEMM's source split into whole 16-byte vectors."""
     cg_k = g.in_per_group if mode == 0 else g.out_per_group

@@ -166,8 +166,8 @@ class PackedGemm(PassPlan):
         else:
             packed = weight
         partials = rest.pop(0) if self.reduce is not None else None
-        if own_copy:
-            launcher.launch("to_channels_last", to_cl, (src, rest[0]))
+        if own_copy:   # the stage is the copy's kernel: to_channels_last, or round_tf32_copy for channels_last
+            launcher.launch(to_cl.spec.function, to_cl, (src, rest[0]))
             src = rest[0]
         elif to_cl is not None:
             src = launcher.copies.get(to_cl, src, launcher)

@@ -428,7 +428,7 @@ def eligible(g: Geometry, dtype: str, pass_: str = "forward", precision: str = "
 @functools.lru_cache(maxsize=1024)
 def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", tile: Optional[HaloTile] = None,
                  stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict",
-                 weight_aligned: bool = True, split: Optional[int] = None) -> PackedGemm:
+                 weight_aligned: bool = True, split: Optional[int] = None, copy: bool = False) -> PackedGemm:
     """The forward as one halo-tile wgmma kernel per stride phase (grid z), after the weight repack
     and, for NCHW input, the channels_last copy.  float32 needs ``precision="tf32"``: it runs as TF32,
     rounded to nearest as the ``mma.sync`` kernels round (by the weight repack, the channels_last copy,
@@ -439,17 +439,21 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
     channel tile and phase.  ``weight_aligned``: the weight pointer is 16-byte aligned, so that a weight
     :func:`weight_in_place` may be read so.  ``split``: ranges of the input-channel chunks, each block taking
     one and writing fp32 partials that a fixed-order reduce adds with the bias; by default
-    :func:`halo_splits` (one wherever the tiles fill the SMs).
+    :func:`halo_splits` (one wherever the tiles fill the SMs). ``copy``: a channels_last TF32 source is copied
+    rounded first (:func:`~cupyconv.plans.gemm.plan_round_tf32`), so that the copy engine lands its halos and the
+    producer rounds nothing, as for an NCHW source's rounding channels_last copy.
     """
-    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count, precision, weight_aligned, split)
+    return _plan("forward", g, dtype, has_bias, layout, tile, stages, sm_count, precision, weight_aligned, split,
+                 copy)
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[HaloTile] = None,
                     stages: Optional[int] = None, sm_count: int = 132, precision: str = "strict",
-                    weight_aligned: bool = True, split: Optional[int] = None) -> PackedGemm:
+                    weight_aligned: bool = True, split: Optional[int] = None, copy: bool = False) -> PackedGemm:
     """grad_input (a strided conv2d of grad_output) as one halo-tile wgmma kernel; see :func:`plan_forward`."""
-    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count, precision, weight_aligned, split)
+    return _plan("grad_input", g, dtype, False, layout, tile, stages, sm_count, precision, weight_aligned, split,
+                 copy)
 
 
 # A K range is at least this many (chunk, tap) steps: shorter ones spend more of their time filling the pipeline
@@ -500,11 +504,14 @@ def _fitted_buffers(g: Geometry, dtype: str, tile: HaloTile, pass_: str, parts: 
 
 def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile: Optional[HaloTile],
           stages: Optional[int], sm_count: int, precision: str, weight_aligned: bool,
-          split: Optional[int] = None) -> PackedGemm:
+          split: Optional[int] = None, copy: bool = False) -> PackedGemm:
     mode = _mode(pass_)
     kind = mma_kind(dtype, precision)
     if kind is None:
         raise ValueError(f"the wgmma kernels take float16, bfloat16, or float32; got {dtype}")
+    if copy and not (kind == _TF32 and layout == "nhwc"):
+        raise ValueError(f"copy rounds a channels_last source to TF32; this pass runs {dtype} "
+                         f"({precision}) on {layout}")
     parts = operand_parts(dtype, precision)
     tile = tile or forward_tile(g, pass_, dtype, precision)
     if parts == 2 and tile.accumulators > SPLIT_ACCUMULATORS:
@@ -523,8 +530,9 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
         smem = padded if in_place else smem
     halo_h, halo_w = halo_extent(g, tile, pass_)
     src_channels, dst_channels = _channels(g, pass_)
-    # an NCHW source's channels_last copy rounds TF32 words, so the producer need not
-    rounded_copy = kind == _TF32 and layout == "nchw"
+    # an NCHW source's channels_last copy rounds TF32 words, and so does a channels_last one's rounding copy
+    # (``copy``), so the producer need not
+    rounded_copy = kind == _TF32 and (layout == "nchw" or copy)
     # The copy engine lands halos the producer need not touch: 16-bit ones, or TF32 ones already rounded.
     src_map = None
     if parts == 1 and (kind != _TF32 or rounded_copy):
@@ -576,8 +584,10 @@ def _plan(pass_: str, g: Geometry, dtype: str, has_bias: bool, layout: str, tile
         reduce = plan_reduce_with_bias(dtype, dst_elems, split, channels, 1 if layout == "nhwc" else plane, index_t)
     pack = None if in_place else gemm.plan_pack_weight_padded(g, dtype, mode, n_pad, k_pad, (tile.bn, ck),
                                                               round_tf32=kind == _TF32, split_tf32=kind == _3XTF32)
-    to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype, round_tf32=rounded_copy) \
-        if layout == "nchw" else None
+    if layout == "nchw":
+        to_cl = gemm.plan_to_channels_last(g.batch, src_total, src_pixels, dtype, round_tf32=rounded_copy)
+    else:
+        to_cl = gemm.plan_round_tf32(g.batch * src_total * src_pixels) if copy else None
     return PackedGemm(pack, main, to_cl, reduce)
 
 
@@ -1121,6 +1131,12 @@ class WgmmaFamily(Family):
             found = tf32_weight_options(g, precision) if dtype == "float32" else grad_weight_options(g)
         else:
             found = options(g, pass_, dtype, precision)
+            if layout == "nhwc" and mma_kind(dtype, precision) == _TF32:
+                # A rounding copy of a channels_last source lets the copy engine land its halos, where in place the
+                # producer warps round every element; it was faster on each dense layer timed, forward and
+                # grad_input (NOTES v42: 1.25-2.3x), so every option copies and in place is raced second.
+                found = [dict(opts, copy=True) for opts in found]
+                found.insert(1, {})
         return [Variant.make(self.name, **opts) for opts in found]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
@@ -1144,11 +1160,12 @@ class WgmmaFamily(Family):
                 return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False, sm_count=sm_count)
             return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False, sm_count=sm_count)
         # ``aligned`` covers a channels_last weight's pointer too (the engine's), which the kernel may read in place
+        copy = bool(kwargs.get("copy", False))
         if forward:
             return plan_forward(g, dtype, has_bias, layout, tile, kwargs.get("stages"), sm_count, precision, aligned,
-                                kwargs.get("split"))
+                                kwargs.get("split"), copy)
         return plan_grad_input(g, dtype, layout, tile, kwargs.get("stages"), sm_count, precision, aligned,
-                               kwargs.get("split"))
+                               kwargs.get("split"), copy)
 
     def clear(self) -> None:
         plan_forward.cache_clear()

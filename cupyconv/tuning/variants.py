@@ -2,8 +2,8 @@
 
 Its name is what the tuning file stores: ``direct``, ``direct:8x2x1``, ``direct:4x16``, ``gemm``, ``gemm:128x64``,
 ``gemm:s3``, ``gemm:64x64:s2``, ``gemm:k1``, ``gemm:128x128:k8``, ``wgmma:4i8x8x128``, ``wgmma:16x16x64:s6``,
-``wgmma:64x64x4r16``, ``tiled:8x8x1b6`` or ``grouped_mma:4x32`` (family, then a block tile, then a pipeline depth, then
-K ranges).
+``wgmma:64x64x4r16``, ``wgmma:copy``, ``tiled:8x8x1b6`` or ``grouped_mma:4x32`` (family, then a block tile, then a
+pipeline depth, then K ranges, then ``copy`` for a source copied first).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ _STAGES = re.compile(r"s(\d+)")
 _SPLIT = re.compile(r"k(\d+)")
 _FAMILY = re.compile(r"[a-z][a-z0-9_]*")
 # the order of options in a name
-_ORDER = ("tile", "stages", "split")
+_ORDER = ("tile", "stages", "split", "copy")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class Variant:
             parts.append(f"s{opts['stages']}")
         if "split" in opts:
             parts.append(f"k{opts['split']}")
+        if opts.get("copy"):
+            parts.append("copy")
         return ":".join(parts)
 
     @classmethod
@@ -74,10 +76,12 @@ class Variant:
             stages, split = _STAGES.fullmatch(part), _SPLIT.fullmatch(part)
             if _TILE.fullmatch(part) and not opts:
                 opts["tile"] = part
-            elif stages and "stages" not in opts and "split" not in opts:
+            elif stages and "stages" not in opts and "split" not in opts and "copy" not in opts:
                 opts["stages"] = int(stages.group(1))
-            elif split and "split" not in opts:
+            elif split and "split" not in opts and "copy" not in opts:
                 opts["split"] = int(split.group(1))
+            elif part == "copy" and "copy" not in opts:
+                opts["copy"] = True
             else:
                 raise ValueError(f"not a cupyconv variant name: {name!r}")
         return cls.make(family, **opts)
