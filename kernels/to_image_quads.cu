@@ -12,13 +12,20 @@
 // Both operands of a call are packed in one launch: blocks [0, x_blocks) pack x, the rest grad_output.  A block
 // packs four images x 32 channels x 32 pixels through shared memory: the loads run along the source's contiguous
 // axis (pixels or channels), the stores along channels, a warp's 32 slots one 512-byte run.
+//
+// VEC4 (NHWC, channels in whole float4s, 16-byte aligned sources) needs no transpose: a thread takes four channels
+// of one pixel in 16-byte loads from each of the four images and stores their four slots, 64 contiguous bytes,
+// so a warp reads 512-byte runs of each image and writes one 2 KB run.  The 32-channel tiles read 128 bytes of a
+// pixel a block, scattered over the source; whole pixels read in order kept the pack nearer the copy bandwidth.
 #include "tf32_round.cuh"
 
 typedef {{INDEX_T}} index_t;
 
 constexpr bool NHWC = {{NHWC}};
+constexpr bool VEC4 = {{VEC4}};
 constexpr bool SPLIT_TF32 = {{SPLIT_TF32}};
 constexpr int TILE = 32, WARPS = 8, IMAGES = 4;
+static_assert(NHWC || !VEC4, "the four-channel runs are an NHWC source's");
 
 __device__ __forceinline__ unsigned word(float v) { return round_tf32_bits(__float_as_uint(v)); }
 
@@ -26,12 +33,43 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS)
 to_image_quads(const float* __restrict__ x, const float* __restrict__ grad_out, uint4* __restrict__ x_quads,
                uint4* __restrict__ grad_out_quads, index_t N, index_t C_x, index_t P_x, index_t C_go, index_t P_go,
                index_t x_blocks) {
-    __shared__ float stage[IMAGES][TILE][TILE + 1];   // [image][channel][pixel]; an odd pitch, conflict-free both ways
+    __shared__ float stage[VEC4 ? 1 : IMAGES][TILE][TILE + 1];   // [image][channel][pixel]; an odd pitch,
+                                                                   // conflict-free both ways
     const bool is_x = static_cast<index_t>(blockIdx.x) < x_blocks;
     const float* src = is_x ? x : grad_out;
     uint4* dst = is_x ? x_quads : grad_out_quads;
     const index_t C = is_x ? C_x : C_go, P = is_x ? P_x : P_go;
     const index_t block = is_x ? blockIdx.x : blockIdx.x - x_blocks;
+    if constexpr (VEC4) {
+        const index_t runs = P * (C / 4);   // four-channel runs of one image
+        const index_t quads = (N + IMAGES - 1) / IMAGES;
+        const index_t item = block * (32 * WARPS) + threadIdx.x;   // (quad, pixel, run)
+        if (item >= quads * runs) return;
+        const index_t quad = item / runs, run = item % runs;
+        float4 v[IMAGES];
+#pragma unroll
+        for (int i = 0; i < IMAGES; ++i) {
+            const index_t n = quad * IMAGES + i;
+            v[i] = n < N ? __ldg(reinterpret_cast<const float4*>(src + n * P * C) + run) : make_float4(0, 0, 0, 0);
+        }
+        const index_t at = item * 4, part = quads * P * C;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float w[IMAGES];
+#pragma unroll
+            for (int i = 0; i < IMAGES; ++i) w[i] = j == 0 ? v[i].x : j == 1 ? v[i].y : j == 2 ? v[i].z : v[i].w;
+            if constexpr (SPLIT_TF32) {
+                Tf32Parts t[IMAGES];
+#pragma unroll
+                for (int i = 0; i < IMAGES; ++i) t[i] = split_tf32_bits(__float_as_uint(w[i]));
+                dst[at + j] = make_uint4(t[0].big, t[1].big, t[2].big, t[3].big);
+                dst[part + at + j] = make_uint4(t[0].small, t[1].small, t[2].small, t[3].small);
+            } else {
+                dst[at + j] = make_uint4(word(w[0]), word(w[1]), word(w[2]), word(w[3]));
+            }
+        }
+        return;
+    }
     const index_t tiles_p = (P + TILE - 1) / TILE, tiles_c = (C + TILE - 1) / TILE;
     const index_t p0 = block % tiles_p * TILE, c0 = block / tiles_p % tiles_c * TILE;
     const index_t quad = block / (tiles_p * tiles_c);

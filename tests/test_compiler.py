@@ -290,6 +290,11 @@ def _wgmma_plans():
                 wgmma.plan_grad_weight_tf32(g, 132, launch.LAYOUTS[i % 2], precision="strict"))
     add("4x4_stride2-grad_weight-3xtf32-stages-2",
         wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS["4x4_stride2"], 132, "nhwc", stages=2, precision="strict"))
+    # aligned channels_last sources, packed from four-channel runs, in both precisions
+    for precision in ("tf32", "strict"):
+        add(f"4x4_stride2-grad_weight-{precision}-nhwc-aligned",
+            wgmma.plan_grad_weight_tf32(WGMMA_TF32_WEIGHT_LAYERS["4x4_stride2"], 132, "nhwc", precision=precision,
+                                        aligned=True))
     # a channels_last weight: tiles packed from it, and grad_weight's partials in its layout (several K ranges,
     # one range of many taps writing grad_weight itself, and a one-tap layer)
     for name in ("wgmma_dense_3x5", "wgmma_small_grid"):
@@ -491,6 +496,8 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {c["TILE_W"] for c in tf32_weights if c["SPLIT_TF32"]} >= {8}
     quad_packs = [dict(s.constants) for s in PLANS if s.template == "to_image_quads.cu"]
     assert {c["NHWC"] for c in quad_packs} == {True, False} and {c["SPLIT_TF32"] for c in quad_packs} == {True, False}
+    assert {(c["VEC4"], c["SPLIT_TF32"]) for c in quad_packs if c["NHWC"]} == {(True, True), (True, False),
+                                                                                (False, True), (False, False)}
     assert {c["INDEX_T"] for c in quad_packs} == {"int", "long long"}
     assert {c["TAP_GROUP"] for c in tf32_weights} == {t.taps for t in wgmma.TF32_WEIGHT_TILES.values()}
     assert {c["SINGLE_CHUNK"] for c in tf32_weights} == {True, False}

@@ -538,21 +538,27 @@ def test_weight_split_for_3xtf32_wgmma_into_big_and_small_parts():
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["tf32", "3xtf32"])
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("layout, aligned", [("nchw", True), ("nhwc", False), ("nhwc", True)],
+                         ids=["nchw", "nhwc", "nhwc-aligned"])
 @pytest.mark.parametrize("x_shape, w_shape, kwargs", [
     # a batch of 6 (a ragged image group), channels and pixels past whole 32-wide tiles
     ((6, 40, 5, 7), (40, 33, 4, 4), dict(stride=2, padding=1)),
+    # the same in channels of whole fours
+    ((6, 40, 5, 7), (40, 36, 4, 4), dict(stride=2, padding=1)),
     # one image, one pixel
     ((1, 16, 1, 1), (16, 24, 2, 2), dict(stride=2)),
 ])
-def test_sources_packed_into_image_quads_for_tf32_grad_weight(x_shape, w_shape, kwargs, layout, split):
+def test_sources_packed_into_image_quads_for_tf32_grad_weight(x_shape, w_shape, kwargs, layout, aligned, split):
     """x and grad_output in one launch, each as [n / 4][pixel][channel][n % 4], rounded to TF32 as cvt.rna
     rounds, the images past the batch zero, grad_output's copy from the aligned offset the plan gives; split
-    (3xTF32), each copy the big parts and then their residuals (as pack_weight splits the weight)."""
+    (3xTF32), each copy the big parts and then their residuals (as pack_weight splits the weight).  Aligned
+    channels_last sources of whole four-channel runs take the 16-byte runs (VEC4), others the tiles."""
     from cupyconv.plans import wgmma
 
     g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kwargs))
-    plan, (x_bytes, go_bytes) = wgmma.plan_to_image_quads(g, layout, split)
+    plan, (x_bytes, go_bytes) = wgmma.plan_to_image_quads(g, layout, split, aligned)
+    vec4 = layout == "nhwc" and aligned and x_shape[1] % 4 == 0 and w_shape[1] % 4 == 0
+    assert dict(plan.spec.constants)["VEC4"] is vec4
     rng = np.random.default_rng(sum(x_shape))
     x = rng.standard_normal(g.input_shape).astype(np.float32)
     go = rng.standard_normal(g.output_shape).astype(np.float32)

@@ -69,7 +69,7 @@ def test_the_tf32_grad_weight_template_inlines_its_headers_and_takes_no_layout()
 def test_the_image_quad_pack_rounds_by_bits_and_takes_the_layout():
     text = templates.expanded("to_image_quads.cu")
     assert "#include" not in text and "round_tf32_bits" in text and "asm" not in text, "builds for any architecture"
-    assert templates.placeholders("to_image_quads.cu") == {"INDEX_T", "NHWC", "SPLIT_TF32"}
+    assert templates.placeholders("to_image_quads.cu") == {"INDEX_T", "NHWC", "VEC4", "SPLIT_TF32"}
 
 
 def test_the_tiled_forward_takes_the_layer_and_its_tile():

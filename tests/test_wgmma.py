@@ -1480,10 +1480,19 @@ def test_tf32_grad_weight_plans_a_split_k_on_sources_packed_into_image_quads(lay
     # one launch packs both sources: 4 image groups x 32-channel x 32-pixel tiles of each
     pack = plan.pack
     assert pack.spec.function == "to_image_quads" and dict(pack.spec.constants)["NHWC"] is (layout == "nhwc")
+    assert dict(pack.spec.constants)["VEC4"] is False, "sources not known to be aligned go through the tiles"
     x_blocks = 4 * (256 // 32) * (32 * 32 // 32)
     go_blocks = 4 * (64 // 32) * (64 * 64 // 32)
     assert pack.grid == (x_blocks + go_blocks, 1, 1) and pack.block == (256, 1, 1)
     assert pack.scalars == (16, 256, 32 * 32, 64, 64 * 64, x_blocks)
+    # aligned channels_last sources: a thread a run of four channels of four images
+    runs = wgmma.plan_grad_weight_tf32(g, 132, layout, aligned=True).pack
+    assert dict(runs.spec.constants)["VEC4"] is (layout == "nhwc")
+    if layout == "nhwc":
+        x_blocks, go_blocks = 4 * 32 * 32 * 256 // 4 // 256, 4 * 64 * 64 * 64 // 4 // 256
+        assert runs.grid == (x_blocks + go_blocks, 1, 1) and runs.block == (256, 1, 1)
+        assert runs.scalars == (16, 256, 32 * 32, 64, 64 * 64, x_blocks)
+        assert runs.scratch_bytes == pack.scratch_bytes
     assert plan.copy_bytes == (16 * 256 * 32 * 32 * 4, 16 * 64 * 64 * 64 * 4)
     assert pack.scratch_bytes == sum(plan.copy_bytes), "x's copy ends 256-byte aligned"
     assert plan.plans()[0] is pack and plan.split.sources is None

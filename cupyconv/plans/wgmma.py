@@ -972,32 +972,40 @@ def split_weight_tile(g: Geometry) -> WeightTile:
 
 
 _QUAD_TILE = 32   # to_image_quads.cu packs four images x 32 channels x 32 pixels a block
+_QUAD_THREADS = 256   # and, from four-channel runs, one run of four images a thread
 
 
-def plan_to_image_quads(g: Geometry, layout: str, split: bool = False) -> Tuple[Plan, Tuple[int, int]]:
+def plan_to_image_quads(g: Geometry, layout: str, split: bool = False, aligned: bool = False
+                        ) -> Tuple[Plan, Tuple[int, int]]:
     """The launch that packs x and grad_output for the TF32 grad_weight kernel as [n / 4][pixel][channel][n % 4]
     words rounded to TF32 (``kernels/to_image_quads.cu``), and the bytes of the two copies (grad_output's
     starts 256-byte aligned after x's in the launch's scratch).  ``split`` (3xTF32): each copy holds the words'
-    TF32 big parts, then their residuals."""
+    TF32 big parts, then their residuals.  channels_last sources ``aligned`` to 16 bytes whose channels come in
+    fours are read in 16-byte runs of four channels (VEC4), with no transpose."""
     quads = cdiv(g.batch, 4)
     sources = ((g.in_channels, g.in_size[0] * g.in_size[1]), (g.out_channels, g.out_size[0] * g.out_size[1]))
     parts = 2 if split else 1
     elems = [parts * quads * 4 * c * p for c, p in sources]
-    blocks = [quads * cdiv(c, _QUAD_TILE) * cdiv(p, _QUAD_TILE) for c, p in sources]
+    vec4 = layout == "nhwc" and aligned and all(c % 4 == 0 for c, _ in sources)
+    if vec4:
+        blocks = [cdiv(quads * p * c // 4, _QUAD_THREADS) for c, p in sources]
+    else:
+        blocks = [quads * cdiv(c, _QUAD_TILE) * cdiv(p, _QUAD_TILE) for c, p in sources]
     index_t = index_type(*elems)   # the padded copies hold every offset the sources have
     spec = KernelSpec.make("to_image_quads.cu", "to_image_quads",
-                           dict(INDEX_T=index_t, NHWC=layout == "nhwc", SPLIT_TF32=split))
+                           dict(INDEX_T=index_t, NHWC=layout == "nhwc", VEC4=vec4, SPLIT_TF32=split))
     copy_bytes = (elems[0] * 4, elems[1] * 4)
-    plan = Plan(spec, (sum(blocks), 1, 1), (256, 1, 1), (g.batch,) + sources[0] + sources[1] + (blocks[0],),
+    plan = Plan(spec, (sum(blocks), 1, 1), (_QUAD_THREADS, 1, 1), (g.batch,) + sources[0] + sources[1] + (blocks[0],),
                 index_t, scratch_bytes=aligned_size(copy_bytes[0]) + copy_bytes[1])
     return plan, copy_bytes
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw", tile: Optional[WeightTile] = None,
-                          stages: Optional[int] = None, precision: str = "tf32") -> PackedSourcesSplitK:
+                          stages: Optional[int] = None, precision: str = "tf32", aligned: bool = False
+                          ) -> PackedSourcesSplitK:
     """float32 grad_weight at TF32 precision: x and grad_output packed into image quads in ``layout`` order
-    (:func:`plan_to_image_quads`), then split-K wgmma GEMMs per (group, stride phase, group of taps) on the packed
+    (:func:`plan_to_image_quads`, ``aligned`` as it says), then split-K wgmma GEMMs per (group, stride phase, group of taps) on the packed
     copies (one kernel for both layouts), K in :func:`tf32_weight_step`'s steps, and the fixed-order reduction.
     ``stages`` defaults to the deepest ring up to :data:`WEIGHT_STAGES` that fits shared memory.  Strict
     ``precision`` runs as 3xTF32: sources packed in two parts, tiles of :data:`SPLIT_WEIGHT_TILES`."""
@@ -1026,7 +1034,7 @@ def plan_grad_weight_tf32(g: Geometry, sm_count: int = 132, layout: str = "nchw"
                                       dict(TILE_H=step.rows, TILE_W=step.cols, QUADS=step.quads, STAGES=ring,
                                            SPLIT_TF32=parts == 2),
                                       batch_bound=parts * quads + step.quads)
-    pack, copy_bytes = plan_to_image_quads(g, layout, parts == 2)
+    pack, copy_bytes = plan_to_image_quads(g, layout, parts == 2, aligned)
     return PackedSourcesSplitK(pack, SplitK(partial, reduce), copy_bytes)
 
 
@@ -1145,7 +1153,7 @@ class WgmmaFamily(Family):
         if pass_ == "grad_weight" and dtype == "float32":
             tiles = TF32_WEIGHT_TILES if operand_parts(dtype, precision) == 1 else SPLIT_WEIGHT_TILES
             tile = tiles[kwargs["tile"]] if "tile" in kwargs else None
-            return plan_grad_weight_tf32(g, sm_count, layout, tile, kwargs.get("stages"), precision)
+            return plan_grad_weight_tf32(g, sm_count, layout, tile, kwargs.get("stages"), precision, aligned)
         if pass_ == "grad_weight":
             if layout == "nhwc" and not aligned:
                 partial, reduce = gemm.plan_grad_weight_gemm(g, dtype, sm_count, layout, aligned=False)
