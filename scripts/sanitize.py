@@ -201,6 +201,10 @@ def base_cases() -> List[Case]:
                       "float32", "tf32", layout="nchw", variants=(("grad_weight", "wgmma"),)))
     cases.append(Case("wgmma-grad-weight-tf32-nhwc", (5, 20, 6, 6), (20, 17, 3, 3), _kw(padding=1), False,
                       "float32", "tf32", layout="nhwc", variants=(("grad_weight", "wgmma"),)))
+    # channels in whole fours, packed from 16-byte runs (VEC4), a batch of 5 (the last image group part empty)
+    for tag, precision in (("tf32", "tf32"), ("3xtf32", "strict")):
+        cases.append(Case(f"wgmma-grad-weight-{tag}-nhwc-runs", (5, 20, 6, 6), (20, 16, 3, 3), _kw(padding=1),
+                          False, "float32", precision, layout="nhwc", variants=(("grad_weight", "wgmma"),)))
     # 3xTF32: sources packed in two parts, both copied into each stage
     cases.append(Case("wgmma-grad-weight-3xtf32-nchw", (3, 16, 9, 9), (16, 24, 4, 4), _kw(stride=2, padding=1), False,
                       "float32", layout="nchw", variants=(("grad_weight", "wgmma"),)))
