@@ -91,16 +91,11 @@ class Case:
 
     @property
     def geometry(self):
-        """The layer as the call runs its pass: a weight left channels_last is read in place, and grad_weight is
-        written in torch's memory format for it (channels_last beside a channels_last x)."""
+        """The layer as the call runs it: a weight left channels_last is read (and written) in place."""
         x, w = self.arrange(*(torch.empty(s, dtype=self.dtype, device="meta") for s in (self.layer.input_shape,
                                                                                        self.layer.weight_shape)))
-        weight_channels_last = ct._is_channels_last(w)
-        if self.pass_ == "grad_weight":
-            told = ct._grad_weight_layout(self.layout, x, w, weight_channels_last)
-            weight_channels_last = weight_channels_last if told is None else told
         return geometry(self.layer.input_shape, self.layer.weight_shape, None,
-                        ConvParams.from_args(**self.layer.kwargs())).with_weight_channels_last(weight_channels_last)
+                        ConvParams.from_args(**self.layer.kwargs())).with_weight_channels_last(ct._is_channels_last(w))
 
     @property
     def precision(self) -> str:
