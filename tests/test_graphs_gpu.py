@@ -17,6 +17,7 @@ pytestmark = [
 import cupyconv.torch as ct  # noqa: E402
 from cupyconv import engine  # noqa: E402
 from cupyconv.plans import graphs  # noqa: E402
+from cupyconv.tuning import decide  # noqa: E402
 
 # (name, dtype, channels_last, TF32): split-K gradients with scratch, copies into channels_last, bias reduces
 CASES = [
@@ -85,6 +86,8 @@ def test_training_steps_replayed_as_graphs_match_launches_one_by_one_bit_for_bit
                 losses = _train(model, x, 8)
                 torch.cuda.synchronize()
                 results[on] = (losses, [p.detach().clone() for p in model.parameters()])
+                # the tuner's choices final, so the side with graphs tapes its calls from its first steps
+                assert decide.settle(timeout=300)
                 if on:
                     assert sum(graph_launches) >= 4, "the later steps launched graphs"
                 else:
@@ -108,6 +111,11 @@ def test_a_graph_runs_in_order_on_the_callers_stream(graph_launches):
     want_gx, want_gw = x.grad.double(), w.grad.double()   # float32 leaves: the float64 graph's gradients land cast
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # A first call builds the tuner's candidates in the background; once they are built and timed, the
+        # choices are final and the calls are taped (a call before that is not).
+        ct.conv_transpose2d(x, w, stride=2, padding=1).backward(go)
+    assert decide.settle(timeout=300)
     with torch.cuda.stream(side):
         for _ in range(10):   # the output alternates between two blocks: each pointer set recurs every other call
             x.grad = w.grad = None
