@@ -28,7 +28,9 @@ WGMMA_TEMPLATE = "conv_transpose2d_wgmma.cu"
 WGMMA_GRAD_WEIGHT_TEMPLATE = "conv_transpose2d_grad_weight_wgmma.cu"
 WGMMA_TF32_WEIGHT_TEMPLATE = "conv_transpose2d_grad_weight_wgmma_tf32.cu"
 SCATTER_GEMM_TEMPLATE = "conv_transpose2d_scatter_gemm.cu"
-HOPPER_TEMPLATES = (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE, WGMMA_TF32_WEIGHT_TEMPLATE, SCATTER_GEMM_TEMPLATE)
+GATHER_GEMM_TEMPLATE = "conv_transpose2d_gather_gemm.cu"
+HOPPER_TEMPLATES = (WGMMA_TEMPLATE, WGMMA_GRAD_WEIGHT_TEMPLATE, WGMMA_TF32_WEIGHT_TEMPLATE, SCATTER_GEMM_TEMPLATE,
+                    GATHER_GEMM_TEMPLATE)
 DTYPES = dtypes.NAMES
 
 # Layers chosen to reach every tiling branch of the planners: one or many stride phases,
@@ -335,6 +337,12 @@ def _wgmma_plans():
             add(f"scatter_gemm-{name}-{dtype}-{layout}-{'bias' if bias else 'nobias'}-w{'cl' if (i + j) % 2 else ''}",
                 scatter_gemm.plan_forward(g, dtype, bias, layout, tile))
     add("scatter_gemm-one_pixel", scatter_gemm.plan_forward(SCATTER_LAYERS["one_pixel_k4s2p1"], "bfloat16", True, "nhwc"))
+    # the gather GEMM (grad_input of the same layers): every tile, both dtypes and layouts, taps cropped or not
+    for i, (name, tile) in enumerate(scatter_gemm.TILES.items()):
+        for j, (dtype, layout, _) in enumerate(WGMMA_CASES):
+            layer = ("k2s2", "one_pixel_k4s2p1")[(i + j) % 2]
+            add(f"gather_gemm-{name}-{dtype}-{layout}-{layer}",
+                scatter_gemm.plan_grad_input(SCATTER_LAYERS[layer], dtype, layout, tile))
     return seen
 
 
@@ -480,6 +488,9 @@ def test_variants_reach_every_template_and_both_index_widths():
     scatter = [dict(s.constants) for s in PLANS if s.template == SCATTER_GEMM_TEMPLATE]
     assert {(c["MB"], c["BN"]) for c in scatter} == {(t.mb, t.bn) for t in scatter_gemm.TILES.values()}
     assert {(c["DST_CL"], c["HAS_BIAS"], c["MMA_KIND"]) for c in scatter} >= {(True, True, 1), (False, True, 0), (True, False, 0)}
+    gather = [dict(s.constants) for s in PLANS if s.template == GATHER_GEMM_TEMPLATE]
+    assert {(c["MB"], c["BN"]) for c in gather} == {(t.mb, t.bn) for t in scatter_gemm.TILES.values()}
+    assert {(c["DST_CL"], c["MMA_KIND"], c["PH"] > 0) for c in gather} >= {(True, 1, True), (False, 0, False)}
     assert {s.target for s in PLANS if s.template in HOPPER_TEMPLATES} == {wgmma.TARGET}
     assert {s.target for s in PLANS if s.template not in HOPPER_TEMPLATES} == {""}
     weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]
@@ -911,6 +922,27 @@ def _scatter_plan(tile, dtype):
                                      scatter_gemm.TILES[tile])
 
 
+def _gather_plan(tile, dtype):
+    # the cropping layer: the producer keeps each row's coordinates as well as its offset
+    return scatter_gemm.plan_grad_input(SCATTER_LAYERS["one_pixel_k4s2p1"], dtype, "nchw", scatter_gemm.TILES[tile])
+
+
+@pytest.mark.parametrize("tile", sorted(scatter_gemm.TILES))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gather_gemm_kernels_build_for_sm_90a_without_spilling(tile, dtype, ptxas_logs):
+    """The producer's per-row offsets and coordinates fit the registers it keeps; both operands are K-major
+    (transpose immediates 0, 0)."""
+    main = _gather_plan(tile, dtype).gemm
+    log = ptxas_logs(main.spec)
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found and found.groups() == ("0", "0", "0"), log
+    assert "serialized" not in log and "Performance Loss" not in log, log
+    static = re.search(r"(\d+) bytes smem", log)
+    assert main.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
+    ptx = compile_ptx(main.spec.source(), main.spec.function, "compute_90a", main.spec.options[:1])
+    assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {("0", "0")}
+
+
 @pytest.mark.parametrize("tile", sorted(scatter_gemm.TILES))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_scatter_gemm_kernels_build_for_sm_90a_without_spilling(tile, dtype, ptxas_logs):
@@ -1042,6 +1074,8 @@ _PTXAS_SPECS = {
         lambda layer: [split.partial.spec for split in _channels_last_weight_splits(layer)],
     "test_scatter_gemm_kernels_build_for_sm_90a_without_spilling":
         lambda tile, dtype: [_scatter_plan(tile, dtype).gemm.spec],
+    "test_gather_gemm_kernels_build_for_sm_90a_without_spilling":
+        lambda tile, dtype: [_gather_plan(tile, dtype).gemm.spec],
 }
 
 

@@ -126,9 +126,9 @@ def test_channels_last_weights_reach_every_template_that_reads_or_writes_weights
               for s in specs[c.name] if "WEIGHT_CL" in dict(s.constants)}
     with_cl = {s.function for c in cl_cases for s in specs[c.name] if dict(s.constants).get("WEIGHT_CL")}
     assert with_cl == takers
-    # the scatter GEMM reads channels_last order whatever the weight's layout (a contiguous one's copy)
+    # the one-tap GEMMs read channels_last order whatever the weight's layout (a contiguous one's copy)
     assert not any(dict(s.constants).get("WEIGHT_CL") for c in cases if not c.weight_cl for s in specs[c.name]
-                   if s.function != "conv_transpose2d_scatter_gemm")
+                   if s.function not in ("conv_transpose2d_scatter_gemm", "conv_transpose2d_gather_gemm"))
     for function in ("conv_transpose2d_grad_weight_wgmma", "conv_transpose2d_grad_weight_wgmma_tf32"):
         ranges = {(c["SINGLE_CHUNK"], c["KH"] * c["KW"] > 1) for c in _constants(specs, function) if c["WEIGHT_CL"]}
         assert ranges == {(False, True), (True, True)}, function

@@ -1,4 +1,5 @@
-"""The scatter GEMM's planner (no GPU): which layers it takes, what it launches, and where the table puts it."""
+"""The one-tap GEMMs' planner (no GPU): which layers the scatter forward and the gather grad_input take, what they
+launch, and where the table puts them."""
 from __future__ import annotations
 
 import dataclasses
@@ -117,8 +118,8 @@ def test_the_table_leads_with_it_on_hopper_where_tiles_are_many_and_races_the_ot
     assert all(f.name != "scatter_gemm" for f in table.eligible("forward", UNET_UP, "float16", "nhwc", ampere))
     overlapping = _layer((8, 256, 16, 16), (256, 128, 4, 4), stride=2, padding=1)
     assert all(v.family != "scatter_gemm" for v in table.candidates("forward", overlapping, "float16", "nhwc"))
-    # the backward passes are other families'
-    assert all(f.name != "scatter_gemm" for f in table.eligible("grad_input", UNET_UP, "float16", "nhwc"))
+    # grad_weight is other families'
+    assert all(f.name != "scatter_gemm" for f in table.eligible("grad_weight", UNET_UP, "float16", "nhwc"))
 
 
 def test_unaligned_pointers_take_the_gemm(monkeypatch):
@@ -129,3 +130,52 @@ def test_unaligned_pointers_take_the_gemm(monkeypatch):
                                                          "nhwc", "strict", aligned=False).plans()]
     monkeypatch.setenv(gemm.TENSOR_CORES_ENV, "0")
     assert not scatter_gemm.FAMILY.eligible("forward", UNET_UP, "float16", "nhwc", ASSUMED)
+
+
+@pytest.mark.parametrize("weight_cl", [False, True], ids=["w", "w_cl"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_grad_input_plan_copies_only_what_is_not_channels_last(layout, weight_cl):
+    g = UNET_UP.with_weight_channels_last(weight_cl)
+    packed = scatter_gemm.plan_grad_input(g, "float16", layout)
+    assert packed.gemm.spec.function == "conv_transpose2d_gather_gemm" and packed.reduce is None
+    assert (packed.pack is None) is weight_cl
+    if not weight_cl:
+        assert packed.pack == scatter_gemm.plan_forward(g, "float16", False, layout).pack, "the forward's weight copy"
+    if layout == "nhwc":
+        assert packed.to_channels_last is None
+    else:
+        # grad_output's copy: 8 images of 128 channels over 128 x 128 pixels, the copy grad_weight shares
+        assert packed.to_channels_last == gemm.plan_to_channels_last(8, 128, 128 * 128, "float16")
+    constants = dict(packed.gemm.spec.constants)
+    assert constants["WEIGHT_CL"] is True and constants["DST_CL"] is (layout == "nhwc")
+    assert "HAS_BIAS" not in constants
+    assert packed.gemm.spec.target == "sm_90a" and packed.gemm.block == (384, 1, 1)
+    assert packed.gemm.grid == (132, 1, 1)
+    assert packed.gemm.scalars == (8, 64, 64, 128, 128)
+
+
+def test_grad_input_tiles_its_input_channels():
+    """grad_input's GEMM is input pixels x input channels (256 here), K its (tap, output channel) pairs."""
+    assert scatter_gemm.columns(UNET_UP, "grad_input") == 256 and scatter_gemm.columns(UNET_UP) == 512
+    tile = scatter_gemm.TILES["64x256"]
+    assert scatter_gemm.tile_count(UNET_UP, tile, "grad_input") == 8 * 64 * 64 // 64
+    narrow = _layer((2, 16, 5, 7), (16, 64, 2, 2), stride=2)   # 16 input channels, 256 (tap, channel) columns
+    assert scatter_gemm.options(narrow, "grad_input") == [{}, {"tile": "128x64"}]
+    assert len(scatter_gemm.options(narrow)) == len(scatter_gemm.TILES)
+    for name, tile in scatter_gemm.TILES.items():
+        plan = scatter_gemm.plan_grad_input(UNET_UP, "bfloat16", "nhwc", tile).gemm
+        assert plan.smem_bytes == scatter_gemm.stages_for(tile) * tile.stage_bytes()
+        assert (dict(plan.spec.constants)["MB"], dict(plan.spec.constants)["BN"]) == (tile.mb, tile.bn)
+
+
+def test_grad_input_on_the_table():
+    for dtype in ("float16", "bfloat16"):
+        assert table.candidates("grad_input", UNET_UP, dtype, "nhwc")[0] == Variant("scatter_gemm")
+        assert any(v.family == "wgmma" for v in table.candidates("grad_input", UNET_UP, dtype, "nhwc"))
+    assert all(v.family != "scatter_gemm"
+               for v in table.candidates("grad_input", UNET_UP, "float32", "nhwc", "tf32"))
+    overlapping = _layer((8, 256, 16, 16), (256, 128, 4, 4), stride=2, padding=1)
+    assert all(v.family != "scatter_gemm" for v in table.candidates("grad_input", overlapping, "float16", "nhwc"))
+    # unaligned grad_output: the mma.sync GEMM, as the pinned variant's plan
+    planned = table.plan("grad_input", Variant("scatter_gemm"), UNET_UP, "float16", "nhwc", "strict", False, False)
+    assert planned == gemm.plan_grad_input_gemm(UNET_UP, "float16", "nhwc", "strict", aligned=False)

@@ -1,9 +1,11 @@
-"""The scatter GEMM forward (one tap an output pixel, as one wgmma GEMM) on an sm_90 GPU, against float64.
+"""The one-tap GEMMs (one tap an output pixel, as one wgmma GEMM) on an sm_90 GPU, against float64: the scatter
+forward and the gather grad_input.
 
-Each case pins the forward to a ``scatter_gemm`` variant and checks, through ``launch.watch()``, that
-``conv_transpose2d_scatter_gemm`` ran and nothing it did not plan; the checks are test_wgmma_gpu's: finite
-outputs (free blocks of the output's size are NaN-filled first), every element within a bound of float64, and
-no worse than twice torch's own error on the same inputs.  Skipped (with the reason) on GPUs other than sm_90.
+Each case pins its pass to a ``scatter_gemm`` variant and checks, through ``launch.watch()``, that
+``conv_transpose2d_scatter_gemm`` (or ``conv_transpose2d_gather_gemm``) ran and nothing it did not plan; the
+checks are test_wgmma_gpu's: finite outputs (free blocks of the output's size are NaN-filled first), every
+element within a bound of float64, and no worse than twice torch's own error on the same inputs.  Skipped (with
+the reason) on GPUs other than sm_90.
 """
 from __future__ import annotations
 
@@ -18,16 +20,19 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
 ]
 
+import cupyconv.torch as ct  # noqa: E402
 from cupyconv.core import device as core_device  # noqa: E402
 from cupyconv.jit import compiler  # noqa: E402
 from cupyconv import tuning  # noqa: E402
-from cupyconv.plans import scatter_gemm, table  # noqa: E402
+from cupyconv.plans import launch, scatter_gemm, table  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
 from layers import Layer  # noqa: E402
-from test_wgmma_gpu import SHORT, Case, _compare, _data, _inputs, _one_element_off, _run_ours  # noqa: E402
+from test_wgmma_gpu import (GRAD, SHORT, Case, _compare, _compare_grad_input, _data, _grad_data,  # noqa: E402
+                            _grad_inputs, _inputs, _one_element_off, _run_grad, _run_ours)
 
 FUNCTION = "conv_transpose2d_scatter_gemm"
+GATHER_FUNCTION = "conv_transpose2d_gather_gemm"
 SCATTER = Variant("scatter_gemm")
 
 
@@ -78,10 +83,20 @@ UNBATCHED = replace(LAYERS["k2s2"], batch=None)
 LEADING = Layer(8, 64, 48, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, True, (48, 64), "")
 
 
+GRAD_CASES = [pytest.param(replace(p.values[0], pass_=GRAD), id=p.id) for p in CASES]
+GRAD_TILE_CASES = [pytest.param(replace(p.values[0], pass_=GRAD), id=p.id) for p in TILE_CASES]
+# grad_input's K is (tap, output channel): 160 output channels of 4 taps make 10 steps a tile, more than the ring
+# holds, and 576 tiles of 128 x 128 (1152 of 64 x 128) walk both consumers through several each
+GRAD_DEEP = Layer(8, 64, 160, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, False, (96, 96), "")
+GRAD_DEEP_CASES = [pytest.param(Case(GRAD_DEEP, dtype, cl, Variant.make("scatter_gemm", tile=tile), pass_=GRAD,
+                                     weight_channels_last=cl), id=f"{tile}-{SHORT[dtype]}")
+                   for tile, dtype, cl in (("128x128", torch.float16, True), ("64x128", torch.bfloat16, False))]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def precompiled(hopper):
     """Build every case's kernels side by side rather than one by one at each first call."""
-    cases = [p.values[0] for p in CASES + TILE_CASES + DEEP_CASES]
+    cases = [p.values[0] for p in CASES + TILE_CASES + DEEP_CASES + GRAD_CASES + GRAD_TILE_CASES + GRAD_DEEP_CASES]
     specs = [p.spec for case in cases for p in case.plan(hopper).plans()]
     compiler.compile_many(specs, hopper.index, workers=16)
 
@@ -144,5 +159,78 @@ def test_the_heuristic_runs_the_scatter_gemm_on_sm_90(channels_last, hopper, mon
         x.requires_grad_()
         y, seen = _run_ours(case, x, w, b, expect_function=FUNCTION, pin=False)
         _compare(case, y.detach(), x.detach(), w, b)
+    finally:
+        tuning.clear()
+
+
+# ------------------------------------------------------------------------ grad_input: the gather GEMM
+
+def _check_grad_input(case: Case, hopper, seed=0):
+    assert scatter_gemm.eligible(case.geometry, {torch.float16: "float16", torch.bfloat16: "bfloat16"}[case.dtype])
+    x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
+    gi, seen = _run_grad(case, go, x, w, expect_function=GATHER_FUNCTION)
+    assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
+    _compare_grad_input(case, gi, go, x, w)
+    return gi
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_grad_input_of_one_tap_layers_matches_float64(case, hopper):
+    _check_grad_input(case, hopper, seed=10)
+
+
+@pytest.mark.parametrize("case", GRAD_TILE_CASES)
+def test_every_grad_input_tile(case, hopper):
+    _check_grad_input(case, hopper, seed=11)
+
+
+@pytest.mark.parametrize("case", GRAD_DEEP_CASES)
+def test_grad_input_blocks_walk_many_tiles_in_turn(case, hopper):
+    plan = case.plan(hopper).gemm
+    tiles = scatter_gemm.tile_count(case.geometry, scatter_gemm.TILES[case.variant.kwargs["tile"]], GRAD)
+    assert tiles >= 4 * plan.grid[0], "each consumer warpgroup takes two tiles or more"
+    constants = dict(plan.spec.constants)
+    assert constants["STAGES"] < 4 * 160 // 64, "a tile's steps lap the ring"
+    _check_grad_input(case, hopper, seed=12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_grad_input_of_an_unbatched_input(dtype, hopper):
+    gi = _check_grad_input(Case(UNBATCHED, dtype, False, SCATTER, pass_=GRAD, weight_channels_last=True), hopper)
+    assert gi.dim() == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_unaligned_grad_output_runs_the_gemm(dtype, hopper):
+    """A channels_last grad_output starting one element off a 16-byte boundary cannot feed the copies: the pinned
+    variant plans the mma.sync GEMM instead."""
+    case = Case(replace(LAYERS["k2s2"], bias=False), dtype, True, SCATTER, pass_=GRAD, weight_channels_last=True)
+    x, w, go = _grad_inputs(case, *_grad_data(case.layer, dtype, 13))
+    gi, seen = _run_grad(case, _one_element_off(go), x, w, expect_function="conv_transpose2d_igemm")
+    assert GATHER_FUNCTION not in {plan.spec.function for _, plan in seen}
+    assert {p for _, p in seen} == set(case.plan(hopper, aligned=False).plans())
+    _compare_grad_input(case, gi, go, x, w)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_autograd_runs_the_gather_gemm_untuned_on_sm_90(channels_last, hopper, monkeypatch):
+    """Untuned, a U-Net upsampling layer's backward takes grad_input through the gather GEMM, and x.grad matches
+    float64."""
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
+    tuning.clear()
+    try:
+        case = Case(replace(LEADING, bias=False), torch.bfloat16, channels_last, SCATTER, pass_=GRAD,
+                    weight_channels_last=channels_last)
+        assert table.candidates(GRAD, case.geometry, "bfloat16", case.layout, "strict", hopper)[0] == SCATTER
+        x, w, go = _grad_inputs(case, *_grad_data(case.layer, torch.bfloat16, 14))
+        x.requires_grad_()
+        y = ct.conv_transpose2d(x, w, None, **case.layer.kwargs())
+        with launch.watch() as seen:
+            y.backward(go)
+            torch.cuda.synchronize()
+        mains = [plan.spec.function for stage, plan in seen if stage == "main"]
+        assert GATHER_FUNCTION in mains, mains
+        assert tuning.chosen(GRAD, case.geometry, "bfloat16", case.layout, "strict", hopper.index) == SCATTER
+        _compare_grad_input(case, x.grad, go, x.detach(), w)
     finally:
         tuning.clear()

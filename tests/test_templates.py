@@ -21,6 +21,7 @@ LARGE_KERNEL = {"conv_transpose2d_large_kernel_forward.cu", "conv_transpose2d_la
                 "conv_transpose2d_large_kernel_grad_weight.cu"}
 WGMMA = {"conv_transpose2d_wgmma.cu"}
 SCATTER_GEMM = {"conv_transpose2d_scatter_gemm.cu"}
+GATHER_GEMM = {"conv_transpose2d_gather_gemm.cu"}
 WGMMA_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma.cu"}
 WGMMA_TF32_GRAD_WEIGHT = {"conv_transpose2d_grad_weight_wgmma_tf32.cu"}
 TAP_MAJOR_REDUCE = {"reduce_tap_major_partials.cu"}   # its tile follows its tap count, not a setting
@@ -37,7 +38,7 @@ LAYER = frozenset({"KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "GROUPS", "CI
 
 def test_every_template_is_found():
     assert set(templates.template_names()) == (EXPECTED | GEMM | DATA_MOVEMENT | LARGE_KERNEL | WGMMA | WGMMA_GRAD_WEIGHT
-                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED | SCATTER_GEMM
+                                               | WGMMA_TF32_GRAD_WEIGHT | TAP_MAJOR_REDUCE | TILED | SCATTER_GEMM | GATHER_GEMM
                                                | EXPANDED_TAPS | GROUPED_MMA | THIN_MMA | DEPTHWISE)
     assert (templates.kernels_dir() / "include" / "common.cuh").is_file()
     assert (templates.kernels_dir() / "include" / "mma.cuh").is_file()
@@ -101,6 +102,15 @@ def test_the_scatter_gemm_template_inlines_the_mma_headers():
     assert "wgmma_async" in text and "smem_descriptor_swizzle_128b" in text and "cp_async_arrive" in text
     tile = {"MMA_KIND", "MB", "BN", "STAGES"}
     assert {"SCALAR_T", "INDEX_T", "DST_CL", "HAS_BIAS"} | LAYER | tile == templates.placeholders(name)
+
+
+def test_the_gather_gemm_template_shares_the_scatter_gemms_block():
+    name, = GATHER_GEMM
+    text = templates.expanded(name)
+    assert "#include" not in text
+    assert "struct PingPongGemm" in text and "struct PingPongGemm" in templates.expanded(next(iter(SCATTER_GEMM)))
+    assert "wgmma_async" in text and "cp_async_arrive" in text
+    assert {"SCALAR_T", "INDEX_T", "DST_CL", "MMA_KIND", "MB", "BN", "STAGES"} | LAYER == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPANDED_TAPS))

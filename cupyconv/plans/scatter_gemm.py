@@ -1,13 +1,15 @@
-"""The forward of a layer whose output pixels each receive exactly one tap, as one Hopper wgmma GEMM with a
-scattering epilogue (``kernels/conv_transpose2d_scatter_gemm.cu``).
+"""The one-tap layers' GEMMs on Hopper wgmma: the forward with a scattering epilogue
+(``kernels/conv_transpose2d_scatter_gemm.cu``) and grad_input with a gathering prologue
+(``kernels/conv_transpose2d_gather_gemm.cu``).
 
 Such a layer (kernel == stride, U-Net's 2 x 2 stride-2 upsampling; a 1 x 1 input, a generator's first layer;
 1 x 1 kernels) is a plain GEMM: input pixels x input channels times input channels x (tap, output channel),
-each product element landing on one output pixel.  The halo-tile kernels run it per stride phase, reading the
-input once per phase and storing each tile while their tensor cores wait; this kernel reads each input pixel
-once for all taps, and two consumer warpgroups take turns, one storing while the other multiplies.  fp16 and
-bf16 on exactly sm_90 (B is MN-major, which TF32 cannot read); one group.  A contiguous weight is copied into
-channels_last order first, an NCHW input into channels_last scratch.
+each product element landing on one output pixel; grad_input is the same GEMM transposed, each grad_output pixel
+one tap of one input pixel.  The halo-tile kernels run them per stride phase, reading the input once per phase
+and storing each tile while their tensor cores wait; these kernels read each pixel once for every tap, and two
+consumer warpgroups take turns, one storing while the other multiplies.  fp16 and bf16 on exactly sm_90 (the
+forward's B is MN-major, which TF32 cannot read); one group.  A contiguous weight is copied into channels_last
+order first, an NCHW activation into channels_last scratch.
 """
 from __future__ import annotations
 
@@ -24,13 +26,15 @@ from .family import Family
 from .launch import Plan, cdiv, index_type, layer_constants, numel
 from .sequences import PackedGemm, PassPlan
 
-ROW_BYTES = 128   # a step's row: 64 channels of a pixel (A) or 64 columns of an input channel (B)
+ROW_BYTES = 128   # a step's row: 64 channels of a pixel (A), 64 columns of an input channel (B)
+FORWARD, GRAD_INPUT = "forward", "grad_input"
 
 
 @dataclass(frozen=True)
 class ScatterTile:
-    """A tile of ``64 * mb`` input pixels x ``bn`` columns of (tap, output channel), held whole in one consumer
-    warpgroup's accumulators (``mb * bn / 2`` registers a thread)."""
+    """A tile of ``64 * mb`` input pixels x ``bn`` columns (the forward's (tap, output channel) pairs,
+    grad_input's input channels), held whole in one consumer warpgroup's accumulators (``mb * bn / 2`` registers
+    a thread)."""
 
     mb: int
     bn: int
@@ -40,7 +44,7 @@ class ScatterTile:
         return f"{64 * self.mb}x{self.bn}"
 
     def stage_bytes(self) -> int:
-        # A: one row a pixel; B: 64 rows (channels) of each 64-column block, BN x 128 bytes in all
+        # A: one row a pixel; B: BN x 128 bytes (the forward's 64-column blocks of 64 channels, grad_input's rows)
         return ROW_BYTES * (64 * self.mb + self.bn)
 
 
@@ -48,7 +52,8 @@ TILES: Dict[str, ScatterTile] = {t.name: t for t in (ScatterTile(2, 128), Scatte
                                                      ScatterTile(2, 64))}
 HEURISTIC = TILES["128x128"]
 MAX_STAGES = 8
-LEAD_WAVES = 2   # heuristic tiles an SM from which the family leads (ScatterGemmFamily.leads)
+# Heuristic tiles an SM from which the family leads (ScatterGemmFamily.leads), by pass
+LEAD_WAVES = {FORWARD: 2.0, GRAD_INPUT: 0.5}
 
 
 def one_tap(g: Geometry) -> bool:
@@ -77,21 +82,21 @@ def stages_for(tile: ScatterTile) -> int:
     return min(MAX_STAGES, wgmma.SMEM_LIMIT // tile.stage_bytes())
 
 
-def columns(g: Geometry) -> int:
-    """The GEMM's N: (tap, output channel) pairs."""
-    return g.kernel[0] * g.kernel[1] * g.out_channels
+def columns(g: Geometry, pass_: str = FORWARD) -> int:
+    """The GEMM's N: the forward's (tap, output channel) pairs, grad_input's input channels."""
+    return g.kernel[0] * g.kernel[1] * g.out_channels if pass_ == FORWARD else g.in_channels
 
 
-def tile_count(g: Geometry, tile: ScatterTile) -> int:
+def tile_count(g: Geometry, tile: ScatterTile, pass_: str = FORWARD) -> int:
     pixels = g.batch * g.in_size[0] * g.in_size[1]
-    return cdiv(pixels, 64 * tile.mb) * cdiv(columns(g), tile.bn)
+    return cdiv(pixels, 64 * tile.mb) * cdiv(columns(g, pass_), tile.bn)
 
 
-def options(g: Geometry) -> List[Dict[str, object]]:
+def options(g: Geometry, pass_: str = FORWARD) -> List[Dict[str, object]]:
     """The heuristic, then the other tiles whose columns are not mostly padding."""
     found: List[Dict[str, object]] = [{}]
     for tile in TILES.values():
-        if tile != HEURISTIC and not (tile.bn > 64 and columns(g) <= tile.bn // 2):
+        if tile != HEURISTIC and not (tile.bn > 64 and columns(g, pass_) <= tile.bn // 2):
             found.append({"tile": tile.name})
     return found
 
@@ -123,9 +128,35 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
     return PackedGemm(to_weight_order, main, to_cl)
 
 
+@functools.lru_cache(maxsize=1024)
+def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[ScatterTile] = None,
+                    sm_count: int = 132) -> PackedGemm:
+    """grad_input as one GEMM of persistent blocks whose A rows gather each input pixel's taps from grad_output,
+    after the weight's copy into channels_last order where it is contiguous and grad_output's into channels_last
+    scratch where it is NCHW (the copy grad_weight shares)."""
+    if not eligible(g, dtype):
+        raise ValueError("the gather GEMM runs fp16 and bf16 layers of one group whose output pixels each receive "
+                         "one tap, with input and output channels in multiples of 8")
+    tile = tile or HEURISTIC
+    stages = stages_for(tile)
+    index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns(g))
+    constants = layer_constants(g.with_weight_channels_last(), dtype, index_t)
+    constants.update(MMA_KIND=wgmma.mma_kind(dtype), MB=tile.mb, BN=tile.bn, STAGES=stages, DST_CL=layout == "nhwc")
+    spec = KernelSpec.make("conv_transpose2d_gather_gemm.cu", "conv_transpose2d_gather_gemm", constants,
+                           wgmma.TARGET)
+    blocks = max(1, min(tile_count(g, tile, GRAD_INPUT), sm_count))
+    sizes = (g.batch,) + g.in_size + g.out_size
+    main = Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes())
+    to_weight_order = None if g.weight_channels_last else \
+        gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype)
+    to_cl = gemm.plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype) \
+        if layout == "nchw" else None
+    return PackedGemm(to_weight_order, main, to_cl)
+
+
 class ScatterGemmFamily(Family):
     name = "scatter_gemm"
-    passes = ("forward",)
+    passes = (FORWARD, GRAD_INPUT)
     max_variants = 4
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
@@ -135,25 +166,33 @@ class ScatterGemmFamily(Family):
                 and _eligible(g, dtype))
 
     def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
-        """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more, so that each consumer warpgroup
-        stores one tile while the other multiplies the next.  On an H100 (NOTES v25) it then beat the halo-tile
-        kernel on U-Net's upsampling layers by up to 1.7x; on fewer tiles (a 16 x 16 grid of 1024 channels, a 1 x 1
-        input) the halo-tile kernel or the split mma.sync GEMM ran as fast or faster, so there it races them."""
-        return tile_count(g, HEURISTIC) >= LEAD_WAVES * ASSUMED.sm_count
+        """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more.  The forward (NOTES v25, H100)
+        beat the halo-tile kernel on U-Net's upsampling layers by up to 1.7x where each consumer warpgroup had tiles
+        to take in turn; on fewer (a 16 x 16 grid of 1024 channels, a 1 x 1 input) the halo-tile kernel or the split
+        mma.sync GEMM ran as fast or faster.  grad_input (NOTES v43, H200) beat the halo-tile kernel's heuristic
+        1.5-2.9x on U-Net's four upsampling layers down to 128 tiles (1024 input channels of 16 x 16 pixels), and
+        lost 12x to the split GEMM on a 1 x 1 input (4 tiles of 128 steps).  Elsewhere it races them."""
+        return tile_count(g, HEURISTIC, pass_) >= LEAD_WAVES[pass_] * ASSUMED.sm_count
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        return [Variant.make(self.name, **opts) for opts in options(g)]
+        return [Variant.make(self.name, **opts) for opts in options(g, pass_)]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
         if not aligned:
             # Its copies need 16-byte aligned channel runs: channels_last activations, a weight read in place.
-            return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False, sm_count=sm_count)
+            if pass_ == FORWARD:
+                return gemm.plan_forward_gemm(g, dtype, has_bias, layout, precision, aligned=False, sm_count=sm_count)
+            return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False, sm_count=sm_count)
         name = variant.kwargs.get("tile")
-        return plan_forward(g, dtype, has_bias, layout, TILES[name] if name else None, sm_count)
+        tile = TILES[name] if name else None
+        if pass_ == FORWARD:
+            return plan_forward(g, dtype, has_bias, layout, tile, sm_count)
+        return plan_grad_input(g, dtype, layout, tile, sm_count)
 
     def clear(self) -> None:
         plan_forward.cache_clear()
+        plan_grad_input.cache_clear()
         _eligible.cache_clear()
 
 

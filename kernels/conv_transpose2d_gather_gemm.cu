@@ -1,0 +1,143 @@
+// grad_input of a transposed convolution in which every output pixel receives exactly one tap (kernel ==
+// stride, as in U-Net's 2 x 2 stride-2 upsampling; a 1 x 1 input; 1 x 1 kernels), as one GEMM on Hopper's
+// warpgroup MMA (wgmma, sm_90a): the scatter GEMM's forward transposed,
+//   dX[m][n] = sum_k dY(m, k) * W[n][k],  m = input pixel (image, i, j), n = input channel,
+//   k = (tap, output channel) in a channels_last weight's order (C_in, KH, KW, C_out),
+// where dY(m, k) is grad_output's channels_last pixel (SH*i + kh - PH, SW*j + kw - PW), zero where the padding
+// cropped it.  Each grad_output pixel is one tap of one input pixel, so A's gather reads grad_output once per
+// column tile, in runs of a pixel's channels; B is the weight as it lies, K-major.  A contiguous weight is
+// copied into the channels_last order first, an NCHW grad_output into channels_last scratch.
+//
+// The block is pingpong_gemm.cuh's: persistent over tiles of BM input pixels x BN input channels, a producer
+// warpgroup filling a ring of CK-column steps and two consumer warpgroups taking the tiles in turn, one
+// storing while the other multiplies.
+#include "layer.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+#include "cp_async_pipeline.cuh"
+#include "mbarrier_copy.cuh"
+#include "pingpong_gemm.cuh"
+
+constexpr int KIND = {{MMA_KIND}};
+constexpr int MB = {{MB}};            // 64-row MMA blocks per tile: BM = 64 * MB input pixels
+constexpr int BN = {{BN}};            // input channels per tile
+constexpr int STAGES = {{STAGES}};
+constexpr bool DST_CL = {{DST_CL}};
+
+constexpr int VEC = 16 / sizeof(scalar_t);     // elements in 16 bytes
+constexpr int CK = 128 / sizeof(scalar_t);     // columns of (tap, output channel) a step: one 128-byte row
+constexpr int K_TOTAL = TAPS * COUT;
+constexpr int K_STEPS = (K_TOTAL + CK - 1) / CK;
+constexpr int N_TILES = (CIN + BN - 1) / BN;
+// The producer keeps each of its rows' grad_output offsets (and coordinates, with CROPS) for a whole tile.
+typedef PingPongGemm<KIND, MB, BN, STAGES, K_STEPS, N_TILES, false, 80> Gemm;
+constexpr int BM = Gemm::BM;
+constexpr int A_COPIES = BM / 16;              // a producer thread's 16-byte copies of A per step (8 a row)
+constexpr int B_COPIES = BN / 16;
+// Whether a tap may land in the cropped border; without padding every tap of a one-tap layer lands inside.
+constexpr bool CROPS = PH > 0 || PW > 0;
+constexpr int NO_ROW = -(1 << 30);             // a row past the last pixel: no tap lands
+
+static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "fp16 or bf16");
+static_assert(GROUPS == 1 && WEIGHT_CL, "one group; the weight in channels_last order");
+static_assert(COUT % VEC == 0 && CIN % 2 == 0,
+              "16-byte runs of output channels within a tap; input channel pairs");
+
+// Thread ptid copies vector ptid % 8 of A's rows ptid / 8 + 16 q (input pixels, their taps gathered) and of
+// B's rows ptid / 8 + 16 q (input channels).  A row's pixel is worked out once a tile: where its tap (0, 0)
+// lands in grad_output (an element offset, and with CROPS the pixel's coordinates).
+struct GatherProducer {
+    const scalar_t* __restrict__ grad_out;
+    const scalar_t* __restrict__ weight;
+    index_t M, HW_IN, W_IN, H_OUT, W_OUT;
+    int vec, row0;
+    index_t base[A_COPIES];
+    int oh0[CROPS ? A_COPIES : 1], ow0[CROPS ? A_COPIES : 1];
+    int n0;
+
+    __device__ __forceinline__ void tile(index_t m0, int n) {
+        n0 = n;
+#pragma unroll
+        for (int q = 0; q < A_COPIES; ++q) {
+            const index_t m = m0 + row0 + 16 * q;
+            const index_t image = m / HW_IN, at = m % HW_IN;
+            const int oh = static_cast<int>(SH * (at / W_IN)) - PH, ow = static_cast<int>(SW * (at % W_IN)) - PW;
+            base[q] = m < M ? ((image * H_OUT + oh) * W_OUT + ow) * COUT : -1;
+            if constexpr (CROPS) {
+                oh0[q] = m < M ? oh : NO_ROW;
+                ow0[q] = ow;
+            }
+        }
+    }
+
+    __device__ __forceinline__ void step(unsigned a, unsigned b, int c) {
+        const int k = c * CK + vec * VEC;
+        const int tap = k / COUT, oc = k % COUT, kh = tap / KW, kw = tap % KW;
+        const bool column = k < K_TOTAL;
+        const index_t from_tap = (static_cast<index_t>(kh) * W_OUT + kw) * COUT + oc;
+#pragma unroll
+        for (int q = 0; q < A_COPIES; ++q) {
+            bool ok = column;
+            if constexpr (CROPS) {
+                ok = ok && oh0[q] + kh >= 0 && oh0[q] + kh < H_OUT && ow0[q] + kw >= 0 && ow0[q] + kw < W_OUT;
+            } else {
+                ok = ok && base[q] >= 0;
+            }
+            cp_async_16(swizzle_128b(a + (row0 + 16 * q) * 128 + vec * 16), ok ? grad_out + base[q] + from_tap : grad_out,
+                        ok);
+        }
+#pragma unroll
+        for (int q = 0; q < B_COPIES; ++q) {
+            const int r = row0 + 16 * q, ic = n0 + r;
+            const bool ok = column && ic < CIN;
+            cp_async_16(swizzle_128b(b + r * 128 + vec * 16), ok ? weight + static_cast<index_t>(ic) * K_TOTAL + k : weight,
+                        ok);
+        }
+    }
+};
+
+// Each column pair (jn, lane % 4) is two neighbouring input channels; each row one input pixel.
+struct GatherStore {
+    scalar_t* __restrict__ dst;
+    index_t M, HW_IN;
+
+    __device__ __forceinline__ void operator()(float (&acc)[MB][BN / 2], index_t m0, int n0) const {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const index_t m = m0 + mb * 64 + warp * 16 + lane / 4 + h * 8;
+                if (m >= M) continue;
+                const index_t image = m / HW_IN, pixel = m % HW_IN;
+#pragma unroll
+                for (int jn = 0; jn < BN / 8; ++jn) {
+                    const int ic = n0 + jn * 8 + (lane % 4) * 2;
+                    if (ic >= CIN) continue;
+                    const float v0 = acc[mb][jn * 4 + h * 2], v1 = acc[mb][jn * 4 + h * 2 + 1];
+                    if constexpr (DST_CL) {
+                        store_pair(dst + m * CIN + ic, v0, v1);   // channel pairs are whole words
+                    } else {
+                        scalar_t* out = dst + (image * CIN + ic) * HW_IN + pixel;
+                        store(out, v0);
+                        store(out + HW_IN, v1);
+                    }
+                }
+            }
+        }
+    }
+};
+
+// The pass's pointers are (grad_output, weight, out) after a PackedGemm's copies, launched as the forward's
+// (source, weight, bias, destination): `unused` is the bias slot.
+extern "C" __global__ void __launch_bounds__(Gemm::THREADS, 1)
+conv_transpose2d_gather_gemm(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ weight,
+                             const scalar_t* __restrict__ unused, scalar_t* __restrict__ dst,
+                             index_t N, index_t H_IN, index_t W_IN, index_t H_OUT, index_t W_OUT) {
+    extern __shared__ __align__(1024) unsigned char smem[];   // STAGES x (A tile, then B tile)
+    const index_t HW_IN = H_IN * W_IN, M = N * HW_IN;
+    const int ptid = threadIdx.x % 128;
+    GatherProducer producer{grad_out, weight, M, HW_IN, W_IN, H_OUT, W_OUT, ptid % 8, ptid / 8};
+    GatherStore store{dst, M, HW_IN};
+    Gemm::run(smem, (M + BM - 1) / BM * N_TILES, producer, store);
+}

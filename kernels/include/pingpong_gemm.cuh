@@ -1,0 +1,140 @@
+// A persistent GEMM block on Hopper's warpgroup MMA (wgmma, sm_90a) for the one-tap layers' GEMMs (the scatter
+// GEMM's forward, the gather GEMM's grad_input): the block walks tiles of BM = 64 MB rows x BN columns, the N
+// tiles of one row tile adjacent (so its A rows come from L2), in steps of CK elements of K.
+//
+// The last warpgroup produces: for each step of a tile it cp.asyncs the step's A rows and B into a ring of
+// STAGES buffers as 128-byte swizzled rows and arrives on the step's "full" barrier.  Two consumer warpgroups
+// take the tiles in turn (ping-pong), each a whole BM x BN tile in its accumulators: while one stores its tile
+// straight from the registers, the other's MMAs run, and with few K steps a tile the stores are a large share
+// of the time.
+//
+// What a step holds and where a tile goes are the kernel's, as two objects:
+//   producer.tile(m0, n0)     once per tile, before its steps, by every producer thread;
+//   producer.step(a, b, c)    the calling producer thread's copies of step c: BM rows of 128 bytes of A at
+//                             shared address a, B at b (K-major: BN rows of 128 bytes of K; MN-major: BN / 64
+//                             blocks of CK rows of 64 columns, 16-bit types only);
+//   store(acc, m0, n0)        a consumer thread's accumulators into the destination (wgmma's fragment layout:
+//                             thread lane of warp w holds rows 16 w + lane / 4 (+ 8) of each 64-row block).
+// Needs layer.cuh, mma.cuh, wgmma.cuh and mbarrier_copy.cuh.
+#pragma once
+
+// PRODUCER_REGISTERS: what the producer keeps (setmaxnreg); the consumers share what it frees.
+template <int KIND, int MB, int BN, int STAGES, int K_STEPS, int N_TILES, bool B_MN_MAJOR, int PRODUCER_REGISTERS = 56>
+struct PingPongGemm {
+    static constexpr int CONSUMERS = 2;
+    static constexpr int THREADS = 128 * (CONSUMERS + 1);
+    static constexpr int BM = 64 * MB;
+    static constexpr int CK = 128 / sizeof(scalar_t);     // elements of K a step: one 128-byte row
+    static constexpr int K_STEP = 32 / sizeof(scalar_t);  // elements of K one wgmma consumes
+    static constexpr int A_BYTES = BM * 128;
+    static constexpr int B_COLUMN_BLOCK = CK * 128;       // MN-major B: CK rows of 64 16-bit columns
+    static constexpr int B_BYTES = BN * 128;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    // A block starts with the registers its launch bounds give each thread (65536 / THREADS, in eights); the
+    // consumers' setmaxnreg.inc waits until the producer's .dec has freed what they claim, so they may claim no
+    // more than it frees, or the block hangs.
+    static constexpr int LAUNCH_REGISTERS = 65536 / THREADS / 8 * 8;
+    static constexpr int CONSUMER_REGISTERS =
+        (LAUNCH_REGISTERS * (CONSUMERS + 1) - PRODUCER_REGISTERS) / CONSUMERS / 8 * 8;
+
+    static_assert(BN % 64 == 0 && BN <= 256 && MB >= 1 && MB * BN <= 256,
+                  "whole 64-column blocks; a consumer's accumulators fit its registers");
+    static_assert(!B_MN_MAJOR || sizeof(scalar_t) == 2, "an MN-major B is 16-bit only");
+    static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
+    static_assert(PRODUCER_REGISTERS % 8 == 0 && PRODUCER_REGISTERS >= 24 && CONSUMER_REGISTERS <= 256,
+                  "setmaxnreg's range");
+
+    template <class Producer, class Store>
+    static __device__ __forceinline__ void run(unsigned char* smem, index_t tile_count, Producer& producer,
+                                               Store& store) {
+        __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+        // turn[w]: the other consumer has waited on its previous tile's last step (below).
+        __shared__ __align__(8) unsigned long long turn[CONSUMERS];
+
+        const int tid = threadIdx.x;
+        if (tid == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                mbarrier_init(smem_addr(&full[s]), 128);   // every producer thread's copies
+                mbarrier_init(smem_addr(&empty[s]), 1);    // the consuming warpgroup
+            }
+            for (int w = 0; w < CONSUMERS; ++w) mbarrier_init(smem_addr(&turn[w]), 1);
+            fence_mbarrier_init();
+        }
+        __syncthreads();
+        const unsigned smem_base = smem_addr(smem);
+        auto a_slot = [&](int s) { return smem_base + (s % STAGES) * STAGE_BYTES; };
+        const int warpgroup = tid / 128;
+
+        if (warpgroup == CONSUMERS) {
+            // -------------------------------------------------------------- producer
+            registers_release<PRODUCER_REGISTERS>();
+            int s_iter = 0;
+            for (index_t tile = blockIdx.x; tile < tile_count; tile += gridDim.x) {
+                producer.tile(tile / N_TILES * BM, static_cast<int>(tile % N_TILES) * BN);
+                for (int c = 0; c < K_STEPS; ++c, ++s_iter) {
+                    mbarrier_wait(smem_addr(&empty[s_iter % STAGES]), ((s_iter / STAGES) & 1) ^ 1);
+                    const unsigned a = a_slot(s_iter);
+                    producer.step(a, a + A_BYTES, c);
+                    cp_async_arrive(smem_addr(&full[s_iter % STAGES]));
+                }
+            }
+            cp_async_wait<0>();
+            return;
+        }
+
+        // ------------------------------------------------------------------ consumers
+        registers_claim<CONSUMER_REGISTERS>();
+        const bool signals = tid % 128 == 0;   // one arrival per warpgroup on the "empty" barriers
+        float acc[MB][BN / 2];
+        // This warpgroup's tiles are every other one of the block's, and their steps every other run of K_STEPS.
+        // A full barrier's parity tells its phases apart only while its waiter is at most one phase behind, so a
+        // warpgroup starts a tile only once the other has waited on the previous tile's last step: the producer
+        // has then filled every step up to there, and this tile's first step is at most one ring ahead of it.
+        int s_iter = warpgroup * K_STEPS, turns = 0;
+        for (index_t tile = blockIdx.x + warpgroup * gridDim.x; tile < tile_count;
+             tile += CONSUMERS * gridDim.x, s_iter += CONSUMERS * K_STEPS, ++turns) {
+            if (warpgroup == 1 || turns > 0) {
+                const int waited = warpgroup == 1 ? turns : turns - 1;   // the other's tiles this one follows
+                mbarrier_wait(smem_addr(&turn[warpgroup]), waited & 1);
+            }
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) acc[mb][i] = 0.f;
+            int pending = -1;   // the step whose MMAs may still run
+            for (int c = 0; c < K_STEPS; ++c) {
+                const int s = s_iter + c;
+                mbarrier_wait(smem_addr(&full[s % STAGES]), (s / STAGES) & 1);
+                if (signals && c == K_STEPS - 1) mbarrier_arrive(smem_addr(&turn[1 - warpgroup]));
+                fence_async_shared();   // the copies came through cp.async (the generic proxy); wgmma reads async
+                const unsigned a = a_slot(s), b = a + A_BYTES;
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < CK / K_STEP; ++kk) {
+                    // A: 32 bytes into its rows.  B: the same into its rows (K-major), or K_STEP rows of the
+                    // MN-major column blocks.
+                    const unsigned long long b_desc =
+                        B_MN_MAJOR ? smem_descriptor_swizzle_128b(b + kk * K_STEP * 128, B_COLUMN_BLOCK, 1024)
+                                   : smem_descriptor_swizzle_128b(b + kk * 32, 16, 1024);
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb)
+                        wgmma_async<KIND, BN, 0, B_MN_MAJOR ? 1 : 0>(
+                            acc[mb], smem_descriptor_swizzle_128b(a + mb * 64 * 128 + kk * 32, 16, 1024), b_desc, 1);
+                }
+                wgmma_commit();
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
+                wgmma_wait<1>();   // the previous step's MMAs are done: release its buffer
+                if (signals && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
+                pending = s % STAGES;
+            }
+            wgmma_wait<0>();
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
+            if (signals && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
+            store(acc, tile / N_TILES * BM, static_cast<int>(tile % N_TILES) * BN);
+        }
+    }
+};
