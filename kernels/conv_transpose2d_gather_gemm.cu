@@ -29,31 +29,41 @@ constexpr int CK = 128 / sizeof(scalar_t);     // columns of (tap, output channe
 constexpr int K_TOTAL = TAPS * COUT;
 constexpr int K_STEPS = (K_TOTAL + CK - 1) / CK;
 constexpr int N_TILES = (CIN + BN - 1) / BN;
-// The producer keeps each of its rows' grad_output offsets (and coordinates, with CROPS) for a whole tile.
-typedef PingPongGemm<KIND, MB, BN, STAGES, K_STEPS, N_TILES, false, 80> Gemm;
+// The producer keeps each of its rows' grad_output offsets (and landing taps, with CROPS) for a whole tile; 88
+// registers leave the consumers 208, as 80 would.
+typedef PingPongGemm<KIND, MB, BN, STAGES, K_STEPS, N_TILES, false, 88> Gemm;
 constexpr int BM = Gemm::BM;
 constexpr int A_COPIES = BM / 16;              // a producer thread's 16-byte copies of A per step (8 a row)
 constexpr int B_COPIES = BN / 16;
 // Whether a tap may land in the cropped border; without padding every tap of a one-tap layer lands inside.
 constexpr bool CROPS = PH > 0 || PW > 0;
-constexpr int NO_ROW = -(1 << 30);             // a row past the last pixel: no tap lands
 
 static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "fp16 or bf16");
 static_assert(GROUPS == 1 && WEIGHT_CL, "one group; the weight in channels_last order");
 static_assert(COUT % VEC == 0 && CIN % 2 == 0,
               "16-byte runs of output channels within a tap; input channel pairs");
+static_assert(!CROPS || (KH <= 16 && KW <= 16), "a row's landing taps as two 16-bit masks");
 
 // Thread ptid copies vector ptid % 8 of A's rows ptid / 8 + 16 q (input pixels, their taps gathered) and of
-// B's rows ptid / 8 + 16 q (input channels).  A row's pixel is worked out once a tile: where its tap (0, 0)
-// lands in grad_output (an element offset, and with CROPS the pixel's coordinates).
+// B's rows ptid / 8 + 16 q (input channels).  A row's pixel is worked out once a tile: the element offset in
+// grad_output where its tap (0, 0) lands, and with CROPS which kernel rows (low 16 bits) and columns (high 16)
+// land inside grad_output, as a mask (the producer keeps few registers; zero for a row past the last pixel).
 struct GatherProducer {
     const scalar_t* __restrict__ grad_out;
     const scalar_t* __restrict__ weight;
     index_t M, HW_IN, W_IN, H_OUT, W_OUT;
     int vec, row0;
     index_t base[A_COPIES];
-    int oh0[CROPS ? A_COPIES : 1], ow0[CROPS ? A_COPIES : 1];
+    unsigned landing[CROPS ? A_COPIES : 1];
     int n0;
+
+    // Bits k of [0, taps) for which 0 <= origin + k < size.
+    static __device__ __forceinline__ unsigned inside(int origin, int taps, index_t size) {
+        unsigned bits = 0;
+#pragma unroll
+        for (int k = 0; k < taps; ++k) bits |= (origin + k >= 0 && origin + k < size) ? 1u << k : 0u;
+        return bits;
+    }
 
     __device__ __forceinline__ void tile(index_t m0, int n) {
         n0 = n;
@@ -63,10 +73,7 @@ struct GatherProducer {
             const index_t image = m / HW_IN, at = m % HW_IN;
             const int oh = static_cast<int>(SH * (at / W_IN)) - PH, ow = static_cast<int>(SW * (at % W_IN)) - PW;
             base[q] = m < M ? ((image * H_OUT + oh) * W_OUT + ow) * COUT : -1;
-            if constexpr (CROPS) {
-                oh0[q] = m < M ? oh : NO_ROW;
-                ow0[q] = ow;
-            }
+            if constexpr (CROPS) landing[q] = m < M ? inside(oh, KH, H_OUT) | inside(ow, KW, W_OUT) << 16 : 0u;
         }
     }
 
@@ -74,19 +81,19 @@ struct GatherProducer {
         const int k = c * CK + vec * VEC;
         const int tap = k / COUT, oc = k % COUT, kh = tap / KW, kw = tap % KW;
         const bool column = k < K_TOTAL;
+        const unsigned lands = CROPS ? 1u << kh | 1u << (16 + kw) : 0u;   // past K_TOTAL too, kh <= KH <= 16
         const index_t from_tap = (static_cast<index_t>(kh) * W_OUT + kw) * COUT + oc;
 #pragma unroll
         for (int q = 0; q < A_COPIES; ++q) {
-            bool ok = column;
-            if constexpr (CROPS) {
-                ok = ok && oh0[q] + kh >= 0 && oh0[q] + kh < H_OUT && ow0[q] + kw >= 0 && ow0[q] + kw < W_OUT;
-            } else {
-                ok = ok && base[q] >= 0;
-            }
+            bool ok;
+            if constexpr (CROPS) ok = column && (landing[q] & lands) == lands;
+            else ok = column && base[q] >= 0;
             cp_async_16(swizzle_128b(a + (row0 + 16 * q) * 128 + vec * 16), ok ? grad_out + base[q] + from_tap : grad_out,
                         ok);
         }
-#pragma unroll
+        // The producer's issue rate holds the kernel (a B loop not unrolled ran 1.24-1.31x slower), but sixteen
+        // copies unrolled (BN = 256) outgrew its registers under CUDA 13's ptxas: eight at a time.
+#pragma unroll 8
         for (int q = 0; q < B_COPIES; ++q) {
             const int r = row0 + 16 * q, ic = n0 + r;
             const bool ok = column && ic < CIN;
