@@ -5,8 +5,9 @@
 //   k = (tap, output channel) in a channels_last weight's order (C_in, KH, KW, C_out),
 // where dY(m, k) is grad_output's channels_last pixel (SH*i + kh - PH, SW*j + kw - PW), zero where the padding
 // cropped it.  Each grad_output pixel is one tap of one input pixel, so A's gather reads grad_output once per
-// column tile, in runs of a pixel's channels; B is the weight as it lies, K-major.  A contiguous weight is
-// copied into the channels_last order first, an NCHW grad_output into channels_last scratch.
+// column tile, in runs of a pixel's channels; B is the weight as it lies, K-major, one copy-engine box a step.
+// A contiguous weight is copied into the channels_last order first, an NCHW grad_output into channels_last
+// scratch.
 //
 // The block is pingpong_gemm.cuh's: persistent over tiles of BM input pixels x BN input channels, a producer
 // warpgroup filling a ring of CK-column steps and two consumer warpgroups taking the tiles in turn, one
@@ -34,7 +35,6 @@ constexpr int N_TILES = (CIN + BN - 1) / BN;
 typedef PingPongGemm<KIND, MB, BN, STAGES, K_STEPS, N_TILES, false, 88> Gemm;
 constexpr int BM = Gemm::BM;
 constexpr int A_COPIES = BM / 16;              // a producer thread's 16-byte copies of A per step (8 a row)
-constexpr int B_COPIES = BN / 16;
 // Whether a tap may land in the cropped border; without padding every tap of a one-tap layer lands inside.
 constexpr bool CROPS = PH > 0 || PW > 0;
 
@@ -42,15 +42,19 @@ static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "fp16 or bf16");
 static_assert(GROUPS == 1 && WEIGHT_CL, "one group; the weight in channels_last order");
 static_assert(COUT % VEC == 0 && CIN % 2 == 0,
               "16-byte runs of output channels within a tap; input channel pairs");
+static_assert(Gemm::A_BYTES % 1024 == 0 && Gemm::STAGE_BYTES % 1024 == 0, "B boxes land 1024-byte aligned");
 static_assert(!CROPS || (KH <= 16 && KW <= 16), "a row's landing taps as two 16-bit masks");
 
-// Thread ptid copies vector ptid % 8 of A's rows ptid / 8 + 16 q (input pixels, their taps gathered) and of
-// B's rows ptid / 8 + 16 q (input channels).  A row's pixel is worked out once a tile: the element offset in
-// grad_output where its tap (0, 0) lands, and with CROPS which kernel rows (low 16 bits) and columns (high 16)
-// land inside grad_output, as a mask (the producer keeps few registers; zero for a row past the last pixel).
+// Thread ptid copies vector ptid % 8 of A's rows ptid / 8 + 16 q (input pixels, their taps gathered).  A row's
+// pixel is worked out once a tile: the element offset in grad_output where its tap (0, 0) lands, and with CROPS
+// which kernel rows (low 16 bits) and columns (high 16) land inside grad_output, as a mask (the producer keeps
+// few registers; zero for a row past the last pixel).  B, the weight's BN rows of the step's CK columns, is one
+// box of the copy engine (TMA), issued by the first producer thread: the producer's issue rate held the kernel
+// while every thread copied B as well.
 struct GatherProducer {
+    static constexpr int FULL_ARRIVALS = 128 + 1;   // each thread's cp.asyncs, and the weight box's bytes
     const scalar_t* __restrict__ grad_out;
-    const scalar_t* __restrict__ weight;
+    const TensorMap* weight_map;
     index_t M, HW_IN, W_IN, H_OUT, W_OUT;
     int vec, row0;
     index_t base[A_COPIES];
@@ -77,7 +81,12 @@ struct GatherProducer {
         }
     }
 
-    __device__ __forceinline__ void step(unsigned a, unsigned b, int c) {
+    __device__ __forceinline__ void step(unsigned a, unsigned b, int c, unsigned full) {
+        if (threadIdx.x % 128 == 0) {
+            // columns past K_TOTAL and rows past CIN land as zeros, and count as bytes
+            mbarrier_expect_bytes(full, Gemm::B_BYTES);
+            tensor_copy_4d(b, *weight_map, c * CK, n0, 0, 0, full);
+        }
         const int k = c * CK + vec * VEC;
         const int tap = k / COUT, oc = k % COUT, kh = tap / KW, kw = tap % KW;
         const bool column = k < K_TOTAL;
@@ -89,15 +98,6 @@ struct GatherProducer {
             if constexpr (CROPS) ok = column && (landing[q] & lands) == lands;
             else ok = column && base[q] >= 0;
             cp_async_16(swizzle_128b(a + (row0 + 16 * q) * 128 + vec * 16), ok ? grad_out + base[q] + from_tap : grad_out,
-                        ok);
-        }
-        // The producer's issue rate holds the kernel (a B loop not unrolled ran 1.24-1.31x slower), but sixteen
-        // copies unrolled (BN = 256) outgrew its registers under CUDA 13's ptxas: eight at a time.
-#pragma unroll 8
-        for (int q = 0; q < B_COPIES; ++q) {
-            const int r = row0 + 16 * q, ic = n0 + r;
-            const bool ok = column && ic < CIN;
-            cp_async_16(swizzle_128b(b + r * 128 + vec * 16), ok ? weight + static_cast<index_t>(ic) * K_TOTAL + k : weight,
                         ok);
         }
     }
@@ -136,15 +136,18 @@ struct GatherStore {
 };
 
 // The pass's pointers are (grad_output, weight, out) after a PackedGemm's copies, launched as the forward's
-// (source, weight, bias, destination): `unused` is the bias slot.
+// (source, weight, bias, destination): `unused` is the bias slot.  The weight is read through `weight_map`, the
+// host's encoding of that pointer.
 extern "C" __global__ void __launch_bounds__(Gemm::THREADS, 1)
 conv_transpose2d_gather_gemm(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ weight,
                              const scalar_t* __restrict__ unused, scalar_t* __restrict__ dst,
-                             index_t N, index_t H_IN, index_t W_IN, index_t H_OUT, index_t W_OUT) {
-    extern __shared__ __align__(1024) unsigned char smem[];   // STAGES x (A tile, then B tile)
+                             index_t N, index_t H_IN, index_t W_IN, index_t H_OUT, index_t W_OUT,
+                             const __grid_constant__ TensorMap weight_map) {
+    // STAGES x (A tile, then B tile), each 1024-byte aligned as the copy engine's 128-byte swizzle needs
+    extern __shared__ __align__(1024) unsigned char smem[];
     const index_t HW_IN = H_IN * W_IN, M = N * HW_IN;
     const int ptid = threadIdx.x % 128;
-    GatherProducer producer{grad_out, weight, M, HW_IN, W_IN, H_OUT, W_OUT, ptid % 8, ptid / 8};
+    GatherProducer producer{grad_out, &weight_map, M, HW_IN, W_IN, H_OUT, W_OUT, ptid % 8, ptid / 8};
     GatherStore store{dst, M, HW_IN};
     Gemm::run(smem, (M + BM - 1) / BM * N_TILES, producer, store);
 }

@@ -47,6 +47,7 @@ static_assert(128 % B_ROW_VECS == 0, "a thread's B copies at one place along the
 // A: thread ptid copies vector ptid % 8 of rows ptid / 8 + 16 q (input pixels in memory order).  B: vector
 // ptid % B_ROW_VECS of rows ptid / B_ROW_VECS + B_ROW_STEP q (input channels of the weight's columns).
 struct ScatterProducer {
+    static constexpr int FULL_ARRIVALS = 128;   // each thread's cp.asyncs
     const scalar_t* __restrict__ src;
     const scalar_t* __restrict__ weight;
     index_t M;
@@ -56,7 +57,7 @@ struct ScatterProducer {
 
     __device__ __forceinline__ void tile(index_t m, int n) { m0 = m; n0 = n; }
 
-    __device__ __forceinline__ void step(unsigned a, unsigned b, int c) {
+    __device__ __forceinline__ void step(unsigned a, unsigned b, int c, unsigned /* full */) {
         const int k = c * CK + a_vec * VEC;
 #pragma unroll 1
         for (int q = 0; q < A_COPIES; ++q) {

@@ -152,6 +152,12 @@ def test_grad_input_plan_copies_only_what_is_not_channels_last(layout, weight_cl
     assert packed.gemm.spec.target == "sm_90a" and packed.gemm.block == (384, 1, 1)
     assert packed.gemm.grid == (132, 1, 1)
     assert packed.gemm.scalars == (8, 64, 64, 128, 128)
+    # B, the weight as 256 rows of 4 x 128 (tap, channel) columns, lands a box of 128 rows by 64 columns a step
+    (weight_map,) = packed.gemm.tensor_maps
+    assert weight_map.pointer == 1, "the weight (or its copy): the launch's second pointer"
+    assert weight_map.dims == (512, 256, 1, 1) and weight_map.strides[0] == 512 * 2
+    assert weight_map.box == (64, 128, 1, 1) and weight_map.swizzle == 128
+    assert weight_map.box_bytes == scatter_gemm.HEURISTIC.bn * scatter_gemm.ROW_BYTES
 
 
 def test_grad_input_tiles_its_input_channels():

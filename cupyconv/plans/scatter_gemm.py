@@ -21,7 +21,7 @@ from ..core.device import ASSUMED, WGMMA, Device
 from ..core.geometry import Geometry
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
-from . import gemm, wgmma
+from . import gemm, tensor_map, wgmma
 from .family import Family
 from .launch import Plan, cdiv, index_type, layer_constants, numel
 from .sequences import PackedGemm, PassPlan
@@ -128,6 +128,17 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
     return PackedGemm(to_weight_order, main, to_cl)
 
 
+def weight_box_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
+    """grad_input's B: the channels_last weight (the main launch's second pointer) as C_in rows of (tap, output
+    channel) columns, copied a box of the tile's input channels by one step's 64 columns (128 bytes, swizzled as
+    the kernel's descriptors read them).  A 4-D map of one image, as the kernel's copy is."""
+    item = 2
+    k = g.kernel[0] * g.kernel[1] * g.out_channels
+    plane = k * g.in_channels * item
+    return tensor_map.TensorMap(1, dtype, (k, g.in_channels, 1, 1), (k * item, plane, plane),
+                                (ROW_BYTES // item, tile.bn, 1, 1), (1, 1, 1, 1), swizzle=ROW_BYTES)
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[ScatterTile] = None,
                     sm_count: int = 132) -> PackedGemm:
@@ -146,7 +157,8 @@ def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optiona
                            wgmma.TARGET)
     blocks = max(1, min(tile_count(g, tile, GRAD_INPUT), sm_count))
     sizes = (g.batch,) + g.in_size + g.out_size
-    main = Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes())
+    main = Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes(),
+                tensor_maps=(weight_box_map(g, dtype, tile),))
     to_weight_order = None if g.weight_channels_last else \
         gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype)
     to_cl = gemm.plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype) \

@@ -10,9 +10,12 @@
 //
 // What a step holds and where a tile goes are the kernel's, as two objects:
 //   producer.tile(m0, n0)     once per tile, before its steps, by every producer thread;
-//   producer.step(a, b, c)    the calling producer thread's copies of step c: BM rows of 128 bytes of A at
+//   producer.step(a, b, c, full)
+//                             the calling producer thread's copies of step c: BM rows of 128 bytes of A at
 //                             shared address a, B at b (K-major: BN rows of 128 bytes of K; MN-major: BN / 64
-//                             blocks of CK rows of 64 columns, 16-bit types only);
+//                             blocks of CK rows of 64 columns, 16-bit types only), landing on barrier `full`:
+//                             each thread's cp.asyncs arrive on it after the call, and Producer::FULL_ARRIVALS
+//                             counts those 128 arrivals and any the producer makes itself (the copy engine's);
 //   store(acc, m0, n0)        a consumer thread's accumulators into the destination (wgmma's fragment layout:
 //                             thread lane of warp w holds rows 16 w + lane / 4 (+ 8) of each 64-row block).
 // Needs layer.cuh, mma.cuh, wgmma.cuh and mbarrier_copy.cuh.
@@ -54,7 +57,7 @@ struct PingPongGemm {
         const int tid = threadIdx.x;
         if (tid == 0) {
             for (int s = 0; s < STAGES; ++s) {
-                mbarrier_init(smem_addr(&full[s]), 128);   // every producer thread's copies
+                mbarrier_init(smem_addr(&full[s]), Producer::FULL_ARRIVALS);
                 mbarrier_init(smem_addr(&empty[s]), 1);    // the consuming warpgroup
             }
             for (int w = 0; w < CONSUMERS; ++w) mbarrier_init(smem_addr(&turn[w]), 1);
@@ -73,9 +76,9 @@ struct PingPongGemm {
                 producer.tile(tile / N_TILES * BM, static_cast<int>(tile % N_TILES) * BN);
                 for (int c = 0; c < K_STEPS; ++c, ++s_iter) {
                     mbarrier_wait(smem_addr(&empty[s_iter % STAGES]), ((s_iter / STAGES) & 1) ^ 1);
-                    const unsigned a = a_slot(s_iter);
-                    producer.step(a, a + A_BYTES, c);
-                    cp_async_arrive(smem_addr(&full[s_iter % STAGES]));
+                    const unsigned a = a_slot(s_iter), bar = smem_addr(&full[s_iter % STAGES]);
+                    producer.step(a, a + A_BYTES, c, bar);
+                    cp_async_arrive(bar);
                 }
             }
             cp_async_wait<0>();
@@ -106,7 +109,7 @@ struct PingPongGemm {
                 const int s = s_iter + c;
                 mbarrier_wait(smem_addr(&full[s % STAGES]), (s / STAGES) & 1);
                 if (signals && c == K_STEPS - 1) mbarrier_arrive(smem_addr(&turn[1 - warpgroup]));
-                fence_async_shared();   // the copies came through cp.async (the generic proxy); wgmma reads async
+                fence_async_shared();   // cp.async copies came through the generic proxy; wgmma reads async
                 const unsigned a = a_slot(s), b = a + A_BYTES;
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
