@@ -923,16 +923,22 @@ def _scatter_plan(tile, dtype):
 
 
 def _gather_plan(tile, dtype):
-    # the cropping layer: the producer keeps each row's coordinates as well as its offset
+    # the cropping layer: the producer keeps each row's landing taps as well as its offset
     return scatter_gemm.plan_grad_input(SCATTER_LAYERS["one_pixel_k4s2p1"], dtype, "nchw", scatter_gemm.TILES[tile])
 
 
+# The one-tap GEMMs' kernels: their plans, and the transpose immediates of A and B (the forward's B MN-major)
+ONE_TAP_KERNELS = {"scatter": (_scatter_plan, ("0", "1")), "gather": (_gather_plan, ("0", "0"))}
+
+
+@pytest.mark.parametrize("kernel", sorted(ONE_TAP_KERNELS))
 @pytest.mark.parametrize("tile", sorted(scatter_gemm.TILES))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gather_gemm_kernels_build_for_sm_90a_without_spilling(tile, dtype, ptxas_logs):
-    """The producer's per-row offsets and coordinates fit the registers it keeps; both operands are K-major
-    (transpose immediates 0, 0)."""
-    main = _gather_plan(tile, dtype).gemm
+def test_one_tap_gemm_kernels_build_for_sm_90a_without_spilling(kernel, tile, dtype, ptxas_logs):
+    """Each tile's accumulators (up to 128 a consumer thread), the gather producer's per-row offsets and landing
+    taps, and the shared-memory ring fit, with no stack frame and no serialised warpgroup MMAs; A is K-major."""
+    make, majors = ONE_TAP_KERNELS[kernel]
+    main = make(tile, dtype).gemm
     log = ptxas_logs(main.spec)
     found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert found and found.groups() == ("0", "0", "0"), log
@@ -940,23 +946,7 @@ def test_gather_gemm_kernels_build_for_sm_90a_without_spilling(tile, dtype, ptxa
     static = re.search(r"(\d+) bytes smem", log)
     assert main.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
     ptx = compile_ptx(main.spec.source(), main.spec.function, "compute_90a", main.spec.options[:1])
-    assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {("0", "0")}
-
-
-@pytest.mark.parametrize("tile", sorted(scatter_gemm.TILES))
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_scatter_gemm_kernels_build_for_sm_90a_without_spilling(tile, dtype, ptxas_logs):
-    """Each tile's accumulators (up to 128 a consumer thread) and its shared-memory ring fit, with no stack frame and
-    no serialised warpgroup MMAs; A is K-major and B MN-major (transpose immediates 0, 1)."""
-    main = _scatter_plan(tile, dtype).gemm
-    log = ptxas_logs(main.spec)
-    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert found and found.groups() == ("0", "0", "0"), log
-    assert "serialized" not in log and "Performance Loss" not in log, log
-    static = re.search(r"(\d+) bytes smem", log)
-    assert main.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
-    ptx = compile_ptx(main.spec.source(), main.spec.function, "compute_90a", main.spec.options[:1])
-    assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {("0", "1")}
+    assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {majors}
 
 
 @pytest.mark.parametrize("name", ["asym_dilated", "wide"])
@@ -1072,10 +1062,8 @@ _PTXAS_SPECS = {
         lambda layer, tile, layout, precision: [_tf32_weight_split(layer, tile, layout, precision).partial.spec],
     "test_grad_weight_kernels_writing_a_channels_last_weight_build_without_spilling":
         lambda layer: [split.partial.spec for split in _channels_last_weight_splits(layer)],
-    "test_scatter_gemm_kernels_build_for_sm_90a_without_spilling":
-        lambda tile, dtype: [_scatter_plan(tile, dtype).gemm.spec],
-    "test_gather_gemm_kernels_build_for_sm_90a_without_spilling":
-        lambda tile, dtype: [_gather_plan(tile, dtype).gemm.spec],
+    "test_one_tap_gemm_kernels_build_for_sm_90a_without_spilling":
+        lambda kernel, tile, dtype: [ONE_TAP_KERNELS[kernel][0](tile, dtype).gemm.spec],
 }
 
 

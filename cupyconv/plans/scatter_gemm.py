@@ -101,31 +101,46 @@ def options(g: Geometry, pass_: str = FORWARD) -> List[Dict[str, object]]:
     return found
 
 
-@functools.lru_cache(maxsize=1024)
-def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", tile: Optional[ScatterTile] = None,
-                 sm_count: int = 132) -> PackedGemm:
-    """The forward as one GEMM of persistent blocks (about one per SM), after the weight's copy into channels_last
-    order where it is contiguous and the input's into channels_last scratch where it is NCHW."""
+KERNELS = {FORWARD: "conv_transpose2d_scatter_gemm", GRAD_INPUT: "conv_transpose2d_gather_gemm"}
+
+
+def _gemm_plan(g: Geometry, dtype: str, pass_: str, tile: Optional[ScatterTile], sm_count: int,
+               **constants: object) -> Plan:
+    """The pass's GEMM: persistent blocks, about one an SM, on the layer seen with its weight in channels_last
+    order (the order either kernel reads)."""
     if not eligible(g, dtype):
-        raise ValueError("the scatter GEMM runs fp16 and bf16 layers of one group whose output pixels each receive "
+        raise ValueError("the one-tap GEMMs run fp16 and bf16 layers of one group whose output pixels each receive "
                          "one tap, with input and output channels in multiples of 8")
     tile = tile or HEURISTIC
     stages = stages_for(tile)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns(g))
-    constants = layer_constants(g.with_weight_channels_last(), dtype, index_t)
-    constants.update(MMA_KIND=wgmma.mma_kind(dtype), MB=tile.mb, BN=tile.bn, STAGES=stages,
-                     DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias))
-    spec = KernelSpec.make("conv_transpose2d_scatter_gemm.cu", "conv_transpose2d_scatter_gemm", constants,
-                           wgmma.TARGET)
-    blocks = max(1, min(tile_count(g, tile), sm_count))
+    layer = layer_constants(g.with_weight_channels_last(), dtype, index_t)
+    layer.update(MMA_KIND=wgmma.mma_kind(dtype), MB=tile.mb, BN=tile.bn, STAGES=stages, **constants)
+    spec = KernelSpec.make(KERNELS[pass_] + ".cu", KERNELS[pass_], layer, wgmma.TARGET)
+    blocks = max(1, min(tile_count(g, tile, pass_), sm_count))
     sizes = (g.batch,) + g.in_size + g.out_size
-    main = Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes())
-    # (C_in, C_out, kH, kW) -> (C_in, kH, kW, C_out): the activation copy's NCHW -> NHWC with C_in as the batch
-    to_weight_order = None if g.weight_channels_last else \
-        gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype)
+    maps = (weight_box_map(g, dtype, tile),) if pass_ == GRAD_INPUT else ()
+    return Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes(),
+                tensor_maps=maps)
+
+
+def _weight_order(g: Geometry, dtype: str) -> Optional[Plan]:
+    """A contiguous weight's copy into channels_last order, (C_in, C_out, kH, kW) -> (C_in, kH, kW, C_out): the
+    activation copy's NCHW -> NHWC with C_in as the batch."""
+    if g.weight_channels_last:
+        return None
+    return gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", tile: Optional[ScatterTile] = None,
+                 sm_count: int = 132) -> PackedGemm:
+    """The forward as one GEMM that scatters its products, after the weight's copy into channels_last order where
+    it is contiguous and the input's into channels_last scratch where it is NCHW."""
+    main = _gemm_plan(g, dtype, FORWARD, tile, sm_count, DST_CL=layout == "nhwc", HAS_BIAS=bool(has_bias))
     to_cl = gemm.plan_to_channels_last(g.batch, g.in_channels, g.in_size[0] * g.in_size[1], dtype) \
         if layout == "nchw" else None
-    return PackedGemm(to_weight_order, main, to_cl)
+    return PackedGemm(_weight_order(g, dtype), main, to_cl)
 
 
 def weight_box_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
@@ -142,28 +157,13 @@ def weight_box_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.Ten
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[ScatterTile] = None,
                     sm_count: int = 132) -> PackedGemm:
-    """grad_input as one GEMM of persistent blocks whose A rows gather each input pixel's taps from grad_output,
-    after the weight's copy into channels_last order where it is contiguous and grad_output's into channels_last
-    scratch where it is NCHW (the copy grad_weight shares)."""
-    if not eligible(g, dtype):
-        raise ValueError("the gather GEMM runs fp16 and bf16 layers of one group whose output pixels each receive "
-                         "one tap, with input and output channels in multiples of 8")
-    tile = tile or HEURISTIC
-    stages = stages_for(tile)
-    index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns(g))
-    constants = layer_constants(g.with_weight_channels_last(), dtype, index_t)
-    constants.update(MMA_KIND=wgmma.mma_kind(dtype), MB=tile.mb, BN=tile.bn, STAGES=stages, DST_CL=layout == "nhwc")
-    spec = KernelSpec.make("conv_transpose2d_gather_gemm.cu", "conv_transpose2d_gather_gemm", constants,
-                           wgmma.TARGET)
-    blocks = max(1, min(tile_count(g, tile, GRAD_INPUT), sm_count))
-    sizes = (g.batch,) + g.in_size + g.out_size
-    main = Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes(),
-                tensor_maps=(weight_box_map(g, dtype, tile),))
-    to_weight_order = None if g.weight_channels_last else \
-        gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype)
+    """grad_input as one GEMM whose A rows gather each input pixel's taps from grad_output, after the weight's
+    copy into channels_last order where it is contiguous and grad_output's into channels_last scratch where it
+    is NCHW (the copy grad_weight shares)."""
+    main = _gemm_plan(g, dtype, GRAD_INPUT, tile, sm_count, DST_CL=layout == "nhwc")
     to_cl = gemm.plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype) \
         if layout == "nchw" else None
-    return PackedGemm(to_weight_order, main, to_cl)
+    return PackedGemm(_weight_order(g, dtype), main, to_cl)
 
 
 class ScatterGemmFamily(Family):
