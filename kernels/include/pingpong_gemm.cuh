@@ -2,8 +2,9 @@
 // GEMM's forward, the gather GEMM's grad_input): the block walks tiles of BM = 64 MB rows x BN columns, the N
 // tiles of one row tile adjacent (so its A rows come from L2), in steps of CK elements of K.
 //
-// The last warpgroup produces: for each step of a tile it cp.asyncs the step's A rows and B into a ring of
-// STAGES buffers as 128-byte swizzled rows and arrives on the step's "full" barrier.  Two consumer warpgroups
+// The last warpgroup produces: for each step of a tile it copies the step's A rows and B (with cp.async, or
+// the copy engine) into a ring of STAGES buffers as 128-byte swizzled rows, landing on the step's "full"
+// barrier.  Two consumer warpgroups
 // take the tiles in turn (ping-pong), each a whole BM x BN tile in its accumulators: while one stores its tile
 // straight from the registers, the other's MMAs run, and with few K steps a tile the stores are a large share
 // of the time.
