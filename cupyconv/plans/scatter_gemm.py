@@ -146,12 +146,8 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
 def weight_box_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
     """grad_input's B: the channels_last weight (the main launch's second pointer) as C_in rows of (tap, output
     channel) columns, copied a box of the tile's input channels by one step's 64 columns (128 bytes, swizzled as
-    the kernel's descriptors read them).  A 4-D map of one image, as the kernel's copy is."""
-    item = 2
-    k = g.kernel[0] * g.kernel[1] * g.out_channels
-    plane = k * g.in_channels * item
-    return tensor_map.TensorMap(1, dtype, (k, g.in_channels, 1, 1), (k * item, plane, plane),
-                                (ROW_BYTES // item, tile.bn, 1, 1), (1, 1, 1, 1), swizzle=ROW_BYTES)
+    the kernel's descriptors read them): a one-image, one-row channels_last tensor of C_in pixels."""
+    return tensor_map.channels_last(1, dtype, (1, columns(g), 1, g.in_channels), (64, tile.bn, 1, 1))
 
 
 @functools.lru_cache(maxsize=1024)
