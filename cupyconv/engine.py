@@ -141,20 +141,23 @@ def _run(pass_: str, chosen: Tuple[Variant, PassPlan], pointers: Sequence[int], 
 
 
 def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], out: int, launcher: Launcher,
-            layout: str = "nchw", precision: str = "strict", backward_mask: Optional[Sequence[bool]] = None) -> None:
+            layout: str = "nchw", precision: str = "strict", backward_mask: Optional[Sequence[bool]] = None,
+            grad_weight_channels_last: Optional[bool] = None) -> None:
     """out = conv_transpose2d(x, weight, bias).
 
     The first call of a configuration may time the candidates on the launcher's stream,
     writing each into ``out`` before the winner.  ``backward_mask`` (grad_input,
     grad_weight, grad_bias) says which gradients a backward will likely ask for: their
-    kernels start compiling in the background on a configuration's first forward.
+    kernels start compiling in the background on a configuration's first forward
+    (grad_weight's in the layout :func:`backward` is to write it in).
     """
     if g.batch == 0:
         launcher.enter(table.FORWARD, None)
         return
     pointers = (x, weight, bias or 0, out)
     if backward_mask is not None and launcher.timing:
-        _prefetch_backward(g, dtype, layout, precision, launcher.device, tuple(backward_mask))
+        _prefetch_backward(g, dtype, layout, precision, launcher.device, tuple(backward_mask),
+                           grad_weight_channels_last)
     tensor_cores = gemm_enabled()
     key = (table.FORWARD, g, dtype, layout, precision, tensor_cores, launcher.device_id, pointer_signature(pointers))
     if _replayed(key, launcher, pointers):
@@ -173,8 +176,9 @@ def forward(g: Geometry, dtype: str, x: int, weight: int, bias: Optional[int], o
 _prefetched: set = set()
 
 
-def _prefetch_backward(g: Geometry, dtype: str, layout: str, precision: str, device, mask: tuple) -> None:
-    key = (g, dtype, layout, precision, device.index, mask)
+def _prefetch_backward(g: Geometry, dtype: str, layout: str, precision: str, device, mask: tuple,
+                       grad_weight_channels_last: Optional[bool] = None) -> None:
+    key = (g, dtype, layout, precision, device.index, mask, grad_weight_channels_last)
     if key in _prefetched:
         return
     if len(_prefetched) >= _PREPARED_LIMIT:
@@ -185,11 +189,14 @@ def _prefetch_backward(g: Geometry, dtype: str, layout: str, precision: str, dev
         if not wanted:
             continue
         pass_precision = "strict" if pass_ == table.GRAD_BIAS else precision
-        cands = table.candidates(pass_, g, dtype, layout, pass_precision, device)
+        pass_g = g
+        if pass_ == table.GRAD_WEIGHT and grad_weight_channels_last is not None:
+            pass_g = g.with_weight_channels_last(grad_weight_channels_last)
+        cands = table.candidates(pass_, pass_g, dtype, layout, pass_precision, device)
         # What the backward's first call will run: a stored choice, else the heuristic (the tuner
         # builds the other candidates itself, in the background).
-        v = decide.current(pass_, g, dtype, layout, pass_precision, device, cands)
-        plan = table.plan(pass_, v, g, dtype, layout, pass_precision, False, True, device.sm_count)
+        v = decide.current(pass_, pass_g, dtype, layout, pass_precision, device, cands)
+        plan = table.plan(pass_, v, pass_g, dtype, layout, pass_precision, False, True, device.sm_count)
         specs += [p.spec for p in plan.plans()]
     compiler.compile_in_background(specs, device.index)
 
@@ -245,25 +252,29 @@ def grad_bias(g: Geometry, dtype: str, grad_out: int, out: int, launcher: Launch
 
 def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_input_out: Optional[int],
              grad_weight_out: Optional[int], grad_bias_out: Optional[int], launcher: Launcher,
-             layout: str = "nchw", precision: str = "strict") -> None:
+             layout: str = "nchw", precision: str = "strict",
+             grad_weight_channels_last: Optional[bool] = None) -> None:
     """Each gradient whose output pointer is given, in the order grad_input, grad_weight, grad_bias.
 
     When grad_input and grad_weight both read an NCHW grad_output through a channels_last
-    copy, they share one.  The passes' scratch comes from one allocation.
+    copy, they share one.  The passes' scratch comes from one allocation.  grad_weight is
+    written in the weight's memory layout, or channels_last or not as ``grad_weight_channels_last``
+    says (torch's format for it follows the input's, not the weight's).
     """
     tensor_cores = gemm_enabled()
+    g_weight = g if grad_weight_channels_last is None else g.with_weight_channels_last(grad_weight_channels_last)
     if g.batch == 0:
         if grad_input_out is not None:
             grad_input(g, dtype, grad_out, weight, grad_input_out, launcher, layout, precision, tensor_cores)
         if grad_weight_out is not None:
-            grad_weight(g, dtype, x, grad_out, grad_weight_out, launcher, layout, precision, tensor_cores)
+            grad_weight(g_weight, dtype, x, grad_out, grad_weight_out, launcher, layout, precision, tensor_cores)
         if grad_bias_out is not None:
             grad_bias(g, dtype, grad_out, grad_bias_out, launcher, layout, tensor_cores)
         return
     pointers = (grad_out, x, weight, grad_input_out or 0, grad_weight_out or 0, grad_bias_out or 0)
     key = ("backward", g, dtype, layout, precision, tensor_cores, launcher.device_id,
            pointer_signature(pointers), grad_input_out is not None, grad_weight_out is not None,
-           grad_bias_out is not None)
+           grad_bias_out is not None, g_weight.weight_channels_last)
     if _replayed(key, launcher, pointers):
         return
     both = grad_input_out is not None and grad_weight_out is not None
@@ -279,7 +290,8 @@ def backward(g: Geometry, dtype: str, grad_out: int, x: int, weight: int, grad_i
                 runs.append(_grad_input_pass(g, dtype, grad_out, weight, gi, launcher, layout, precision,
                                              tensor_cores))
             if grad_weight_out is not None:
-                runs.append(_grad_weight_pass(g, dtype, x, grad_out, gw, launcher, layout, precision, tensor_cores))
+                runs.append(_grad_weight_pass(g_weight, dtype, x, grad_out, gw, launcher, layout, precision,
+                                              tensor_cores))
             if grad_bias_out is not None:
                 runs.append(_grad_bias_pass(g, dtype, grad_out, gb, launcher, layout, tensor_cores))
             scratch = sum(chosen[1].scratch_bound for _, chosen, _ in runs)

@@ -247,7 +247,7 @@ class _ForwardEntry:
     """
 
     __slots__ = ("g", "dtype", "device", "index", "out_shape", "out_strides", "layout", "x_ready", "w_ready",
-                 "b_ready", "alloc")
+                 "b_ready", "gw_channels_last", "alloc")
 
     def __init__(self, g, x, w, b):
         device = x.device
@@ -263,6 +263,7 @@ class _ForwardEntry:
         self.g = g.with_weight_channels_last(weight_channels_last)
         self.w_ready = weight_channels_last or w.is_contiguous()
         self.b_ready = b is None or b.is_contiguous()
+        self.gw_channels_last = _grad_weight_layout(self.layout, x, w, weight_channels_last)
         self.alloc = _scratch_allocator(device)
 
 
@@ -286,11 +287,17 @@ class _BackwardEntry:
         self.g = g.with_weight_channels_last(weight_channels_last)
         self.w_ready = weight_channels_last or w.is_contiguous()
         self.gi_strides = _layout_strides(tuple(x.shape), layout)
-        self.gw_strides = _layout_strides(tuple(w.shape), "nhwc" if weight_channels_last else "nchw")
-        # torch's memory format for grad_weight, where the kernels' differs from it
-        gw_channels_last = layout == "nhwc" and _grad_weight_channels_last(x, w)
-        self.gw_channels_last = None if gw_channels_last == weight_channels_last else gw_channels_last
+        self.gw_channels_last = _grad_weight_layout(layout, x, w, weight_channels_last)
+        gw_channels_last = weight_channels_last if self.gw_channels_last is None else self.gw_channels_last
+        self.gw_strides = _layout_strides(tuple(w.shape), "nhwc" if gw_channels_last else "nchw")
         self.alloc = _scratch_allocator(device)
+
+
+def _grad_weight_layout(layout: str, x: Tensor, w: Tensor, weight_channels_last: bool) -> Optional[bool]:
+    """torch's memory format for grad_weight (channels_last or not), where it differs from the weight's: the
+    kernels then write it in that format, not the weight's."""
+    gw_channels_last = layout == "nhwc" and _grad_weight_channels_last(x, w)
+    return None if gw_channels_last == weight_channels_last else gw_channels_last
 
 
 def _tensor_key(t):
@@ -423,7 +430,8 @@ def _cuda_forward(x, w, b, entry: _ForwardEntry):
     try:
         _engine.forward(entry.g, entry.dtype, x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
                         out.data_ptr(), _Launcher(index, _raw_stream(index), entry.alloc), entry.layout,
-                        _precision(entry.dtype), wants if wants[0] or wants[1] or wants[2] else None)
+                        _precision(entry.dtype), wants if wants[0] or wants[1] or wants[2] else None,
+                        entry.gw_channels_last)
     finally:
         if prev != index:
             _set_device(prev)
@@ -450,12 +458,10 @@ def _cuda_backward(go, x, w, mask, entry: _BackwardEntry):
         _engine.backward(entry.g, entry.dtype, go.data_ptr(), x.data_ptr(), w.data_ptr(),
                          None if gi is None else gi.data_ptr(), None if gw is None else gw.data_ptr(),
                          None if gb is None else gb.data_ptr(), _Launcher(index, _raw_stream(index), entry.alloc),
-                         entry.layout, _precision(entry.dtype))
+                         entry.layout, _precision(entry.dtype), entry.gw_channels_last)
     finally:
         if prev != index:
             _set_device(prev)
-    if gw is not None and entry.gw_channels_last is not None:
-        gw = _as_channels_last(gw) if entry.gw_channels_last else gw.contiguous()
     return gi, gw, gb
 
 

@@ -218,6 +218,39 @@ def test_a_repeated_forward_replays_with_or_without_bias(handed, planned):
         assert [ptrs for _, _, ptrs in again.calls] == [(_X + 1024, _W, bias or 0, _Y + 2048)]
 
 
+@pytest.mark.parametrize("weight_channels_last", [False, True])
+def test_grad_weight_is_written_in_the_layout_it_is_asked_for(handed, planned, weight_channels_last):
+    """``grad_weight_channels_last`` (torch's format for grad_weight, where it is not the weight's): grad_weight's
+    launches are those of the layer with its weight in that layout, grad_input's still read the weight in its own,
+    and the two kinds of call are taped apart; the first forward hands over the same grad_weight kernels."""
+    g = BIG.with_weight_channels_last(weight_channels_last)
+    flipped = not weight_channels_last
+
+    def stages(rec):
+        return [(stage, plan) for stage, plan, _ in rec.calls]
+
+    def passes(g_in, g_w):
+        in_rec, w_rec = PlanningRecorder(DEV), PlanningRecorder(DEV)
+        engine.grad_input(g_in, "float32", _Y, _W, _GI, in_rec, "nhwc")
+        engine.grad_weight(g_w, "float32", _X, _Y, _GW, w_rec, "nhwc")
+        return stages(in_rec) + stages(w_rec)
+
+    asked = PlanningRecorder(DEV)
+    engine.backward(g, "float32", _Y, _X, _W, _GI, _GW, None, asked, "nhwc", "strict", flipped)
+    assert stages(asked) == passes(g, g.with_weight_channels_last(flipped))
+    assert stages(asked) != passes(g, g), "the layer's grad_weight kernels differ with the weight's layout"
+    taped = PointerRecorder(DEV)
+    engine.backward(g, "float32", _Y, _X, _W, _GI, _GW, None, taped, "nhwc", "strict", flipped)
+    planned.clear()
+    own = PointerRecorder(DEV)
+    engine.backward(g, "float32", _Y, _X, _W, _GI, _GW, None, own, "nhwc")
+    assert planned, "a call that writes grad_weight in the weight's own layout is not the other's tape"
+    assert stages(own) == passes(g, g)
+    engine.forward(g, "float32", _X, _W, None, _Y, TimingRecorder(DEV), "nhwc", backward_mask=(False, True, False),
+                   grad_weight_channels_last=flipped)
+    assert handed[-1][0] == _heuristic_specs("grad_weight", g.with_weight_channels_last(flipped), layout="nhwc")
+
+
 def test_another_alignment_or_mask_is_planned_again(handed, planned):
     _backward(SMALL, PointerRecorder(DEV))
     planned.clear()

@@ -640,14 +640,17 @@ class _EngineCalls:
     def __init__(self):
         self.calls = []
         self.pointers = []   # each call's tensor pointers, in the engine's argument order
+        self.grad_weight_channels_last = []   # each call's grad_weight layout argument
 
-    def forward(self, g, dt, x, w, b, out, launcher, layout, precision, mask=None):
+    def forward(self, g, dt, x, w, b, out, launcher, layout, precision, mask=None, grad_weight_channels_last=None):
         self.calls.append(("forward", g, layout, w))
         self.pointers.append((x, w, b, out))
+        self.grad_weight_channels_last.append(grad_weight_channels_last)
 
-    def backward(self, g, dt, go, x, w, gi, gw, gb, launcher, layout, precision):
+    def backward(self, g, dt, go, x, w, gi, gw, gb, launcher, layout, precision, grad_weight_channels_last=None):
         self.calls.append(("backward", g, layout, w))
         self.pointers.append((go, x, w, gi, gw, gb))
+        self.grad_weight_channels_last.append(grad_weight_channels_last)
 
 
 @pytest.fixture
@@ -680,7 +683,8 @@ def _as_if_on_cuda(entry):
 @pytest.mark.parametrize("x_cl,w_cl", [(True, True), (True, False), (False, True), (False, False)])
 def test_the_weight_is_handed_to_the_kernels_in_its_own_layout(cuda_glue, x_cl, w_cl, mask):
     """A channels_last weight goes to the engine as it is (its own pointer, and a geometry naming its layout),
-    and so does a contiguous one; grad_weight comes back in torch's memory format either way."""
+    and so does a contiguous one; grad_weight comes back in torch's memory format either way, written so by the
+    kernels (the engine is told where that differs from the weight's), with no copy after them."""
     x = torch.randn(2, 8, 5, 6)
     w = torch.randn(8, 4, 3, 3)
     if x_cl:
@@ -696,6 +700,9 @@ def test_the_weight_is_handed_to_the_kernels_in_its_own_layout(cuda_glue, x_cl, 
     torch_format = x_cl or w_cl   # torch's convolution: channels_last when the input or the weight is
     assert gw.is_contiguous(memory_format=torch.channels_last if torch_format else torch.contiguous_format)
     assert gw.is_contiguous() != (torch_format and gw.shape[1] > 1)
+    told = None if torch_format == w_cl else torch_format
+    assert cuda_glue.grad_weight_channels_last == [told, told]
+    assert gw.data_ptr() == cuda_glue.pointers[-1][4], "grad_weight was copied after the kernels"
 
 
 def _strided(t, kind):
