@@ -91,11 +91,16 @@ class Case:
 
     @property
     def geometry(self):
-        """The layer as the call runs it: a weight left channels_last is read (and written) in place."""
+        """The layer as the call runs its pass: a weight left channels_last is read in place, and grad_weight is
+        written in torch's memory format for it (channels_last beside a channels_last x)."""
         x, w = self.arrange(*(torch.empty(s, dtype=self.dtype, device="meta") for s in (self.layer.input_shape,
                                                                                        self.layer.weight_shape)))
+        weight_channels_last = ct._is_channels_last(w)
+        if self.pass_ == "grad_weight":
+            told = ct._grad_weight_layout(self.layout, x, w, weight_channels_last)
+            weight_channels_last = weight_channels_last if told is None else told
         return geometry(self.layer.input_shape, self.layer.weight_shape, None,
-                        ConvParams.from_args(**self.layer.kwargs())).with_weight_channels_last(ct._is_channels_last(w))
+                        ConvParams.from_args(**self.layer.kwargs())).with_weight_channels_last(weight_channels_last)
 
     @property
     def precision(self) -> str:
