@@ -389,6 +389,24 @@ def _weight_channels_last(weight) -> bool:
     return _is_channels_last(weight)
 
 
+def _grad_weight_layout(layout: str, example, weight) -> Optional[bool]:
+    """What cupyconv.torch tells the engine about grad_weight's memory format for this call: torch's format for it
+    where that is not the weight's (channels_last beside a channels_last input and a contiguous weight, or the
+    reverse), else None.  Only torch weights have it: the NumPy/CuPy API writes grad_weight in the weight's
+    layout."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(weight, torch.Tensor) or weight.dim() != 4:
+        return None
+    from .torch import _grad_weight_layout as torch_rule, _is_channels_last
+
+    x = example
+    if not isinstance(x, torch.Tensor):
+        x = torch.empty(_shape(example, "input"), device="meta")
+        if layout == "nhwc" and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+    return torch_rule(layout, x, weight, _is_channels_last(weight))
+
+
 def _shape(value, name: str) -> Tuple[int, ...]:
     shape = getattr(value, "shape", value)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
@@ -516,6 +534,8 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
                                 params.dilation)
         params = ConvParams.from_args(params.stride, params.padding, op, params.groups, params.dilation)
     g = geometry(in_shape, w_shape, bias_shape, params).with_weight_channels_last(_weight_channels_last(weight))
+    grad_weight_channels_last = None if is_1d else _grad_weight_layout(
+        layout, weight_shape if from_module else input_shape, weight)
 
     if output_mask is not None:
         mask = _output_mask(output_mask)
@@ -542,6 +562,10 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         if sm_count is None:
             notes.append(f"no GPU: planned for an assumed {dev.name} with {dev.sm_count} SMs and sm_{dev.arch} "
                          "tensor cores; a real device may differ")
+    if grad_weight_channels_last is not None and mask[1]:
+        notes.append("grad_weight is written " + ("channels_last" if grad_weight_channels_last else "contiguous")
+                     + ", torch's memory format for it here, where the weight is read "
+                     + ("contiguous" if grad_weight_channels_last else "channels_last"))
     if sm_count is not None and sm_count != dev.sm_count:
         dev = replace(dev, sm_count=sm_count)
     if peak is None:
@@ -573,7 +597,7 @@ def explain(input_shape, weight_shape=None, bias=True, stride=1, padding=0, outp
         input_shape=own(g.user_shape(g.input_shape)), weight_shape=own(g.weight_shape),
         output_shape=own(g.user_shape(g.output_shape)), dtype=dtype, geometry=g, device=device_name, gpu=gpu,
         peak=peak, sm_count=dev.sm_count, backend=backend_name,
-        passes=_passes(g, dtype, bool(has_bias), mask, layout, precision, dev, peak),
+        passes=_passes(g, dtype, bool(has_bias), mask, layout, precision, dev, peak, grad_weight_channels_last),
         notes=notes, show_source=show_source, layout=layout, precision=precision)
 
     if gpu and compile:
@@ -649,17 +673,17 @@ _X, _W, _B, _Y, _GX, _GW, _GB = ((i + 1) << 32 for i in range(7))
 
 
 def _record_call(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precision: str,
-                 dev: _device.Device) -> List[RecordedPass]:
+                 dev: _device.Device, grad_weight_channels_last: Optional[bool] = None) -> List[RecordedPass]:
     """The forward and the gradients in ``mask`` as a call runs them, written down instead of launched."""
     recorder = Recorder(dev)
     engine.forward(g, dtype, _X, _W, _B if has_bias else None, _Y, recorder, layout, precision)
     engine.backward(g, dtype, _Y, _X, _W, _GX if mask[0] else None, _GW if mask[1] else None,
-                    _GB if mask[2] else None, recorder, layout, precision)
+                    _GB if mask[2] else None, recorder, layout, precision, grad_weight_channels_last)
     return recorder.passes
 
 
 def _passes(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precision: str, dev: _device.Device,
-            peak: Peak) -> List[PassRecord]:
+            peak: Peak, grad_weight_channels_last: Optional[bool] = None) -> List[PassRecord]:
     """What each pass launches, with its useful work, minimum traffic and roofline floor."""
     size = dtypes.get(dtype).itemsize
     acc = dtypes.get(dtype).accumulator_bytes
@@ -676,7 +700,7 @@ def _passes(g: Geometry, dtype: str, has_bias: bool, mask, layout: str, precisio
         "grad_bias": (_prod(g.output_shape), y + b, y, b),   # one addition per output element
     }
     passes = []
-    for recorded in _record_call(g, dtype, has_bias, mask, layout, precision, dev):
+    for recorded in _record_call(g, dtype, has_bias, mask, layout, precision, dev, grad_weight_channels_last):
         name = recorded.name
         flops, nbytes, partial_reads, written = work[name]
         if not recorded.launches:

@@ -57,6 +57,7 @@ geometry is cached, so a repeated call does no validation.
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as _np
@@ -294,10 +295,27 @@ class _BackwardEntry:
 
 
 def _grad_weight_layout(layout: str, x: Tensor, w: Tensor, weight_channels_last: bool) -> Optional[bool]:
-    """torch's memory format for grad_weight (channels_last or not), where it differs from the weight's: the
-    kernels then write it in that format, not the weight's."""
+    """torch's memory format for grad_weight (channels_last or not), where it differs from the weight's in memory:
+    the kernels then write grad_weight in that format, not the weight's.  None where they agree, or where the
+    weight's shape makes the two formats one memory (a 1 x 1 kernel, one output channel a group)."""
     gw_channels_last = layout == "nhwc" and _grad_weight_channels_last(x, w)
-    return None if gw_channels_last == weight_channels_last else gw_channels_last
+    if gw_channels_last == weight_channels_last or _one_memory(tuple(w.shape)):
+        return None
+    return gw_channels_last
+
+
+@functools.lru_cache(maxsize=256)
+def _one_memory(shape) -> bool:
+    """Whether a 4-D tensor of ``shape`` is laid out alike contiguous and channels_last."""
+    probe = torch.empty(shape, device="meta")
+    return probe.dim() != 4 or probe.is_contiguous(memory_format=torch.channels_last)
+
+
+def _grad_weight_geometry(g, layout: str, x: Tensor, w: Tensor):
+    """The geometry the grad_weight pass runs with for these tensors: ``g`` (the weight's layout), or ``g`` with
+    the other weight layout where torch's memory format for grad_weight differs (:func:`_grad_weight_layout`)."""
+    told = _grad_weight_layout(layout, x, w, g.weight_channels_last)
+    return g if told is None else g.with_weight_channels_last(told)
 
 
 def _tensor_key(t):

@@ -42,6 +42,23 @@ class Layer:
                                    self.output_padding[a], self.dilation[a]) for a in range(2))
 
 
+def grad_weight_geometry(layer: Layer, g, layout: str = "nhwc"):
+    """The geometry cupyconv.torch runs grad_weight with for ``layer`` (``g``: the layer as its other passes run
+    it, the weight channels_last or not) beside an x in ``layout``: grad_weight written in torch's memory format
+    for it, which follows a channels_last x."""
+    import torch
+
+    import cupyconv.torch as ct
+
+    x = torch.empty(layer.input_shape, device="meta")
+    if layout == "nhwc" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.empty(layer.weight_shape, device="meta")
+    if g.weight_channels_last:
+        w = w.contiguous(memory_format=torch.channels_last)
+    return ct._grad_weight_geometry(g, layout, x, w)
+
+
 def random_layer(rng: random.Random, dtype: str, max_kernel=7, max_stride=4, max_dilation=3, max_size=13,
                  max_channels_per_group=6) -> Layer:
     while True:

@@ -30,7 +30,7 @@ from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
 from cupyconv.plans import expanded_taps, launch, table  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
-from layers import Layer  # noqa: E402
+from layers import Layer, grad_weight_geometry  # noqa: E402
 from test_gemm_gpu import _data  # noqa: E402
 from test_wgmma_gpu import _one_element_off  # noqa: E402
 from tf32 import round_tf32  # noqa: E402
@@ -179,7 +179,8 @@ def test_thin_layers_match_float64(name, dtype, weight_cl, ampere_or_newer):
     _, _, seen = _check(layer, dtype, weight_cl, seed=list(LAYERS).index(name))
     planned = set()
     for pass_ in FUNCTIONS:
-        planned |= set(table.plan(pass_, EXPANDED, g, NAMES[dtype], "nhwc", "strict", False, True,
+        pass_g = grad_weight_geometry(layer, g) if pass_ == "grad_weight" else g
+        planned |= set(table.plan(pass_, EXPANDED, pass_g, NAMES[dtype], "nhwc", "strict", False, True,
                                   ampere_or_newer.sm_count).plans())
     assert planned <= {plan for _, plan in seen}, "the pinned family's planned launches did not all run"
 

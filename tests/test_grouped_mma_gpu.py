@@ -24,7 +24,7 @@ from cupyconv import tuning  # noqa: E402
 from cupyconv.plans import gemm, grouped_mma, launch, table  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
-from layers import Layer  # noqa: E402
+from layers import Layer, grad_weight_geometry  # noqa: E402
 from test_expanded_taps_gpu import _arranged, _check_near_float64, _geometry, _grads, ampere_or_newer  # noqa: E402,F401
 from test_gemm_gpu import _data  # noqa: E402
 from test_wgmma_gpu import _one_element_off  # noqa: E402
@@ -102,7 +102,8 @@ def _launched(seen):
 @pytest.mark.parametrize("name,dtype,block,weight_cl", CASES)
 def test_every_block_matches_float64(name, dtype, block, weight_cl, ampere_or_newer):
     layer = LAYERS[name]
-    g = _geometry(layer, weight_cl)
+    # grad_weight is written in torch's memory format for it, channels_last beside the channels_last x
+    g = grad_weight_geometry(layer, _geometry(layer, weight_cl))
     variant = Variant.make("grouped_mma", tile=f"{block[0]}x{block[1]}")
     assert table.plan("grad_weight", variant, g, NAMES[dtype], "nhwc", "strict", False, True,
                       ampere_or_newer.sm_count).plans()[0].spec.function == FUNCTION
@@ -111,7 +112,7 @@ def test_every_block_matches_float64(name, dtype, block, weight_cl, ampere_or_ne
     assert len(plans) == 1, [plan.spec.function for _, plan in seen]
     constants = dict(plans[0].spec.constants)
     assert (constants["GROUPS_PER_BLOCK"], constants["SEG"]) == block
-    assert constants["WEIGHT_CL"] == weight_cl
+    assert constants["WEIGHT_CL"] == g.weight_channels_last
 
 
 def test_many_chunks_reduce_reproducibly(ampere_or_newer):

@@ -705,6 +705,17 @@ def test_the_weight_is_handed_to_the_kernels_in_its_own_layout(cuda_glue, x_cl, 
     assert gw.data_ptr() == cuda_glue.pointers[-1][4], "grad_weight was copied after the kernels"
 
 
+@pytest.mark.parametrize("w_shape", [(8, 4, 1, 1), (8, 1, 3, 3)], ids=["1x1", "one-output-channel"])
+def test_a_weight_alike_in_both_formats_keeps_its_own_layout(cuda_glue, w_shape):
+    """A weight whose contiguous and channels_last memory are one (a 1 x 1 kernel, one output channel a group):
+    grad_weight beside a channels_last input is already in torch's format, so the engine is told nothing."""
+    x = torch.randn(2, 8, 5, 6).contiguous(memory_format=torch.channels_last)
+    gw = _glue_call(x, torch.randn(w_shape), (True, True, False))
+    assert cuda_glue.grad_weight_channels_last == [None, None]
+    assert [g.weight_channels_last for _, g, _, _ in cuda_glue.calls] == [False, False]
+    assert gw.is_contiguous(memory_format=torch.channels_last) and gw.data_ptr() == cuda_glue.pointers[-1][4]
+
+
 def _strided(t, kind):
     """``t``'s values as a contiguous, a channels_last or a non-dense (every other element) tensor."""
     if kind == "contiguous":

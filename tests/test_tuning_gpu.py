@@ -112,8 +112,19 @@ def _reference(layer, x, w, b, go):
     return y.detach(), x.grad, w.grad
 
 
-def _choices_in_process(g, dtype, layout, precision):
-    return {p: tuning.chosen(p, g, dtype, layout, precision, torch.cuda.current_device()) for p in TUNED_PASSES}
+def _choices_in_process(g, dtype, layout, precision, g_weight=None):
+    """Each pass's choice remembered in this process; ``g_weight``: the geometry grad_weight ran with, where it
+    is not ``g`` (grad_weight written in torch's memory format, not the weight's)."""
+    return {p: tuning.chosen(p, g_weight if p == "grad_weight" and g_weight is not None else g, dtype, layout,
+                             precision, torch.cuda.current_device()) for p in TUNED_PASSES}
+
+
+def _grad_weight_geometry(g, layout):
+    """The geometry grad_weight runs with for a contiguous weight beside an x in ``layout``."""
+    x = torch.empty(g.user_shape(g.input_shape), device="meta")
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    return ct._grad_weight_geometry(g, layout, x, torch.empty(g.weight_shape, device="meta"))
 
 
 # ------------------------------------------------------------------------------ tune()
@@ -262,6 +273,8 @@ def test_results_stay_correct_when_the_first_call_tunes(case, channels_last, tun
     y_ref, gi_ref, gw_ref = _reference(layer, x, w, b, go)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     layout = "nhwc" if channels_last else "nchw"
+    g_weight = _grad_weight_geometry(g, layout)
+    assert g_weight.weight_channels_last is channels_last
     precision = ct._precision(DTYPE_NAMES[dtype])
     cupyconv.clear_cache()  # no candidate built yet in this process (CuPy's disk cache makes this quick)
     for call in range(3):
@@ -279,18 +292,20 @@ def test_results_stay_correct_when_the_first_call_tunes(case, channels_last, tun
         assert _rel_err(bs.grad, go.sum((0, 2, 3))) <= _bound(dtype, tf32)
         if call == 0:
             assert not timings, "a first call runs the heuristic while the other candidates build"
-            assert all(v is None for v in _choices_in_process(g, DTYPE_NAMES[dtype], layout, precision).values())
+            assert all(v is None for v in _choices_in_process(g, DTYPE_NAMES[dtype], layout, precision,
+                                                              g_weight).values())
             assert decide.settle(timeout=300)
         elif call == 1:
             assert len(timings) == 3, "the call after the candidates built times each of the three passes once"
     assert len(timings) == 3, "the third call must only look its choices up"
-    picks = _choices_in_process(g, DTYPE_NAMES[dtype], layout, precision)
+    picks = _choices_in_process(g, DTYPE_NAMES[dtype], layout, precision, g_weight)
     assert all(v is not None for v in picks.values())
     # the direct kernels race the GEMMs in both layouts, so which one wins is the GPU's to say;
     # every pick must be one of the pass's candidates
     dev = core_device.get(0)
     for pass_, v in picks.items():
-        assert v in table.candidates(pass_, g, DTYPE_NAMES[dtype], layout, precision, dev), (pass_, v)
+        pass_g = g_weight if pass_ == "grad_weight" else g
+        assert v in table.candidates(pass_, pass_g, DTYPE_NAMES[dtype], layout, precision, dev), (pass_, v)
     entries = json.loads((tuned / tuning.CACHE_FILE).read_text())["entries"]
     assert {e["variant"] for e in entries.values()} == {v.name for v in picks.values()}
 
