@@ -52,6 +52,7 @@ static_assert(!CROPS || (KH <= 16 && KW <= 16), "a row's landing taps as two 16-
 // box of the copy engine (TMA), issued by the first producer thread: the producer's issue rate held the kernel
 // while every thread copied B as well.
 struct GatherProducer {
+    static constexpr bool CP_ASYNC = true;
     static constexpr int FULL_ARRIVALS = 128 + 1;   // each thread's cp.asyncs, and the weight box's bytes
     const scalar_t* __restrict__ grad_out;
     const TensorMap* weight_map;

@@ -5,8 +5,8 @@
 //   n = (tap, output channel) in a channels_last weight's order (C_in, KH, KW, C_out),
 // whose epilogue scatters row m, column n to output pixel (SH*i + kh - PH, SW*j + kw - PW), dropping the
 // ones cropped away.  Nothing is gathered: A's rows are the input's channels_last pixels in memory order,
-// read once for all taps, and B is the weight itself, an MN-major operand.  A contiguous weight is copied
-// into the channels_last order first.
+// read once for all taps, and B is the weight itself, an MN-major operand, both copied by the copy engine.  A
+// contiguous weight is copied into the channels_last order first.
 //
 // The block is pingpong_gemm.cuh's: persistent over tiles of BM pixels x BN columns, a producer warpgroup
 // filling a ring of CK-channel steps and two consumer warpgroups taking the tiles in turn.  With few K steps a
@@ -33,46 +33,35 @@ constexpr int N_TOTAL = TAPS * COUT;
 constexpr int N_TILES = (N_TOTAL + BN - 1) / BN;
 typedef PingPongGemm<KIND, MB, BN, STAGES, K_STEPS, N_TILES, true> Gemm;
 constexpr int BM = Gemm::BM;
-constexpr int A_COPIES = BM * 8 / 128;         // a producer thread's 16-byte copies of A per step
-constexpr int B_ROW_VECS = BN / VEC;           // 16-byte vectors along one B row
-constexpr int B_ROW_STEP = 128 / B_ROW_VECS;   // B rows from one of a thread's copies to the next
-constexpr int B_COPIES = CK / B_ROW_STEP;
 
 static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "fp16 or bf16: B is MN-major, which TF32 cannot read");
 static_assert(GROUPS == 1 && WEIGHT_CL, "one group; the weight in channels_last order");
 static_assert(CIN % VEC == 0 && N_TOTAL % VEC == 0 && COUT % 2 == 0,
               "16-byte runs of input channels and of columns; output channel pairs within a tap");
-static_assert(128 % B_ROW_VECS == 0, "a thread's B copies at one place along the rows");
+static_assert(Gemm::A_BYTES % 1024 == 0 && Gemm::B_COLUMN_BLOCK % 1024 == 0 && Gemm::STAGE_BYTES % 1024 == 0,
+              "boxes land 1024-byte aligned, as the copy engine's 128-byte swizzle needs");
 
-// A: thread ptid copies vector ptid % 8 of rows ptid / 8 + 16 q (input pixels in memory order).  B: vector
-// ptid % B_ROW_VECS of rows ptid / B_ROW_VECS + B_ROW_STEP q (input channels of the weight's columns).
+// One producer thread copies a step as copy-engine (TMA) boxes: A, the tile's BM input pixels by CK channels
+// (the channels_last input as [pixels][channels]); B, CK input channels of each of the tile's 64-column blocks
+// of the weight.  Rows and columns past the tensors land as zeros.  With every thread copying 16-byte runs,
+// the producer's issue rate held the gather GEMM, its transpose (NOTES v43).
 struct ScatterProducer {
-    static constexpr int FULL_ARRIVALS = 128;   // each thread's cp.asyncs
-    const scalar_t* __restrict__ src;
-    const scalar_t* __restrict__ weight;
-    index_t M;
-    int a_vec, a_row0, b_along, b_row0;
+    static constexpr bool CP_ASYNC = false;
+    static constexpr int FULL_ARRIVALS = 1;   // the boxes' bytes
+    const TensorMap* src_map;
+    const TensorMap* weight_map;
     index_t m0;
     int n0;
 
     __device__ __forceinline__ void tile(index_t m, int n) { m0 = m; n0 = n; }
 
-    __device__ __forceinline__ void step(unsigned a, unsigned b, int c, unsigned /* full */) {
-        const int k = c * CK + a_vec * VEC;
-#pragma unroll 1
-        for (int q = 0; q < A_COPIES; ++q) {
-            const int r = a_row0 + 16 * q;
-            const bool ok = m0 + r < M && k < CIN;
-            cp_async_16(swizzle_128b(a + r * 128 + a_vec * 16), ok ? src + (m0 + r) * CIN + k : src, ok);
-        }
-        const int n = n0 + b_along;
-#pragma unroll 1
-        for (int q = 0; q < B_COPIES; ++q) {
-            const int r = b_row0 + B_ROW_STEP * q, ic = c * CK + r;
-            const bool ok = ic < CIN && n < N_TOTAL;
-            const unsigned at = b + b_along / 64 * Gemm::B_COLUMN_BLOCK + r * 128 + b_along % 64 * 2;
-            cp_async_16(swizzle_128b(at), ok ? weight + static_cast<index_t>(ic) * N_TOTAL + n : weight, ok);
-        }
+    __device__ __forceinline__ void step(unsigned a, unsigned b, int c, unsigned full) {
+        if (threadIdx.x % 128 != 0) return;
+        mbarrier_expect_bytes(full, Gemm::STAGE_BYTES);
+        tensor_copy_4d(a, *src_map, c * CK, static_cast<int>(m0), 0, 0, full);   // pixels < 2^31 (the planner's)
+#pragma unroll
+        for (int j = 0; j < BN / 64; ++j)
+            tensor_copy_4d(b + j * Gemm::B_COLUMN_BLOCK, *weight_map, n0 + 64 * j, c * CK, 0, 0, full);
     }
 };
 
@@ -122,11 +111,11 @@ struct ScatterStore {
 extern "C" __global__ void __launch_bounds__(Gemm::THREADS, 1)
 conv_transpose2d_scatter_gemm(const scalar_t* __restrict__ src, const scalar_t* __restrict__ weight,
                               const scalar_t* __restrict__ bias, scalar_t* __restrict__ dst,
-                              index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST) {
+                              index_t N, index_t H_SRC, index_t W_SRC, index_t H_DST, index_t W_DST,
+                              const __grid_constant__ TensorMap src_map, const __grid_constant__ TensorMap weight_map) {
     extern __shared__ __align__(1024) unsigned char smem[];   // STAGES x (A tile, then B tile)
     const index_t M = N * H_SRC * W_SRC;
-    const int ptid = threadIdx.x % 128;
-    ScatterProducer producer{src, weight, M, ptid % 8, ptid / 8, ptid % B_ROW_VECS * VEC, ptid / B_ROW_VECS, 0, 0};
+    ScatterProducer producer{&src_map, &weight_map, 0, 0};
     ScatterStore store{bias, dst, M, H_SRC, W_SRC, H_DST, W_DST};
     Gemm::run(smem, (M + BM - 1) / BM * N_TILES, producer, store);
 }

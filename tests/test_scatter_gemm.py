@@ -49,6 +49,14 @@ def test_one_tap_means_every_output_pixel_receives_exactly_one_tap(x_shape, w_sh
     assert (counts == [{1}, {1}]) is one
 
 
+def test_box_coordinates_reach_every_pixel():
+    """The copy engine's coordinates are signed 32-bit: 2**31 input pixels or more take the other families."""
+    g = _layer((2 ** 15, 8, 256, 256), (8, 8, 2, 2), stride=2)
+    assert scatter_gemm.pixel_count(g) == 2 ** 31 and scatter_gemm.one_tap(g)
+    assert not scatter_gemm.eligible(g, "float16")
+    assert scatter_gemm.eligible(_layer((2 ** 15 - 1, 8, 256, 256), (8, 8, 2, 2), stride=2), "float16")
+
+
 def test_eligibility():
     assert scatter_gemm.eligible(UNET_UP, "float16") and scatter_gemm.eligible(UNET_UP, "bfloat16")
     assert not scatter_gemm.eligible(UNET_UP, "float32"), "B is MN-major: no TF32"
@@ -78,6 +86,12 @@ def test_plan_copies_only_what_is_not_channels_last(layout, weight_cl):
     assert packed.gemm.spec.target == "sm_90a" and packed.gemm.block == (384, 1, 1)
     assert packed.gemm.grid == (132, 1, 1), "persistent: a block an SM"
     assert packed.gemm.scalars == (8, 64, 64, 128, 128)
+    # the copy engine's boxes: A, 128 pixels by 64 channels of the (copied) input; B, 64 columns by 64 channels
+    pixels, weight = packed.gemm.tensor_maps
+    assert (pixels.pointer, weight.pointer) == (0, 1)
+    assert pixels.dims == (256, 8 * 64 * 64, 1, 1) and pixels.strides[0] == 256 * 2 and pixels.box == (64, 128, 1, 1)
+    assert weight.dims == (512, 256, 1, 1) and weight.strides[0] == 512 * 2 and weight.box == (64, 64, 1, 1)
+    assert pixels.box_bytes + 128 // 64 * weight.box_bytes == scatter_gemm.HEURISTIC.stage_bytes()
 
 
 @pytest.mark.parametrize("name", sorted(scatter_gemm.TILES))

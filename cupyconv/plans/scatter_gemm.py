@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..core.device import ASSUMED, WGMMA, Device
 from ..core.geometry import Geometry
@@ -27,6 +27,8 @@ from .launch import Plan, cdiv, index_type, layer_constants, numel
 from .sequences import PackedGemm, PassPlan
 
 ROW_BYTES = 128   # a step's row: 64 channels of a pixel (A), 64 columns of an input channel (B)
+ITEM = 2          # bytes of an fp16 or bf16 value
+TMA_COORDINATE_LIMIT = 2 ** 31   # the copy engine's box coordinates are signed 32-bit
 FORWARD, GRAD_INPUT = "forward", "grad_input"
 
 
@@ -72,9 +74,10 @@ def one_tap(g: Geometry) -> bool:
 
 def eligible(g: Geometry, dtype: str) -> bool:
     """fp16 or bf16, one group, :func:`one_tap`, input channels and (tap, output channel) columns in whole 16-byte
-    runs and an even number of output channels, within the tensor-core kernels' limits."""
+    runs and an even number of output channels, within the tensor-core kernels' limits, and fewer input pixels
+    than the copy engine's coordinates reach."""
     return (dtype in ("float16", "bfloat16") and g.groups == 1 and one_tap(g) and g.in_channels % 8 == 0
-            and g.out_channels % 8 == 0 and gemm.gemm_fits(g, dtype))
+            and g.out_channels % 8 == 0 and gemm.gemm_fits(g, dtype) and pixel_count(g) < TMA_COORDINATE_LIMIT)
 
 
 def stages_for(tile: ScatterTile) -> int:
@@ -87,9 +90,13 @@ def columns(g: Geometry, pass_: str = FORWARD) -> int:
     return g.kernel[0] * g.kernel[1] * g.out_channels if pass_ == FORWARD else g.in_channels
 
 
+def pixel_count(g: Geometry) -> int:
+    """The GEMM's M: input pixels of every image."""
+    return g.batch * g.in_size[0] * g.in_size[1]
+
+
 def tile_count(g: Geometry, tile: ScatterTile, pass_: str = FORWARD) -> int:
-    pixels = g.batch * g.in_size[0] * g.in_size[1]
-    return cdiv(pixels, 64 * tile.mb) * cdiv(columns(g, pass_), tile.bn)
+    return cdiv(pixel_count(g), 64 * tile.mb) * cdiv(columns(g, pass_), tile.bn)
 
 
 def options(g: Geometry, pass_: str = FORWARD) -> List[Dict[str, object]]:
@@ -119,7 +126,8 @@ def _gemm_plan(g: Geometry, dtype: str, pass_: str, tile: Optional[ScatterTile],
     spec = KernelSpec.make(KERNELS[pass_] + ".cu", KERNELS[pass_], layer, wgmma.TARGET)
     blocks = max(1, min(tile_count(g, tile, pass_), sm_count))
     sizes = (g.batch,) + g.in_size + g.out_size
-    maps = (weight_box_map(g, dtype, tile),) if pass_ == GRAD_INPUT else ()
+    maps = (weight_box_map(g, dtype, tile),) if pass_ == GRAD_INPUT else \
+        (pixel_rows_map(g, dtype, tile), weight_columns_map(g, dtype))
     return Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes(),
                 tensor_maps=maps)
 
@@ -143,11 +151,30 @@ def plan_forward(g: Geometry, dtype: str, has_bias: bool, layout: str = "nchw", 
     return PackedGemm(_weight_order(g, dtype), main, to_cl)
 
 
+def _matrix_map(pointer: int, dtype: str, rows: int, columns: int, box: Tuple[int, int]) -> tensor_map.TensorMap:
+    """A row-major matrix of 16-bit values as the copy engine sees it: a one-image, one-row channels_last tensor of
+    ``rows`` pixels of ``columns`` channels, copied in boxes of ``box`` (columns, rows) whose 128-byte rows land
+    swizzled as the kernels' descriptors read them."""
+    return tensor_map.channels_last(pointer, dtype, (1, columns, 1, rows), box + (1, 1))
+
+
+def pixel_rows_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
+    """The forward's A: the channels_last input (the main launch's first pointer) as pixels x input channels, a
+    box of the tile's pixels by one step's 64 channels."""
+    return _matrix_map(0, dtype, pixel_count(g), g.in_channels, (ROW_BYTES // ITEM, 64 * tile.mb))
+
+
+def weight_columns_map(g: Geometry, dtype: str) -> tensor_map.TensorMap:
+    """The forward's B: the channels_last weight (the second pointer) as input channels x (tap, output channel)
+    columns, a box of 64 columns by one step's 64 input channels for each 64-column block of a tile."""
+    return _matrix_map(1, dtype, g.in_channels, columns(g), (64, ROW_BYTES // ITEM))
+
+
 def weight_box_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
     """grad_input's B: the channels_last weight (the main launch's second pointer) as C_in rows of (tap, output
     channel) columns, copied a box of the tile's input channels by one step's 64 columns (128 bytes, swizzled as
-    the kernel's descriptors read them): a one-image, one-row channels_last tensor of C_in pixels."""
-    return tensor_map.channels_last(1, dtype, (1, columns(g), 1, g.in_channels), (64, tile.bn, 1, 1))
+    the kernel's descriptors read them)."""
+    return _matrix_map(1, dtype, g.in_channels, columns(g), (ROW_BYTES // ITEM, tile.bn))
 
 
 @functools.lru_cache(maxsize=1024)

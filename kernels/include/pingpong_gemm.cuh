@@ -15,8 +15,9 @@
 //                             the calling producer thread's copies of step c: BM rows of 128 bytes of A at
 //                             shared address a, B at b (K-major: BN rows of 128 bytes of K; MN-major: BN / 64
 //                             blocks of CK rows of 64 columns, 16-bit types only), landing on barrier `full`:
-//                             each thread's cp.asyncs arrive on it after the call, and Producer::FULL_ARRIVALS
-//                             counts those 128 arrivals and any the producer makes itself (the copy engine's);
+//                             with Producer::CP_ASYNC each thread's cp.asyncs arrive on it after the call, and
+//                             Producer::FULL_ARRIVALS counts those 128 arrivals and any the producer makes itself
+//                             (the copy engine's expected bytes);
 //   store(acc, m0, n0)        a consumer thread's accumulators into the destination (wgmma's fragment layout:
 //                             thread lane of warp w holds rows 16 w + lane / 4 (+ 8) of each 64-row block).
 // Needs layer.cuh, mma.cuh, wgmma.cuh and mbarrier_copy.cuh.
@@ -79,10 +80,10 @@ struct PingPongGemm {
                     mbarrier_wait(smem_addr(&empty[s_iter % STAGES]), ((s_iter / STAGES) & 1) ^ 1);
                     const unsigned a = a_slot(s_iter), bar = smem_addr(&full[s_iter % STAGES]);
                     producer.step(a, a + A_BYTES, c, bar);
-                    cp_async_arrive(bar);
+                    if constexpr (Producer::CP_ASYNC) cp_async_arrive(bar);
                 }
             }
-            cp_async_wait<0>();
+            if constexpr (Producer::CP_ASYNC) cp_async_wait<0>();
             return;
         }
 
