@@ -277,14 +277,14 @@ def base_cases() -> List[Case]:
                       nonfinite=True))
     # the one-tap GEMMs (scatter forward, gather grad_input): a channels_last weight read in place and a contiguous
     # one copied into that order, both layouts, bias; a cropping layer (one input row, 4 x 2 kernels at stride 2,
-    # padding (1, 0)); then 320 tiles of 64 x 128 (8 input channels, 5120 columns), so that each block's two
+    # padding (1, 0), 64 output channels: grad_output by copy-engine boxes where the others gather rows); then 320 tiles of 64 x 128 (8 input channels, 5120 columns), so that each block's two
     # consumer warpgroups take tiles in turn, the first waiting on the second.  grad_input's tiles cover x, so a tiny layer has one or two: its walk over
     # many is the same block code (pingpong_gemm.cuh) as this forward's, and test_scatter_gemm_gpu runs it.
     for dtype, layout, weight_cl in (("float16", "nhwc", True), ("bfloat16", "nchw", False)):
         cases.append(Case(f"scatter-gemm-{dtype}-{layout}" + ("-weight_cl" if weight_cl else ""), (1, 64, 6, 8),
                           (64, 48, 2, 2), _kw(stride=2), True, dtype, layout=layout, weight_cl=weight_cl,
                           variants=(("forward", "scatter_gemm"), ("grad_input", "scatter_gemm"))))
-    cases.append(Case("scatter-gemm-cropped-float16-nhwc", (2, 64, 1, 3), (64, 32, 4, 2), _kw(stride=2, padding=(1, 0)),
+    cases.append(Case("scatter-gemm-cropped-float16-nhwc", (2, 64, 1, 3), (64, 64, 4, 2), _kw(stride=2, padding=(1, 0)),
                       True, "float16", layout="nhwc", weight_cl=True,
                       variants=(("forward", "scatter_gemm"), ("grad_input", "scatter_gemm"))))
     cases.append(Case("scatter-gemm-persistent-bfloat16-nhwc", (1, 8, 16, 32), (8, 320, 4, 4), _kw(stride=4), False,

@@ -348,7 +348,9 @@ def _wgmma_plans():
 
 # Layers whose output pixels each receive one tap (the scatter GEMM's)
 SCATTER_LAYERS = {"k2s2": _layer((2, 64, 7, 9), (64, 48, 2, 2), stride=2),
-                  "one_pixel_k4s2p1": _layer((3, 128, 1, 1), (128, 64, 4, 4), stride=2, padding=1)}
+                  "one_pixel_k4s2p1": _layer((3, 128, 1, 1), (128, 64, 4, 4), stride=2, padding=1),
+                  # 40 output channels (grad_input's steps cross taps: its rows gathered), cropped taps
+                  "k2x3_crop": _layer((2, 32, 6, 5), (32, 40, 2, 3), stride=(2, 3), padding=1, output_padding=(1, 0))}
 # Layers with few output channels (the expanded-taps kernels'): an RGB output layer; a dilated asymmetric kernel
 # whose runs of taps make the most values a thread prefetches; 112 expanded columns (64-channel weight blocks) over
 # 256 input channels; one output channel over 32 input channels; a small layer of one pixel range
@@ -491,6 +493,7 @@ def test_variants_reach_every_template_and_both_index_widths():
     gather = [dict(s.constants) for s in PLANS if s.template == GATHER_GEMM_TEMPLATE]
     assert {(c["MB"], c["BN"]) for c in gather} == {(t.mb, t.bn) for t in scatter_gemm.TILES.values()}
     assert {(c["DST_CL"], c["MMA_KIND"], c["PH"] > 0) for c in gather} >= {(True, 1, True), (False, 0, False)}
+    assert {c["A_BOXES"] for c in gather} == {True, False}, "grad_output by the copy engine, and gathered"
     assert {s.target for s in PLANS if s.template in HOPPER_TEMPLATES} == {wgmma.TARGET}
     assert {s.target for s in PLANS if s.template not in HOPPER_TEMPLATES} == {""}
     weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]
@@ -923,12 +926,18 @@ def _scatter_plan(tile, dtype):
 
 
 def _gather_plan(tile, dtype):
-    # the cropping layer: the producer keeps each row's landing taps as well as its offset
+    # grad_output by the copy engine, taps cropped
     return scatter_gemm.plan_grad_input(SCATTER_LAYERS["one_pixel_k4s2p1"], dtype, "nchw", scatter_gemm.TILES[tile])
 
 
+def _gathered_rows_plan(tile, dtype):
+    # grad_output's rows gathered: the producer keeps each row's offset and landing taps
+    return scatter_gemm.plan_grad_input(SCATTER_LAYERS["k2x3_crop"], dtype, "nchw", scatter_gemm.TILES[tile])
+
+
 # The one-tap GEMMs' kernels: their plans, and the transpose immediates of A and B (the forward's B MN-major)
-ONE_TAP_KERNELS = {"scatter": (_scatter_plan, ("0", "1")), "gather": (_gather_plan, ("0", "0"))}
+ONE_TAP_KERNELS = {"scatter": (_scatter_plan, ("0", "1")), "gather": (_gather_plan, ("0", "0")),
+                   "gather_rows": (_gathered_rows_plan, ("0", "0"))}
 
 
 @pytest.mark.parametrize("kernel", sorted(ONE_TAP_KERNELS))

@@ -166,12 +166,18 @@ def test_grad_input_plan_copies_only_what_is_not_channels_last(layout, weight_cl
     assert packed.gemm.spec.target == "sm_90a" and packed.gemm.block == (384, 1, 1)
     assert packed.gemm.grid == (132, 1, 1)
     assert packed.gemm.scalars == (8, 64, 64, 128, 128)
-    # B, the weight as 256 rows of 4 x 128 (tap, channel) columns, lands a box of 128 rows by 64 columns a step
-    (weight_map,) = packed.gemm.tensor_maps
+    # B, the weight as 256 rows of 4 x 128 (tap, channel) columns, lands a box of 128 rows by 64 columns a step;
+    # A, 128 output channels (whole 64-channel steps in one tap), a box of grad_output's 2 x 64 pixels walked at
+    # stride 2: the tile's two rows of input pixels
+    weight_map, grad_output_map = packed.gemm.tensor_maps
     assert weight_map.pointer == 1, "the weight (or its copy): the launch's second pointer"
     assert weight_map.dims == (512, 256, 1, 1) and weight_map.strides[0] == 512 * 2
     assert weight_map.box == (64, 128, 1, 1) and weight_map.swizzle == 128
     assert weight_map.box_bytes == scatter_gemm.HEURISTIC.bn * scatter_gemm.ROW_BYTES
+    assert grad_output_map.pointer == 0 and grad_output_map.dims == (128, 128, 128, 8)
+    assert grad_output_map.box == (64, 128, 4, 1) and grad_output_map.element_strides == (1, 2, 2, 1)
+    assert grad_output_map.box_bytes == 128 * scatter_gemm.ROW_BYTES
+    assert (constants["A_BOXES"], constants["BOX_H"], constants["BOX_W"]) == (True, 2, 64)
 
 
 def test_grad_input_tiles_its_input_channels():
@@ -199,3 +205,30 @@ def test_grad_input_on_the_table():
     # unaligned grad_output: the mma.sync GEMM, as the pinned variant's plan
     planned = table.plan("grad_input", Variant("scatter_gemm"), UNET_UP, "float16", "nhwc", "strict", False, False)
     assert planned == gemm.plan_grad_input_gemm(UNET_UP, "float16", "nhwc", "strict", aligned=False)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,kwargs,box,boxes", [
+    ((8, 256, 64, 64), (256, 128, 2, 2), dict(stride=2), (1, 2, 64), True),     # two image rows a tile
+    ((8, 1024, 16, 16), (1024, 512, 2, 2), dict(stride=2), (1, 8, 16), True),    # eight
+    ((16, 512, 1, 1), (512, 512, 4, 4), dict(stride=2, padding=1), (128, 1, 1), True),   # 128 one-pixel images
+    # 48 channels: steps cross taps; three tiles either way, and columns within the image's nine
+    ((3, 64, 7, 9), (64, 48, 2, 2), dict(stride=2), (4, 8, 4), False),
+    ((2, 64, 5, 300), (64, 64, 9, 9), dict(stride=9), (2, 1, 64), False),        # stride 9: past the copy engine;
+    # 300 columns: 64 a tile leave 20 past the edge, where 128 would leave 84
+    ((1, 64, 64, 64), (64, 64, 8, 8), dict(stride=8), (1, 4, 32), True),        # 8 x 32 = 256: the widest box
+    ((1, 64, 64, 64), (64, 48, 8, 8), dict(stride=8), (1, 2, 64), False),        # no box: rows of 64
+])
+def test_grad_input_tiles_are_boxes_of_pixels_with_the_fewest_past_the_edges(x_shape, w_shape, kwargs, box, boxes):
+    g = _layer(x_shape, w_shape, **kwargs)
+    assert scatter_gemm.pixel_box(g, scatter_gemm.HEURISTIC) == box
+    assert scatter_gemm.grad_output_boxes(g) is boxes
+    images, rows, cols = box
+    assert images * rows * cols == 128
+    pixel_tiles = -(-g.batch // images) * -(-g.in_size[0] // rows) * -(-g.in_size[1] // cols)
+    assert scatter_gemm.tile_count(g, scatter_gemm.HEURISTIC, "grad_input") == \
+        pixel_tiles * -(-g.in_channels // scatter_gemm.HEURISTIC.bn)
+    plan = scatter_gemm.plan_grad_input(g, "bfloat16", "nhwc").gemm
+    assert len(plan.tensor_maps) == (2 if boxes else 1)
+    if boxes:
+        sh, sw = g.params.stride
+        assert plan.tensor_maps[1].box == (64, sw * cols, sh * rows, images)

@@ -83,14 +83,28 @@ UNBATCHED = replace(LAYERS["k2s2"], batch=None)
 LEADING = Layer(8, 64, 48, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, True, (48, 64), "")
 
 
-GRAD_CASES = [pytest.param(replace(p.values[0], pass_=GRAD), id=p.id) for p in CASES]
+# grad_input's A lands as copy-engine boxes where output channels come in 64s (a step within one tap): a 9-column
+# grid (tiles past its edge), and a cropped stride 3 with output padding
+GRAD_BOX_LAYERS = {
+    "k2s2_box": Layer(3, 64, 64, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, False, (7, 9), ""),
+    "k3s3_p1_op1_box": Layer(2, 48, 128, (3, 3), (3, 3), (1, 1), (1, 1), (1, 1), 1, False, (5, 6), ""),
+}
+GRAD_CASES = [pytest.param(replace(p.values[0], pass_=GRAD), id=p.id) for p in CASES] + \
+    [pytest.param(Case(layer, dtype, cl, SCATTER, pass_=GRAD, weight_channels_last=wcl),
+                  id=f"{name}-{SHORT[dtype]}-{'nhwc' if cl else 'nchw'}-{'wcl' if wcl else 'w'}")
+     for name, layer in GRAD_BOX_LAYERS.items() for dtype, cl, wcl in COMBOS]
 GRAD_TILE_CASES = [pytest.param(replace(p.values[0], pass_=GRAD), id=p.id) for p in TILE_CASES]
-# grad_input's K is (tap, output channel): 160 output channels of 4 taps make 10 steps a tile, more than the ring
-# holds, and 576 tiles of 128 x 128 (1152 of 64 x 128) walk both consumers through several each
+# grad_input's K is (tap, output channel): 160 output channels of 4 taps make 10 steps a tile (gathered rows),
+# 192 make 12 (copy-engine boxes), more than the ring holds, and 576 tiles of 128 x 128 (1152 of 64 x 128) walk
+# both consumers through several each
 GRAD_DEEP = Layer(8, 64, 160, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, False, (96, 96), "")
-GRAD_DEEP_CASES = [pytest.param(Case(GRAD_DEEP, dtype, cl, Variant.make("scatter_gemm", tile=tile), pass_=GRAD,
-                                     weight_channels_last=cl), id=f"{tile}-{SHORT[dtype]}")
-                   for tile, dtype, cl in (("128x128", torch.float16, True), ("64x128", torch.bfloat16, False))]
+GRAD_DEEP_CASES = [pytest.param(Case(replace(GRAD_DEEP, out_channels=cout), dtype, cl,
+                                     Variant.make("scatter_gemm", tile=tile), pass_=GRAD, weight_channels_last=cl),
+                                id=f"{tile}-{SHORT[dtype]}-{cout}")
+                   for tile, dtype, cl, cout in (("128x128", torch.float16, True, 160),
+                                                 ("64x128", torch.bfloat16, False, 160),
+                                                 ("128x128", torch.bfloat16, True, 192),
+                                                 ("64x128", torch.float16, False, 192))]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -190,7 +204,8 @@ def test_grad_input_blocks_walk_many_tiles_in_turn(case, hopper):
     tiles = scatter_gemm.tile_count(case.geometry, scatter_gemm.TILES[case.variant.kwargs["tile"]], GRAD)
     assert tiles >= 4 * plan.grid[0], "each consumer warpgroup takes two tiles or more"
     constants = dict(plan.spec.constants)
-    assert constants["STAGES"] < 4 * 160 // 64, "a tile's steps lap the ring"
+    assert constants["STAGES"] < 4 * case.layer.out_channels // 64, "a tile's steps lap the ring"
+    assert constants["A_BOXES"] is (case.layer.out_channels % 64 == 0)
     _check_grad_input(case, hopper, seed=12)
 
 

@@ -110,7 +110,8 @@ def test_the_gather_gemm_template_shares_the_scatter_gemms_block():
     assert "#include" not in text
     assert "struct PingPongGemm" in text and "struct PingPongGemm" in templates.expanded(next(iter(SCATTER_GEMM)))
     assert "wgmma_async" in text and "cp_async_arrive" in text
-    assert {"SCALAR_T", "INDEX_T", "DST_CL", "MMA_KIND", "MB", "BN", "STAGES"} | LAYER == templates.placeholders(name)
+    assert {"SCALAR_T", "INDEX_T", "DST_CL", "MMA_KIND", "MB", "BN", "STAGES", "A_BOXES", "BOX_W", "BOX_H"} | LAYER \
+        == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPANDED_TAPS))

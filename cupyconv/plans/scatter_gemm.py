@@ -95,8 +95,40 @@ def pixel_count(g: Geometry) -> int:
     return g.batch * g.in_size[0] * g.in_size[1]
 
 
+def grad_output_boxes(g: Geometry) -> bool:
+    """Whether grad_input's A lands as copy-engine boxes of grad_output: a step of 64 columns stays within one
+    tap (output channels in multiples of 64), and the copy engine walks the stride (8 at most)."""
+    return g.out_channels % 64 == 0 and max(g.params.stride) <= tensor_map.MAX_ELEMENT_STRIDE
+
+
+def pixel_box(g: Geometry, tile: ScatterTile) -> Tuple[int, int, int]:
+    """grad_input's tile of ``64 * tile.mb`` pixels as (images, rows, columns), powers of two: the fewest tiles
+    (the least of them past the layer's edges), then sides within the image, then the longest rows; with
+    :func:`grad_output_boxes`, a box the copy engine takes at the stride."""
+    pixels = 64 * tile.mb
+    sh, sw = g.params.stride
+    boxes = grad_output_boxes(g)
+    best: Optional[Tuple[tuple, Tuple[int, int, int]]] = None
+    sides = [1 << e for e in range(pixels.bit_length())]
+    for cols in sides:
+        for rows in (r for r in sides if cols * r <= pixels):
+            if boxes and (sw * cols > tensor_map.MAX_BOX or sh * rows > tensor_map.MAX_BOX):
+                continue
+            images = pixels // (cols * rows)
+            count = cdiv(g.batch, images) * cdiv(g.in_size[0], rows) * cdiv(g.in_size[1], cols)
+            key = (count, cols > g.in_size[1], rows > g.in_size[0], -cols, -rows)
+            if best is None or key < best[0]:
+                best = (key, (images, rows, cols))
+    assert best is not None
+    return best[1]
+
+
 def tile_count(g: Geometry, tile: ScatterTile, pass_: str = FORWARD) -> int:
-    return cdiv(pixel_count(g), 64 * tile.mb) * cdiv(columns(g, pass_), tile.bn)
+    if pass_ == FORWARD:
+        return cdiv(pixel_count(g), 64 * tile.mb) * cdiv(columns(g), tile.bn)
+    images, rows, cols = pixel_box(g, tile)
+    pixel_tiles = cdiv(g.batch, images) * cdiv(g.in_size[0], rows) * cdiv(g.in_size[1], cols)
+    return pixel_tiles * cdiv(columns(g, pass_), tile.bn)
 
 
 def options(g: Geometry, pass_: str = FORWARD) -> List[Dict[str, object]]:
@@ -126,8 +158,10 @@ def _gemm_plan(g: Geometry, dtype: str, pass_: str, tile: Optional[ScatterTile],
     spec = KernelSpec.make(KERNELS[pass_] + ".cu", KERNELS[pass_], layer, wgmma.TARGET)
     blocks = max(1, min(tile_count(g, tile, pass_), sm_count))
     sizes = (g.batch,) + g.in_size + g.out_size
-    maps = (weight_box_map(g, dtype, tile),) if pass_ == GRAD_INPUT else \
-        (pixel_rows_map(g, dtype, tile), weight_columns_map(g, dtype))
+    if pass_ == FORWARD:
+        maps = (pixel_rows_map(g, dtype, tile), weight_columns_map(g, dtype))
+    else:
+        maps = (weight_box_map(g, dtype, tile),) + ((grad_output_map(g, dtype, tile),) if grad_output_boxes(g) else ())
     return Plan(spec, (blocks, 1, 1), (384, 1, 1), sizes, index_t, smem_bytes=stages * tile.stage_bytes(),
                 tensor_maps=maps)
 
@@ -177,13 +211,24 @@ def weight_box_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.Ten
     return _matrix_map(1, dtype, g.in_channels, columns(g), (ROW_BYTES // ITEM, tile.bn))
 
 
+def grad_output_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
+    """grad_input's A (:func:`grad_output_boxes`): the channels_last grad_output (the main launch's first pointer),
+    a box of one step's 64 channels at the tile's pixels' tap, walked at the stride."""
+    images, rows, cols = pixel_box(g, tile)
+    sh, sw = g.params.stride
+    return tensor_map.channels_last(0, dtype, g.output_shape, (ROW_BYTES // ITEM, sw * cols, sh * rows, images),
+                                    (1, sw, sh, 1))
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[ScatterTile] = None,
                     sm_count: int = 132) -> PackedGemm:
     """grad_input as one GEMM whose A rows gather each input pixel's taps from grad_output, after the weight's
     copy into channels_last order where it is contiguous and grad_output's into channels_last scratch where it
     is NCHW (the copy grad_weight shares)."""
-    main = _gemm_plan(g, dtype, GRAD_INPUT, tile, sm_count, DST_CL=layout == "nhwc")
+    _, rows, cols = pixel_box(g, tile or HEURISTIC)
+    main = _gemm_plan(g, dtype, GRAD_INPUT, tile, sm_count, DST_CL=layout == "nhwc", A_BOXES=grad_output_boxes(g),
+                      BOX_H=rows, BOX_W=cols)
     to_cl = gemm.plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype) \
         if layout == "nchw" else None
     return PackedGemm(_weight_order(g, dtype), main, to_cl)
