@@ -29,6 +29,21 @@ static_assert(NHWC || !VEC4, "the four-channel runs are an NHWC source's");
 
 __device__ __forceinline__ unsigned word(float v) { return round_tf32_bits(__float_as_uint(v)); }
 
+// One channel of four images at a pixel into its slot `at`: the rounded words, or (SPLIT_TF32) the big parts
+// there and the residuals `part` slots on, in the second copy.
+__device__ __forceinline__ void store_slot(uint4* __restrict__ dst, index_t at, index_t part,
+                                           const float (&w)[IMAGES]) {
+    if constexpr (SPLIT_TF32) {
+        Tf32Parts t[IMAGES];
+#pragma unroll
+        for (int i = 0; i < IMAGES; ++i) t[i] = split_tf32_bits(__float_as_uint(w[i]));
+        dst[at] = make_uint4(t[0].big, t[1].big, t[2].big, t[3].big);
+        dst[part + at] = make_uint4(t[0].small, t[1].small, t[2].small, t[3].small);
+    } else {
+        dst[at] = make_uint4(word(w[0]), word(w[1]), word(w[2]), word(w[3]));
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 to_image_quads(const float* __restrict__ x, const float* __restrict__ grad_out, uint4* __restrict__ x_quads,
                uint4* __restrict__ grad_out_quads, index_t N, index_t C_x, index_t P_x, index_t C_go, index_t P_go,
@@ -58,15 +73,7 @@ to_image_quads(const float* __restrict__ x, const float* __restrict__ grad_out, 
             float w[IMAGES];
 #pragma unroll
             for (int i = 0; i < IMAGES; ++i) w[i] = j == 0 ? v[i].x : j == 1 ? v[i].y : j == 2 ? v[i].z : v[i].w;
-            if constexpr (SPLIT_TF32) {
-                Tf32Parts t[IMAGES];
-#pragma unroll
-                for (int i = 0; i < IMAGES; ++i) t[i] = split_tf32_bits(__float_as_uint(w[i]));
-                dst[at + j] = make_uint4(t[0].big, t[1].big, t[2].big, t[3].big);
-                dst[part + at + j] = make_uint4(t[0].small, t[1].small, t[2].small, t[3].small);
-            } else {
-                dst[at + j] = make_uint4(word(w[0]), word(w[1]), word(w[2]), word(w[3]));
-            }
+            store_slot(dst, at + j, part, w);
         }
         return;
     }
@@ -94,16 +101,9 @@ to_image_quads(const float* __restrict__ x, const float* __restrict__ grad_out, 
     for (int row = warp; row < TILE; row += WARPS) {
         const index_t p = p0 + row;
         if (p >= P || c >= C) continue;
-        const index_t at = (quad * P + p) * C + c;
-        if constexpr (SPLIT_TF32) {
-            Tf32Parts v[IMAGES];
+        float w[IMAGES];
 #pragma unroll
-            for (int i = 0; i < IMAGES; ++i) v[i] = split_tf32_bits(__float_as_uint(stage[i][lane][row]));
-            dst[at] = make_uint4(v[0].big, v[1].big, v[2].big, v[3].big);
-            dst[part + at] = make_uint4(v[0].small, v[1].small, v[2].small, v[3].small);
-        } else {
-            dst[at] = make_uint4(word(stage[0][lane][row]), word(stage[1][lane][row]), word(stage[2][lane][row]),
-                                 word(stage[3][lane][row]));
-        }
+        for (int i = 0; i < IMAGES; ++i) w[i] = stage[i][lane][row];
+        store_slot(dst, (quad * P + p) * C + c, part, w);
     }
 }
