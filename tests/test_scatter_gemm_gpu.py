@@ -162,16 +162,18 @@ def test_unaligned_channels_last_input_runs_the_gemm(dtype, hopper):
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_the_heuristic_runs_the_scatter_gemm_on_sm_90(channels_last, hopper, monkeypatch):
-    """Untuned, a U-Net upsampling layer's forward runs the scatter GEMM."""
+def test_the_heuristic_forward_on_sm_90(channels_last, hopper, monkeypatch):
+    """Untuned, a U-Net upsampling layer's forward runs the scatter GEMM in NCHW and the halo-tile wgmma kernel in
+    channels_last (NOTES v44)."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     tuning.clear()
     try:
         case = Case(LEADING, torch.bfloat16, channels_last, SCATTER, weight_channels_last=channels_last)
-        assert table.candidates("forward", case.geometry, "bfloat16", case.layout, "strict", hopper)[0] == SCATTER
+        leading, function = (Variant("wgmma"), "conv_transpose2d_wgmma") if channels_last else (SCATTER, FUNCTION)
+        assert table.candidates("forward", case.geometry, "bfloat16", case.layout, "strict", hopper)[0] == leading
         x, w, b = _inputs(case, *_data(case.layer, torch.bfloat16, 2))
         x.requires_grad_()
-        y, seen = _run_ours(case, x, w, b, expect_function=FUNCTION, pin=False)
+        y, seen = _run_ours(case, x, w, b, expect_function=function, pin=False)
         _compare(case, y.detach(), x.detach(), w, b)
     finally:
         tuning.clear()

@@ -327,9 +327,10 @@ def test_thin_destinations_take_narrow_n_tiles_and_wide_patches():
 def test_the_suite_layers_are_eligible(name, dtype):
     g = _suite_layer(name)
     assert wgmma.eligible(g, dtype)
-    # unet_up2x2's output pixels each receive one tap: the scatter GEMM runs its forward ahead of the halo tiles
-    first = scatter_gemm.FAMILY if scatter_gemm.one_tap(g) else wgmma.FAMILY
+    # unet_up2x2's output pixels each receive one tap: in NCHW the scatter GEMM runs its forward ahead of the halo
+    # tiles (in channels_last they lead: NOTES v44)
     for layout in launch.LAYOUTS:
+        first = scatter_gemm.FAMILY if scatter_gemm.one_tap(g) and layout == "nchw" else wgmma.FAMILY
         assert table.eligible("forward", g, dtype, layout)[0] is first
         assert table.candidates("forward", g, dtype, layout)[0] == Variant(first.name)
         assert WGMMA in table.candidates("forward", g, dtype, layout)
@@ -516,12 +517,15 @@ def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
         for layout in launch.LAYOUTS:
             for pass_ in ("forward", "grad_input"):
                 cands = table.candidates(pass_, g, "float16", layout)
-                # a layer whose output pixels each receive one tap leads with the scatter (gather) GEMM
-                scatter = scatter_gemm.one_tap(g)
+                # a layer whose output pixels each receive one tap leads with the gather GEMM, and in NCHW with the
+                # scatter GEMM (in channels_last the halo tiles lead its forward: NOTES v44)
+                one_tap = scatter_gemm.one_tap(g)
+                assert one_tap == (name == "unet_up2x2")
+                scatter = one_tap and (pass_ == "grad_input" or layout == "nchw")
                 assert cands[0] == (Variant("scatter_gemm") if scatter else WGMMA), (name, pass_)
-                assert scatter == (name == "unet_up2x2")
                 families = [v.family for v in cands]
-                order = ["scatter_gemm", "wgmma", "gemm", "direct", "tiled"]
+                order = ["scatter_gemm", "wgmma", "gemm", "direct", "tiled"] if scatter else \
+                    ["wgmma", "scatter_gemm", "gemm", "direct", "tiled"]
                 assert "gemm" in families and families == sorted(families, key=order.index)
                 assert families.count("wgmma") <= wgmma.FAMILY.max_variants
             # grad_weight: the wgmma kernel leads where a stride phase has two taps or more, else the mma.sync

@@ -246,12 +246,17 @@ class ScatterGemmFamily(Family):
                 and _eligible(g, dtype))
 
     def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
-        """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more.  The forward (NOTES v25, H100)
-        beat the halo-tile kernel on U-Net's upsampling layers by up to 1.7x where each consumer warpgroup had tiles
-        to take in turn; on fewer (a 16 x 16 grid of 1024 channels, a 1 x 1 input) the halo-tile kernel or the split
-        mma.sync GEMM ran as fast or faster.  grad_input (NOTES v43, H200) beat the halo-tile kernel's heuristic
-        1.5-2.9x on U-Net's four upsampling layers down to 128 tiles (1024 input channels of 16 x 16 pixels), and
-        lost 12x to the split GEMM on a 1 x 1 input (4 tiles of 128 steps).  Elsewhere it races them."""
+        """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more, and for the forward only in
+        NCHW.  The forward beat the halo-tile kernel on U-Net's upsampling layers by up to 1.7x on the H100 (NOTES
+        v25), before that kernel took its operands from the copy engine; on the H200 at eb2ff25 (NOTES v44) the
+        halo-tile kernel's heuristic beat it on the three of those layers where it led in channels_last
+        (1.12-1.45x, either weight layout), while in NCHW it still won the 64² and 128² grids (1.27x, 1.54x) and
+        lost the 32² one by 1.13x.
+        grad_input (NOTES v43, H200) beat the halo-tile kernel's heuristic 1.5-2.9x on U-Net's four upsampling
+        layers down to 128 tiles (1024 input channels of 16 x 16 pixels), and lost 12x to the split GEMM on a
+        1 x 1 input (4 tiles of 128 steps).  Elsewhere it races them."""
+        if pass_ == FORWARD and layout != "nchw":
+            return False
         return tile_count(g, HEURISTIC, pass_) >= LEAD_WAVES[pass_] * ASSUMED.sm_count
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
