@@ -192,35 +192,32 @@ struct GatherStore {
     scalar_t* __restrict__ dst;
     PixelTiles tiles;
 
+    struct Row {
+        bool keep;
+        index_t image, pixel;
+    };
+
     __device__ __forceinline__ void operator()(float (&acc)[MB][BN / 2], index_t m0, int n0) const {
-        const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
         index_t image0;
         int i0, j0;
         tiles.origin(m0, image0, i0, j0);
         const index_t plane = static_cast<index_t>(tiles.H) * tiles.W;
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                index_t image = image0;
-                int i = i0, j = j0;
-                if (!tiles.pixel(mb * 64 + warp * 16 + lane / 4 + h * 8, image, i, j)) continue;
-                const index_t pixel = static_cast<index_t>(i) * tiles.W + j;
-#pragma unroll
-                for (int jn = 0; jn < BN / 8; ++jn) {
-                    const int ic = n0 + jn * 8 + (lane % 4) * 2;
-                    if (ic >= CIN) continue;
-                    const float v0 = acc[mb][jn * 4 + h * 2], v1 = acc[mb][jn * 4 + h * 2 + 1];
-                    if constexpr (DST_CL) {
-                        store_pair(dst + (image * plane + pixel) * CIN + ic, v0, v1);   // channel pairs: whole words
-                    } else {
-                        scalar_t* out = dst + (image * CIN + ic) * plane + pixel;
-                        store(out, v0);
-                        store(out + plane, v1);
-                    }
-                }
+        Gemm::store_pairs(acc, [&](int r) {
+            index_t image = image0;
+            int i = i0, j = j0;
+            const bool keep = tiles.pixel(r, image, i, j);
+            return Row{keep, image, static_cast<index_t>(i) * tiles.W + j};
+        }, [&](const Row& at, int n, float v0, float v1) {
+            const int ic = n0 + n;
+            if (ic >= CIN) return;
+            if constexpr (DST_CL) {
+                store_pair(dst + (at.image * plane + at.pixel) * CIN + ic, v0, v1);   // channel pairs: whole words
+            } else {
+                scalar_t* out = dst + (at.image * CIN + ic) * plane + at.pixel;
+                store(out, v0);
+                store(out + plane, v1);
             }
-        }
+        });
     }
 };
 

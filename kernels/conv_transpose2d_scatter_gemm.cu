@@ -71,40 +71,38 @@ struct ScatterStore {
     scalar_t* __restrict__ dst;
     index_t M, H_SRC, W_SRC, H_DST, W_DST;
 
+    // An input pixel's row: its image's output, and where its tap (0, 0) lands
+    struct Row {
+        bool keep;
+        scalar_t* out;
+        index_t oh0, ow0;
+    };
+
     __device__ __forceinline__ void operator()(float (&acc)[MB][BN / 2], index_t m0, int n0) const {
-        const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
         const index_t dst_plane = H_DST * W_DST;
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const index_t m = m0 + mb * 64 + warp * 16 + lane / 4 + h * 8;
-                if (m >= M) continue;
-                const index_t image = m / (H_SRC * W_SRC), at = m % (H_SRC * W_SRC);
-                const index_t oh0 = SH * (at / W_SRC) - PH, ow0 = SW * (at % W_SRC) - PW;
-                scalar_t* out = dst + image * dst_plane * COUT;
-#pragma unroll
-                for (int jn = 0; jn < BN / 8; ++jn) {
-                    const int n = n0 + jn * 8 + (lane % 4) * 2;
-                    if (n >= N_TOTAL) continue;
-                    const int tap = n / COUT, oc = n % COUT;
-                    const index_t oh = oh0 + tap / KW, ow = ow0 + tap % KW;
-                    if (oh < 0 || oh >= H_DST || ow < 0 || ow >= W_DST) continue;
-                    float v0 = acc[mb][jn * 4 + h * 2], v1 = acc[mb][jn * 4 + h * 2 + 1];
-                    if constexpr (HAS_BIAS) {
-                        v0 += load(bias + oc);
-                        v1 += load(bias + oc + 1);
-                    }
-                    const index_t pixel = oh * W_DST + ow;
-                    if constexpr (DST_CL) {
-                        store_pair(out + pixel * COUT + oc, v0, v1);   // channel pairs are whole words
-                    } else {
-                        store(out + oc * dst_plane + pixel, v0);
-                        store(out + (oc + 1) * dst_plane + pixel, v1);
-                    }
-                }
+        Gemm::store_pairs(acc, [&](int r) {
+            const index_t m = m0 + r;
+            if (m >= M) return Row{false, dst, 0, 0};
+            const index_t image = m / (H_SRC * W_SRC), at = m % (H_SRC * W_SRC);
+            return Row{true, dst + image * dst_plane * COUT, SH * (at / W_SRC) - PH, SW * (at % W_SRC) - PW};
+        }, [&](const Row& at, int n_in_tile, float v0, float v1) {
+            const int n = n0 + n_in_tile;
+            if (n >= N_TOTAL) return;
+            const int tap = n / COUT, oc = n % COUT;
+            const index_t oh = at.oh0 + tap / KW, ow = at.ow0 + tap % KW;
+            if (oh < 0 || oh >= H_DST || ow < 0 || ow >= W_DST) return;
+            if constexpr (HAS_BIAS) {
+                v0 += load(bias + oc);
+                v1 += load(bias + oc + 1);
             }
-        }
+            const index_t pixel = oh * W_DST + ow;
+            if constexpr (DST_CL) {
+                store_pair(at.out + pixel * COUT + oc, v0, v1);   // channel pairs are whole words
+            } else {
+                store(at.out + oc * dst_plane + pixel, v0);
+                store(at.out + (oc + 1) * dst_plane + pixel, v1);
+            }
+        });
     }
 };
 

@@ -19,7 +19,8 @@
 //                             Producer::FULL_ARRIVALS counts those 128 arrivals and any the producer makes itself
 //                             (the copy engine's expected bytes);
 //   store(acc, m0, n0)        a consumer thread's accumulators into the destination (wgmma's fragment layout:
-//                             thread lane of warp w holds rows 16 w + lane / 4 (+ 8) of each 64-row block).
+//                             thread lane of warp w holds rows 16 w + lane / 4 (+ 8) of each 64-row block),
+//                             walked with store_pairs.
 // Needs layer.cuh, mma.cuh, wgmma.cuh and mbarrier_copy.cuh.
 #pragma once
 
@@ -48,6 +49,25 @@ struct PingPongGemm {
     static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
     static_assert(PRODUCER_REGISTERS % 8 == 0 && PRODUCER_REGISTERS >= 24 && CONSUMER_REGISTERS <= 256,
                   "setmaxnreg's range");
+
+    // A consumer thread's accumulators as pairs of neighbouring columns, in wgmma's fragment layout: row(r) is
+    // asked once for each of the thread's rows r of the tile and says where that row goes (its `keep` false for
+    // a row no store keeps); put(at, n, v0, v1) then stores columns n and n + 1 of the tile's row there.
+    template <class Row, class Put>
+    static __device__ __forceinline__ void store_pairs(const float (&acc)[MB][BN / 2], Row row, Put put) {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x % 128 / 32;
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const auto at = row(mb * 64 + warp * 16 + lane / 4 + h * 8);
+                if (!at.keep) continue;
+#pragma unroll
+                for (int jn = 0; jn < BN / 8; ++jn)
+                    put(at, jn * 8 + (lane % 4) * 2, acc[mb][jn * 4 + h * 2], acc[mb][jn * 4 + h * 2 + 1]);
+            }
+        }
+    }
 
     template <class Producer, class Store>
     static __device__ __forceinline__ void run(unsigned char* smem, index_t tile_count, Producer& producer,
