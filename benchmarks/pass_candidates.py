@@ -3,7 +3,8 @@
     python benchmarks/pass_candidates.py pix2pix_4 --dtype float32 bfloat16 --layout nchw
     python benchmarks/pass_candidates.py 16x1024x4x4:512:k4s2p1 --layout nhwc --weight-channels-last
 
-A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP`` (a square kernel, stride and padding).  For each
+A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP``, each of K, S and P one number for both axes or
+``HxW`` (``16x512x1x32:256:k1x16s1x8p0x4``, a 1-D layer as HiFi-GAN's, on one row).  For each
 dtype, layout and pass (forward, grad_input, grad_weight) it prints cuDNN's time (``cudnn.benchmark`` on, TF32 allowed for
 float32), the heuristic candidate's, and every candidate the pass table lists, fastest first, then the
 fastest one's kernels.  Times are the GPU time of every kernel the pass launches (``torch.profiler``), averaged
@@ -28,22 +29,43 @@ LAYERS = {
     # the RGB output layers
     "pix2pix_128": ((16, 128, 128, 128), 3, 4, 2, 1),
     "dcgan_32": ((128, 64, 32, 32), 3, 4, 2, 1),
+    # HiFi-GAN's generator, its 1-D upsampling layers on one row
+    "hifigan_32": ((16, 512, 1, 32), 256, (1, 16), (1, 8), (0, 4)),
+    "hifigan_256": ((16, 256, 1, 256), 128, (1, 16), (1, 8), (0, 4)),
+    "hifigan_2048": ((16, 128, 1, 2048), 64, (1, 4), (1, 2), (0, 1)),
+    "hifigan_4096": ((16, 64, 1, 4096), 32, (1, 4), (1, 2), (0, 1)),
 }
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+):(\d+):k(\d+)s(\d+)p(\d+)")
+_PAIR = r"(\d+)(?:x(\d+))?"
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+):(\d+):k" + _PAIR + "s" + _PAIR + "p" + _PAIR)
+Pair = Tuple[int, int]
 PASSES = ("forward", "grad_input", "grad_weight")
 GRADIENTS = ("grad_input", "grad_weight")
 WARMUP, CALLS = 3, 5
 
 
-def parse_layer(text: str) -> Tuple[Tuple[int, int, int, int], int, int, int, int]:
-    """(input shape, output channels, kernel, stride, padding) of a name in :data:`LAYERS` or a spec."""
+def _pair(value) -> Pair:
+    return tuple(value) if isinstance(value, tuple) else (value, value)
+
+
+def parse_layer(text: str) -> Tuple[Tuple[int, int, int, int], int, Pair, Pair, Pair]:
+    """(input shape, output channels, kernel, stride, padding) of a name in :data:`LAYERS` or a spec; the last
+    three as (height, width) pairs."""
     if text in LAYERS:
-        return LAYERS[text]
+        x_shape, out, k, s, p = LAYERS[text]
+        return x_shape, out, _pair(k), _pair(s), _pair(p)
     match = _SPEC.fullmatch(text)
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither one of {', '.join(LAYERS)} nor NxCxHxW:OUT:kKsSpP")
-    n, c, h, w, out, k, s, p = map(int, match.groups())
-    return (n, c, h, w), out, k, s, p
+    g = match.groups()
+    pairs = [(int(g[i]), int(g[i + 1] or g[i])) for i in (5, 7, 9)]
+    return tuple(map(int, g[:4])), int(g[4]), pairs[0], pairs[1], pairs[2]
+
+
+def layer_name(x_shape, out_channels: int, k: Pair, s: Pair, p: Pair) -> str:
+    """The spec of a layer, each pair as one number where its sides agree."""
+    def side(pair: Pair) -> str:
+        return str(pair[0]) if pair[0] == pair[1] else f"{pair[0]}x{pair[1]}"
+    return f"{'x'.join(map(str, x_shape))}:{out_channels}:k{side(k)}s{side(s)}p{side(p)}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +107,7 @@ def _calls(pass_: str, x, w, b, go, kw: dict):
 
     if pass_ == "forward":
         return (lambda: F.conv_transpose2d(x, w, b, **kw)), (lambda: ct.conv_transpose2d(x, w, b, **kw))
-    stride, padding = [kw["stride"]] * 2, [kw["padding"]] * 2
+    stride, padding = list(kw["stride"]), list(kw["padding"])   # (height, width) pairs
     which = GRADIENTS.index(pass_)
     mask = [which == 0, which == 1, False]
     theirs = (lambda: torch.ops.aten.convolution_backward(go, x, w, None, stride, padding, [1, 1], True, [0, 0], 1,
@@ -109,17 +131,17 @@ def run(args: argparse.Namespace) -> List[str]:
     lines = []
     for x_shape, out_channels, k, s, p in args.layers:
         kw = dict(stride=s, padding=p)
-        w_shape = (x_shape[1], out_channels, k, k)
+        w_shape = (x_shape[1], out_channels) + k
         g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kw)).with_weight_channels_last(
             args.weight_channels_last)
-        name = f"{'x'.join(map(str, x_shape))}:{out_channels}:k{k}s{s}p{p}"
+        name = layer_name(x_shape, out_channels, k, s, p)
         for dtype in args.dtype:
             precision = "tf32" if dtype == "float32" else "strict"
             tdtype = getattr(torch, dtype)
             for layout in args.layout:
                 fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
                 x = torch.randn(x_shape, device="cuda", dtype=tdtype).contiguous(memory_format=fmt)
-                w = (torch.randn(w_shape, device="cuda") / (x_shape[1] * k * k) ** 0.5).to(tdtype)
+                w = (torch.randn(w_shape, device="cuda") / (x_shape[1] * k[0] * k[1]) ** 0.5).to(tdtype)
                 if args.weight_channels_last:
                     w = w.contiguous(memory_format=torch.channels_last)
                 b = torch.randn(out_channels, device="cuda", dtype=tdtype)
