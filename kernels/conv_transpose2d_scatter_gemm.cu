@@ -45,9 +45,7 @@ static_assert(Gemm::A_BYTES % 1024 == 0 && Gemm::B_COLUMN_BLOCK % 1024 == 0 && G
 // (the channels_last input as [pixels][channels]); B, CK input channels of each of the tile's 64-column blocks
 // of the weight.  Rows and columns past the tensors land as zeros.  With every thread copying 16-byte runs,
 // the producer's issue rate held the gather GEMM, its transpose (NOTES v43).
-struct ScatterProducer {
-    static constexpr bool CP_ASYNC = false;
-    static constexpr int FULL_ARRIVALS = 1;   // the boxes' bytes
+struct ScatterProducer : CopyEngineProducer {
     const TensorMap* src_map;
     const TensorMap* weight_map;
     index_t m0;
@@ -113,7 +111,7 @@ conv_transpose2d_scatter_gemm(const scalar_t* __restrict__ src, const scalar_t* 
                               const __grid_constant__ TensorMap src_map, const __grid_constant__ TensorMap weight_map) {
     extern __shared__ __align__(1024) unsigned char smem[];   // STAGES x (A tile, then B tile)
     const index_t M = N * H_SRC * W_SRC;
-    ScatterProducer producer{&src_map, &weight_map, 0, 0};
+    ScatterProducer producer{{}, &src_map, &weight_map, 0, 0};
     ScatterStore store{bias, dst, M, H_SRC, W_SRC, H_DST, W_DST};
     Gemm::run(smem, (M + BM - 1) / BM * N_TILES, producer, store);
 }

@@ -24,6 +24,13 @@
 // Needs layer.cuh, mma.cuh, wgmma.cuh and mbarrier_copy.cuh.
 #pragma once
 
+// What a producer whose copies are all the copy engine's declares: its first thread issues them, and a step's
+// full barrier waits for their bytes alone.
+struct CopyEngineProducer {
+    static constexpr bool CP_ASYNC = false;
+    static constexpr int FULL_ARRIVALS = 1;   // the boxes' bytes
+};
+
 // PRODUCER_REGISTERS: what the producer keeps (setmaxnreg); the consumers share what it frees.
 template <int KIND, int MB, int BN, int STAGES, int K_STEPS, int N_TILES, bool B_MN_MAJOR, int PRODUCER_REGISTERS = 56>
 struct PingPongGemm {
