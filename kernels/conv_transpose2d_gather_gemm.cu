@@ -1,13 +1,14 @@
-// grad_input of a transposed convolution in which every output pixel receives exactly one tap (kernel ==
-// stride, as in U-Net's 2 x 2 stride-2 upsampling; a 1 x 1 input; 1 x 1 kernels), as one GEMM on Hopper's
-// warpgroup MMA (wgmma, sm_90a): the scatter GEMM's forward transposed,
+// grad_input of a transposed convolution of one group as one implicit GEMM over every tap on Hopper's warpgroup
+// MMA (wgmma, sm_90a), the scatter GEMM's forward transposed:
 //   dX[m][n] = sum_k dY(m, k) * W[n][k],  m = input pixel (image, i, j), n = input channel,
 //   k = (tap, output channel) in a channels_last weight's order (C_in, KH, KW, C_out),
-// where dY(m, k) is grad_output's channels_last pixel (SH*i + kh - PH, SW*j + kw - PW), zero where the padding
-// cropped it.  Each grad_output pixel is one tap of one input pixel, so A's gather reads grad_output once per
-// column tile, in runs of a pixel's channels; B is the weight as it lies, K-major, one copy-engine box a step.
-// A contiguous weight is copied into the channels_last order first, an NCHW grad_output into channels_last
-// scratch.
+// where dY(m, k) is grad_output's channels_last pixel (SH*i + DH*kh - PH, SW*j + DW*kw - PW), zero where the
+// padding cropped it.  Where every grad_output pixel is one tap of one input pixel (kernel == stride, as in
+// U-Net's 2 x 2 stride-2 upsampling; a 1 x 1 input; 1 x 1 kernels) A's gather reads grad_output once per column
+// tile; where taps overlap (DCGAN's and pix2pix's 4 x 4 stride-2 layers) a pixel is read once for each tap that
+// lands on it, neighbouring rows of a tile sharing it through L2.  A's rows come in runs of a pixel's channels;
+// B is the weight as it lies, K-major, one copy-engine box a step.  A contiguous weight is copied into the
+// channels_last order first, an NCHW grad_output into channels_last scratch.
 //
 // The block is pingpong_gemm.cuh's: persistent over tiles of BM input pixels (BOX_N images of BOX_H x BOX_W)
 // x BN input channels, a producer warpgroup filling a ring of CK-column steps and two consumer warpgroups
@@ -38,7 +39,8 @@ typedef PingPongGemm<KIND, MB, BN, STAGES, K_STEPS, N_TILES, false, 88> Gemm;
 constexpr int BM = Gemm::BM;
 constexpr int BOX_N = BM / (BOX_W * BOX_H);
 constexpr int A_COPIES = BM / 16;              // a producer thread's 16-byte copies of A per step (8 a row)
-// Whether a tap may land in the cropped border; without padding every tap of a one-tap layer lands inside.
+// Whether a tap may land in the cropped border: without padding the last input pixel's last tap lands on
+// grad_output's last pixel but output_padding, the first one's first on its first.
 constexpr bool CROPS = PH > 0 || PW > 0;
 
 static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "fp16 or bf16");
@@ -107,11 +109,14 @@ struct GatherProducer<false> {
                                               const PixelTiles& t, index_t h_out, index_t w_out, int ptid)
         : grad_out(g), weight_map(w), tiles(t), H_OUT(h_out), W_OUT(w_out), vec(ptid % 8), row0(ptid / 8) {}
 
-    // Bits k of [0, taps) for which 0 <= origin + k < size.
-    static __device__ __forceinline__ unsigned inside(int origin, int taps, index_t size) {
+    // Bits k of [0, taps) for which 0 <= origin + k * dilation < size.
+    static __device__ __forceinline__ unsigned inside(int origin, int taps, int dilation, index_t size) {
         unsigned bits = 0;
 #pragma unroll
-        for (int k = 0; k < taps; ++k) bits |= (origin + k >= 0 && origin + k < size) ? 1u << k : 0u;
+        for (int k = 0; k < taps; ++k) {
+            const int at = origin + k * dilation;
+            bits |= (at >= 0 && at < size) ? 1u << k : 0u;
+        }
         return bits;
     }
 
@@ -128,7 +133,7 @@ struct GatherProducer<false> {
             const int oh = SH * i - PH, ow = SW * j - PW;
             base[q] = inside_layer ? ((image * H_OUT + oh) * W_OUT + ow) * COUT : -1;
             if constexpr (CROPS)
-                landing[q] = inside_layer ? inside(oh, KH, H_OUT) | inside(ow, KW, W_OUT) << 16 : 0u;
+                landing[q] = inside_layer ? inside(oh, KH, DH, H_OUT) | inside(ow, KW, DW, W_OUT) << 16 : 0u;
         }
     }
 
@@ -142,7 +147,7 @@ struct GatherProducer<false> {
         const int tap = k / COUT, oc = k % COUT, kh = tap / KW, kw = tap % KW;
         const bool column = k < K_TOTAL;
         const unsigned lands = CROPS ? 1u << kh | 1u << (16 + kw) : 0u;   // past K_TOTAL too, kh <= KH <= 16
-        const index_t from_tap = (static_cast<index_t>(kh) * W_OUT + kw) * COUT + oc;
+        const index_t from_tap = (static_cast<index_t>(DH * kh) * W_OUT + DW * kw) * COUT + oc;
 #pragma unroll
         for (int q = 0; q < A_COPIES; ++q) {
             bool ok;
@@ -159,9 +164,7 @@ struct GatherProducer<false> {
 // where coordinates the padding crops or past the edges land as zeros; B, the weight's BN rows of the step's CK
 // columns.
 template <>
-struct GatherProducer<true> {
-    static constexpr bool CP_ASYNC = false;
-    static constexpr int FULL_ARRIVALS = 1;   // the boxes' bytes
+struct GatherProducer<true> : CopyEngineProducer {
     const TensorMap* grad_out_map;
     const TensorMap* weight_map;
     PixelTiles tiles;
@@ -181,7 +184,7 @@ struct GatherProducer<true> {
         if (threadIdx.x % 128 != 0) return;
         const int tap = c * CK / COUT, oc = c * CK % COUT;
         mbarrier_expect_bytes(full, Gemm::STAGE_BYTES);
-        tensor_copy_4d(a, *grad_out_map, oc, SW * j0 + tap % KW - PW, SH * i0 + tap / KW - PH,
+        tensor_copy_4d(a, *grad_out_map, oc, SW * j0 + DW * (tap % KW) - PW, SH * i0 + DH * (tap / KW) - PH,
                        static_cast<int>(image0), full);
         tensor_copy_4d(b, *weight_map, c * CK, n0, 0, 0, full);
     }

@@ -287,6 +287,14 @@ def base_cases() -> List[Case]:
     cases.append(Case("scatter-gemm-cropped-float16-nhwc", (2, 64, 1, 3), (64, 64, 4, 2), _kw(stride=2, padding=(1, 0)),
                       True, "float16", layout="nhwc", weight_cl=True,
                       variants=(("forward", "scatter_gemm"), ("grad_input", "scatter_gemm"))))
+    # grad_input of overlapping taps (4 x 4 at stride 2, cropped) through the gather: 64 output channels by
+    # copy-engine boxes, 48 by gathered rows with landing masks; and a dilated 3 x 3
+    for cout, dtype, layout in ((64, "bfloat16", "nhwc"), (48, "float16", "nchw")):
+        cases.append(Case(f"scatter-gemm-overlapping-{cout}-{dtype}-{layout}", (2, 64, 3, 5), (64, cout, 4, 4),
+                          _kw(stride=2, padding=1), False, dtype, layout=layout, weight_cl=layout == "nhwc",
+                          variants=(("grad_input", "scatter_gemm"),)))
+    cases.append(Case("scatter-gemm-dilated-float16-nhwc", (1, 32, 5, 6), (32, 40, 3, 3), _kw(padding=2, dilation=2),
+                      False, "float16", layout="nhwc", variants=(("grad_input", "scatter_gemm"),)))
     cases.append(Case("scatter-gemm-persistent-bfloat16-nhwc", (1, 8, 16, 32), (8, 320, 4, 4), _kw(stride=4), False,
                       "bfloat16", layout="nhwc", weight_cl=True, variants=(("forward", "scatter_gemm:64x128"),)))
     # the expanded-taps gradients (three output channels): two pixel ranges and their wide reduce; then a

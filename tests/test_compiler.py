@@ -343,6 +343,10 @@ def _wgmma_plans():
             layer = ("k2s2", "one_pixel_k4s2p1")[(i + j) % 2]
             add(f"gather_gemm-{name}-{dtype}-{layout}-{layer}",
                 scatter_gemm.plan_grad_input(SCATTER_LAYERS[layer], dtype, layout, tile))
+    # and of layers whose taps overlap, both grad_output paths
+    for i, (layer, g) in enumerate(OVERLAPPING_LAYERS.items()):
+        dtype, layout, _ = WGMMA_CASES[i % len(WGMMA_CASES)]
+        add(f"gather_gemm-{dtype}-{layout}-{layer}", scatter_gemm.plan_grad_input(g, dtype, layout))
     return seen
 
 
@@ -351,6 +355,11 @@ SCATTER_LAYERS = {"k2s2": _layer((2, 64, 7, 9), (64, 48, 2, 2), stride=2),
                   "one_pixel_k4s2p1": _layer((3, 128, 1, 1), (128, 64, 4, 4), stride=2, padding=1),
                   # 40 output channels (grad_input's steps cross taps: its rows gathered), cropped taps
                   "k2x3_crop": _layer((2, 32, 6, 5), (32, 40, 2, 3), stride=(2, 3), padding=1, output_padding=(1, 0))}
+# Layers whose taps overlap (the gather GEMM's grad_input alone): pix2pix's 4 x 4 stride-2 cropped layer with
+# grad_output by the copy engine (64 output channels), and gathered (48); a dilated 3 x 3 of 40 output channels
+OVERLAPPING_LAYERS = {"k4s2p1_boxes": _layer((2, 64, 5, 7), (64, 64, 4, 4), stride=2, padding=1),
+                      "k4s2p1_rows": _layer((2, 64, 5, 7), (64, 48, 4, 4), stride=2, padding=1),
+                      "k3d2_rows": _layer((1, 32, 6, 9), (32, 40, 3, 3), padding=2, dilation=2)}
 # Layers with few output channels (the expanded-taps kernels'): an RGB output layer; a dilated asymmetric kernel
 # whose runs of taps make the most values a thread prefetches; 112 expanded columns (64-channel weight blocks) over
 # 256 input channels; one output channel over 32 input channels; a small layer of one pixel range
@@ -494,6 +503,8 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {(c["MB"], c["BN"]) for c in gather} == {(t.mb, t.bn) for t in scatter_gemm.TILES.values()}
     assert {(c["DST_CL"], c["MMA_KIND"], c["PH"] > 0) for c in gather} >= {(True, 1, True), (False, 0, False)}
     assert {c["A_BOXES"] for c in gather} == {True, False}, "grad_output by the copy engine, and gathered"
+    assert {(c["KH"] > c["SH"], c["A_BOXES"]) for c in gather} >= {(True, True), (True, False)}, "overlapping taps"
+    assert any(c["DH"] > 1 and c["KH"] > 1 for c in gather), "taps dilated apart"
     assert {s.target for s in PLANS if s.template in HOPPER_TEMPLATES} == {wgmma.TARGET}
     assert {s.target for s in PLANS if s.template not in HOPPER_TEMPLATES} == {""}
     weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]
@@ -935,9 +946,18 @@ def _gathered_rows_plan(tile, dtype):
     return scatter_gemm.plan_grad_input(SCATTER_LAYERS["k2x3_crop"], dtype, "nchw", scatter_gemm.TILES[tile])
 
 
-# The one-tap GEMMs' kernels: their plans, and the transpose immediates of A and B (the forward's B MN-major)
+def _overlapping_plan(layer):
+    return lambda tile, dtype: scatter_gemm.plan_grad_input(OVERLAPPING_LAYERS[layer], dtype, "nhwc",
+                                                            scatter_gemm.TILES[tile])
+
+
+# The scatter and gather GEMMs' kernels: their plans, and the transpose immediates of A and B (the forward's B
+# MN-major)
 ONE_TAP_KERNELS = {"scatter": (_scatter_plan, ("0", "1")), "gather": (_gather_plan, ("0", "0")),
-                   "gather_rows": (_gathered_rows_plan, ("0", "0"))}
+                   "gather_rows": (_gathered_rows_plan, ("0", "0")),
+                   "gather_overlapping": (_overlapping_plan("k4s2p1_boxes"), ("0", "0")),
+                   "gather_overlapping_rows": (_overlapping_plan("k4s2p1_rows"), ("0", "0")),
+                   "gather_dilated_rows": (_overlapping_plan("k3d2_rows"), ("0", "0"))}
 
 
 @pytest.mark.parametrize("kernel", sorted(ONE_TAP_KERNELS))

@@ -151,7 +151,10 @@ def test_split_gemm_leads_weight_bound_grids_in_16_bits():
     for dtype in ("float16", "bfloat16"):
         for pass_ in ("forward", "grad_input"):
             assert gemm.heuristic_splits(pass_, WEIGHT_BOUND, dtype, "strict") >= wgmma.SPLIT_GEMM_LEADS
-            assert [f.name for f in table.eligible(pass_, WEIGHT_BOUND, dtype, "nhwc")][:2] == ["gemm", "wgmma"]
+            # (grad_input's gather GEMM steps back too, and races them both)
+            eligible = table.eligible(pass_, WEIGHT_BOUND, dtype, "nhwc")
+            halo_and_gemm = [f.name for f in eligible if f.name != "scatter_gemm"]
+            assert halo_and_gemm[:2] == ["gemm", "wgmma"]
             assert table.candidates(pass_, WEIGHT_BOUND, dtype, "nhwc")[0] == Variant("gemm")
             assert gemm.heuristic_splits(pass_, OUTPUT_BOUND, dtype, "strict") == 1
             assert table.eligible(pass_, OUTPUT_BOUND, dtype, "nhwc")[0].name == "wgmma"

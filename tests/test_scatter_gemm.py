@@ -1,5 +1,5 @@
-"""The one-tap GEMMs' planner (no GPU): which layers the scatter forward and the gather grad_input take, what they
-launch, and where the table puts them."""
+"""The scatter and gather GEMMs' planner (no GPU): which layers the scatter forward (one tap an output pixel) and
+the gather grad_input (any taps) take, what they launch, and where the table puts them."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +18,7 @@ def _layer(x_shape, w_shape, **kwargs):
 
 UNET_UP = _layer((8, 256, 64, 64), (256, 128, 2, 2), stride=2)
 ONE_PIXEL = _layer((16, 512, 1, 1), (512, 512, 4, 4), stride=2, padding=1)
+DCGAN_UP = _layer((64, 512, 8, 8), (512, 256, 4, 4), stride=2, padding=1)       # taps overlap: two a phase
 
 
 @pytest.mark.parametrize("x_shape,w_shape,kwargs,one", [
@@ -67,6 +68,27 @@ def test_eligibility():
     assert not scatter_gemm.eligible(odd_in, "float16")
     odd_out = _layer((2, 64, 5, 7), (64, 12, 2, 2), stride=2)
     assert not scatter_gemm.eligible(odd_out, "float16")
+    for g in (grouped, odd_in, odd_out):
+        assert not scatter_gemm.eligible(g, "float16", "grad_input")
+    # taps that overlap: the gather takes grad_input, the scatter no forward
+    assert scatter_gemm.eligible(DCGAN_UP, "bfloat16", "grad_input") and not scatter_gemm.eligible(DCGAN_UP, "bfloat16")
+    assert not scatter_gemm.eligible(DCGAN_UP, "float32", "grad_input")
+
+
+@pytest.mark.parametrize("x_shape,w_shape,kwargs,gathers", [
+    ((2, 8, 5, 7), (8, 8, 4, 4), dict(stride=2, padding=1), True),                 # overlapping, cropped
+    ((2, 8, 5, 7), (8, 8, 3, 5), dict(stride=(2, 1), output_padding=(1, 0)), True),
+    ((2, 8, 5, 7), (8, 8, 2, 2), dict(stride=3), True),                            # gaps between taps
+    ((2, 8, 5, 7), (8, 8, 3, 3), dict(padding=2, dilation=2), True),               # dilated apart
+    ((2, 8, 5, 7), (8, 8, 17, 3), dict(), True),                                   # long kernel, nothing cropped
+    ((2, 8, 5, 7), (8, 64, 17, 3), dict(padding=1), True),                         # cropped, by boxes
+    ((2, 8, 5, 7), (8, 8, 17, 3), dict(padding=1), False),                         # cropped rows: 16-bit masks
+    ((2, 8, 5, 7), (8, 64, 17, 3), dict(stride=9, padding=1), False),              # no box at stride 9
+])
+def test_the_gather_takes_any_taps_within_its_masks(x_shape, w_shape, kwargs, gathers):
+    g = _layer(x_shape, w_shape, **kwargs)
+    assert scatter_gemm.gathers(g) is gathers
+    assert scatter_gemm.eligible(g, "float16", "grad_input") is gathers
 
 
 @pytest.mark.parametrize("weight_cl", [False, True], ids=["w", "w_cl"])
@@ -203,8 +225,20 @@ def test_grad_input_on_the_table():
         assert any(v.family == "wgmma" for v in table.candidates("grad_input", UNET_UP, dtype, "nhwc"))
     assert all(v.family != "scatter_gemm"
                for v in table.candidates("grad_input", UNET_UP, "float32", "nhwc", "tf32"))
-    overlapping = _layer((8, 256, 16, 16), (256, 128, 4, 4), stride=2, padding=1)
-    assert all(v.family != "scatter_gemm" for v in table.candidates("grad_input", overlapping, "float16", "nhwc"))
+    # overlapping taps: the gather leads on layers like DCGAN's (two taps a phase, 512 input channels, 128 tiles),
+    # and races the halo tiles where its tiles make under half a wave or a phase has three taps or more
+    for layout in ("nchw", "nhwc"):
+        assert table.candidates("grad_input", DCGAN_UP, "bfloat16", layout)[0] == Variant("scatter_gemm")
+    few_tiles = _layer((8, 256, 16, 16), (256, 128, 4, 4), stride=2, padding=1)    # 32 tiles
+    dense_3x5 = _layer((16, 128, 64, 64), (128, 128, 3, 5))                        # 15 taps a phase
+    narrow = _layer((64, 64, 32, 32), (64, 64, 4, 4), stride=2, padding=1)         # 64 input channels
+    for g in (few_tiles, dense_3x5, narrow):
+        assert not scatter_gemm.FAMILY.leads("grad_input", g, "float16", "nhwc")
+        cands = table.candidates("grad_input", g, "float16", "nhwc")
+        assert cands[0].family == "wgmma" and any(v.family == "scatter_gemm" for v in cands)
+    assert scatter_gemm.tile_count(few_tiles, scatter_gemm.HEURISTIC, "grad_input") == 32
+    assert scatter_gemm.tile_count(dense_3x5, scatter_gemm.HEURISTIC, "grad_input") >= ASSUMED.sm_count
+    assert scatter_gemm.tile_count(narrow, scatter_gemm.HEURISTIC, "grad_input") >= ASSUMED.sm_count
     # unaligned grad_output: the mma.sync GEMM, as the pinned variant's plan
     planned = table.plan("grad_input", Variant("scatter_gemm"), UNET_UP, "float16", "nhwc", "strict", False, False)
     assert planned == gemm.plan_grad_input_gemm(UNET_UP, "float16", "nhwc", "strict", aligned=False)

@@ -1,5 +1,6 @@
-"""The one-tap GEMMs (one tap an output pixel, as one wgmma GEMM) on an sm_90 GPU, against float64: the scatter
-forward and the gather grad_input.
+"""The scatter and gather GEMMs (a layer's taps as one wgmma GEMM) on an sm_90 GPU, against float64: the scatter
+forward of layers whose output pixels each receive one tap, and the gather grad_input of those and of layers whose
+taps overlap, leave gaps or are dilated apart.
 
 Each case pins its pass to a ``scatter_gemm`` variant and checks, through ``launch.watch()``, that
 ``conv_transpose2d_scatter_gemm`` (or ``conv_transpose2d_gather_gemm``) ran and nothing it did not plan; the
@@ -98,6 +99,27 @@ GRAD_TILE_CASES = [pytest.param(replace(p.values[0], pass_=GRAD), id=p.id) for p
 # 192 make 12 (copy-engine boxes), more than the ring holds, and 576 tiles of 128 x 128 (1152 of 64 x 128) walk
 # both consumers through several each
 GRAD_DEEP = Layer(8, 64, 160, (2, 2), (2, 2), (0, 0), (0, 0), (1, 1), 1, False, (96, 96), "")
+# Layers whose taps overlap, leave gaps or are dilated apart: grad_input only, its K every tap
+OVERLAPPING_LAYERS = {
+    # DCGAN's and pix2pix's 4 x 4 stride 2, cropped: grad_output by copy-engine boxes (64 output channels), and
+    # gathered rows with landing masks (48: steps cross taps)
+    "k4s2p1_box": Layer(2, 64, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (5, 7), ""),
+    "k4s2p1_rows": Layer(2, 64, 48, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (5, 7), ""),
+    # an asymmetric 3 x 5 kernel at stride (2, 1) with output padding, nothing cropped
+    "k3x5_s2x1_op": Layer(2, 32, 64, (3, 5), (2, 1), (0, 0), (1, 0), (1, 1), 1, False, (6, 5), ""),
+    # an uncropped 3 x 3 stride 2 of 136 input channels (a last input channel tile of 8)
+    "k3s2": Layer(3, 136, 64, (3, 3), (2, 2), (0, 0), (0, 0), (1, 1), 1, False, (4, 6), ""),
+    # a cropped 3 x 3 stride 1 of 40 output channels
+    "k3s1_p1": Layer(2, 72, 40, (3, 3), (1, 1), (1, 1), (0, 0), (1, 1), 1, False, (9, 7), ""),
+    # a dilated 3 x 3, cropped, by boxes; gaps between taps (2 x 3 at stride 3 x 2) dilated along one axis, rows
+    "k3d2_p2_box": Layer(2, 32, 64, (3, 3), (1, 1), (2, 2), (0, 0), (2, 2), 1, False, (7, 8), ""),
+    "k2x3_s3x2_d1x2_rows": Layer(2, 32, 24, (2, 3), (3, 2), (1, 1), (2, 1), (1, 2), 1, False, (4, 5), ""),
+}
+OVERLAPPING_CASES = [pytest.param(Case(layer, dtype, cl, SCATTER, pass_=GRAD, weight_channels_last=wcl),
+                                  id=f"{name}-{SHORT[dtype]}-{'nhwc' if cl else 'nchw'}-{'wcl' if wcl else 'w'}")
+                     for name, layer in OVERLAPPING_LAYERS.items() for dtype, cl, wcl in COMBOS]
+# enough tiles, input channels and few enough taps a phase for the gather to lead grad_input untuned
+OVERLAP_LEADING = Layer(16, 128, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (32, 32), "")
 GRAD_DEEP_CASES = [pytest.param(Case(replace(GRAD_DEEP, out_channels=cout), dtype, cl,
                                      Variant.make("scatter_gemm", tile=tile), pass_=GRAD, weight_channels_last=cl),
                                 id=f"{tile}-{SHORT[dtype]}-{cout}")
@@ -110,7 +132,8 @@ GRAD_DEEP_CASES = [pytest.param(Case(replace(GRAD_DEEP, out_channels=cout), dtyp
 @pytest.fixture(scope="module", autouse=True)
 def precompiled(hopper):
     """Build every case's kernels side by side rather than one by one at each first call."""
-    cases = [p.values[0] for p in CASES + TILE_CASES + DEEP_CASES + GRAD_CASES + GRAD_TILE_CASES + GRAD_DEEP_CASES]
+    cases = [p.values[0] for p in CASES + TILE_CASES + DEEP_CASES + GRAD_CASES + GRAD_TILE_CASES + GRAD_DEEP_CASES
+             + OVERLAPPING_CASES]
     specs = [p.spec for case in cases for p in case.plan(hopper).plans()]
     compiler.compile_many(specs, hopper.index, workers=16)
 
@@ -182,7 +205,8 @@ def test_the_heuristic_forward_on_sm_90(channels_last, hopper, monkeypatch):
 # ------------------------------------------------------------------------ grad_input: the gather GEMM
 
 def _check_grad_input(case: Case, hopper, seed=0):
-    assert scatter_gemm.eligible(case.geometry, {torch.float16: "float16", torch.bfloat16: "bfloat16"}[case.dtype])
+    assert scatter_gemm.eligible(case.geometry, {torch.float16: "float16", torch.bfloat16: "bfloat16"}[case.dtype],
+                                 GRAD)
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
     gi, seen = _run_grad(case, go, x, w, expect_function=GATHER_FUNCTION)
     assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
@@ -193,6 +217,14 @@ def _check_grad_input(case: Case, hopper, seed=0):
 @pytest.mark.parametrize("case", GRAD_CASES)
 def test_grad_input_of_one_tap_layers_matches_float64(case, hopper):
     _check_grad_input(case, hopper, seed=10)
+
+
+@pytest.mark.parametrize("case", OVERLAPPING_CASES)
+def test_grad_input_of_overlapping_and_dilated_taps_matches_float64(case, hopper):
+    assert not scatter_gemm.one_tap(case.geometry)
+    constants = dict(case.plan(hopper).gemm.spec.constants)
+    assert constants["A_BOXES"] is (case.layer.out_channels % 64 == 0)
+    _check_grad_input(case, hopper, seed=15)
 
 
 @pytest.mark.parametrize("case", GRAD_TILE_CASES)
@@ -229,14 +261,15 @@ def test_unaligned_grad_output_runs_the_gemm(dtype, hopper):
     _compare_grad_input(case, gi, go, x, w)
 
 
+@pytest.mark.parametrize("layer", [LEADING, OVERLAP_LEADING], ids=["one_tap", "overlapping"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_autograd_runs_the_gather_gemm_untuned_on_sm_90(channels_last, hopper, monkeypatch):
-    """Untuned, a U-Net upsampling layer's backward takes grad_input through the gather GEMM, and x.grad matches
-    float64."""
+def test_autograd_runs_the_gather_gemm_untuned_on_sm_90(channels_last, layer, hopper, monkeypatch):
+    """Untuned, the backward of a U-Net upsampling layer and of a 4 x 4 stride-2 layer of 128 input channels
+    takes grad_input through the gather GEMM, and x.grad matches float64."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     tuning.clear()
     try:
-        case = Case(replace(LEADING, bias=False), torch.bfloat16, channels_last, SCATTER, pass_=GRAD,
+        case = Case(replace(layer, bias=False), torch.bfloat16, channels_last, SCATTER, pass_=GRAD,
                     weight_channels_last=channels_last)
         assert table.candidates(GRAD, case.geometry, "bfloat16", case.layout, "strict", hopper)[0] == SCATTER
         x, w, go = _grad_inputs(case, *_grad_data(case.layer, torch.bfloat16, 14))

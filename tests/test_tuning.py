@@ -20,7 +20,7 @@ import cupyconv
 from cupyconv import engine, tuning
 from cupyconv.core import device
 from cupyconv.core.geometry import ConvParams, geometry
-from cupyconv.plans import direct, gemm, grouped_mma, launch, table, tiled, wgmma
+from cupyconv.plans import direct, gemm, grouped_mma, launch, scatter_gemm, table, tiled, wgmma
 from cupyconv.plans.launch import Recorder
 from cupyconv.tuning import decide, explicit, store
 from cupyconv.tuning.variants import DIRECT, GEMM, Variant
@@ -254,8 +254,13 @@ def test_candidates_plan_distinct_launches_heuristic_first(pass_, case):
             assert sum(v.family == "gemm" for v in cands) <= gemm.FAMILY.max_variants == 7
             assert (sum(v.family == "wgmma" for v in cands) >= 1) == hopper
             assert sum(v.family == "wgmma" for v in cands) <= wgmma.FAMILY.max_variants
-            # the NCHW forward of a layer under 64 channels on a side races the tiled kernels too
-            assert set(v.family for v in cands) <= {"wgmma", "gemm", "direct", "tiled"} and cands.count(DIRECT) <= 1
+            # the NCHW forward of a layer under 64 channels on a side races the tiled kernels too, and a 16-bit
+            # grad_input the gather GEMM (these layers' taps overlap: it leads none of them)
+            assert set(v.family for v in cands) <= {"wgmma", "gemm", "direct", "tiled", "scatter_gemm"}
+            assert cands.count(DIRECT) <= 1
+            gathers = pass_ == "grad_input" and dtype != "float32"
+            assert any(v.family == "scatter_gemm" for v in cands) == gathers
+            assert sum(v.family == "scatter_gemm" for v in cands) <= scatter_gemm.FAMILY.max_variants
             tiles = g is not WIDE and pass_ == "forward" and layout == "nchw"
             assert any(v.family == "tiled" for v in cands) == tiles
             identities = set()
@@ -393,8 +398,11 @@ def test_direct_kernels_race_below_64_channels_per_group(pass_):
                 pass_, grouped_mma.shape_fits)
             grouped_mma_runs = fits(g, "float16")
             behind = pass_ == "forward" and layout == "nchw"   # the NCHW forward steps back behind the next
+            # the gather GEMM takes grad_input of whole 16-byte runs on both sides, stepping back behind the
+            # halo tiles on these small layers
+            gathers = scatter_gemm.eligible(g, "float16", pass_) and pass_ == "grad_input"
             assert [f.name for f in table.eligible(pass_, g, "float16", layout)] == \
-                ["wgmma"] * first + ["gemm"] + ["wgmma"] * (hopper and not first) \
+                ["wgmma"] * first + ["scatter_gemm"] * gathers + ["gemm"] + ["wgmma"] * (hopper and not first) \
                 + ["grouped_mma"] * (grouped_mma_runs and not behind) + ["direct"] \
                 + ["grouped_mma"] * (grouped_mma_runs and behind) + ["tiled"] * tiles
             # the grouped mma kernel can run it, but only races where the GEMMs cannot

@@ -518,12 +518,15 @@ def test_candidates_put_the_wgmma_heuristic_first_and_the_gemms_after():
             for pass_ in ("forward", "grad_input"):
                 cands = table.candidates(pass_, g, "float16", layout)
                 # a layer whose output pixels each receive one tap leads with the gather GEMM, and in NCHW with the
-                # scatter GEMM (in channels_last the halo tiles lead its forward: NOTES v44)
+                # scatter GEMM (in channels_last the halo tiles lead its forward: NOTES v44); so does dcgan_up's
+                # grad_input, of two taps a stride phase (overlap_leads)
                 one_tap = scatter_gemm.one_tap(g)
                 assert one_tap == (name == "unet_up2x2")
-                scatter = one_tap and (pass_ == "grad_input" or layout == "nchw")
+                scatter = (one_tap and (pass_ == "grad_input" or layout == "nchw")) or \
+                    (pass_ == "grad_input" and name == "dcgan_up")
                 assert cands[0] == (Variant("scatter_gemm") if scatter else WGMMA), (name, pass_)
                 families = [v.family for v in cands]
+                assert ("scatter_gemm" in families) == (one_tap or pass_ == "grad_input"), (name, pass_)
                 order = ["scatter_gemm", "wgmma", "gemm", "direct", "tiled"] if scatter else \
                     ["wgmma", "scatter_gemm", "gemm", "direct", "tiled"]
                 assert "gemm" in families and families == sorted(families, key=order.index)
@@ -614,8 +617,10 @@ def test_tf32_leads_where_it_beat_the_gemm_on_the_h100():
         assert wgmma.tf32_leads(g, pass_) == leads, (g.input_shape, pass_)
         cands = table.candidates(pass_, g, "float32", "nchw", "tf32")
         assert cands[0].family == ("wgmma" if leads else "gemm") and {"wgmma", "gemm"} <= {v.family for v in cands}
-        # fp16 and bf16 lead as before: the halo tiles, or on the one-tap U-Net layer the scatter (gather) GEMM
-        half = "scatter_gemm" if scatter_gemm.FAMILY.leads(pass_, g, "float16") and g is unet else "wgmma"
+        # fp16 and bf16 lead as before: the halo tiles, or on the one-tap U-Net layer the scatter (gather) GEMM,
+        # and on grad_input of the layers of two taps a phase with tiles for half the SMs the gather GEMM
+        takes = scatter_gemm.eligible(g, "float16", pass_) and scatter_gemm.FAMILY.leads(pass_, g, "float16")
+        half = "scatter_gemm" if takes else "wgmma"
         assert table.candidates(pass_, g, "float16", "nchw")[0].family == half, (g.input_shape, pass_)
         strict = table.candidates(pass_, g, "float32", "nchw", "strict")
         assert strict[0].family == ("wgmma" if leads else "gemm"), "3xTF32 leads where TF32 does"
@@ -947,8 +952,9 @@ def test_grad_input_eligibility_follows_grad_outputs_channels_per_group(dtype):
 def test_the_suite_layers_run_grad_input_on_wgmma(name, dtype):
     g = _suite_layer(name)
     assert wgmma.eligible(g, dtype, GRAD)
-    # unet_up2x2's output pixels each receive one tap: the gather GEMM runs its grad_input ahead of the halo tiles
-    first = scatter_gemm.FAMILY if scatter_gemm.one_tap(g) else wgmma.FAMILY
+    # unet_up2x2's output pixels each receive one tap, and dcgan_up's stride phases have two taps: the gather GEMM
+    # runs their grad_input ahead of the halo tiles (which still race it)
+    first = scatter_gemm.FAMILY if name in ("unet_up2x2", "dcgan_up") else wgmma.FAMILY
     for layout in launch.LAYOUTS:
         assert table.eligible(GRAD, g, dtype, layout)[0] is first
         assert table.candidates(GRAD, g, dtype, layout)[0] == Variant(first.name)

@@ -1,12 +1,13 @@
-"""The one-tap layers' GEMMs on Hopper wgmma: the forward with a scattering epilogue
-(``kernels/conv_transpose2d_scatter_gemm.cu``) and grad_input with a gathering prologue
+"""GEMMs over every tap on Hopper wgmma: the one-tap layers' forward with a scattering epilogue
+(``kernels/conv_transpose2d_scatter_gemm.cu``), and grad_input with a gathering prologue
 (``kernels/conv_transpose2d_gather_gemm.cu``).
 
-Such a layer (kernel == stride, U-Net's 2 x 2 stride-2 upsampling; a 1 x 1 input, a generator's first layer;
+A one-tap layer (kernel == stride, U-Net's 2 x 2 stride-2 upsampling; a 1 x 1 input, a generator's first layer;
 1 x 1 kernels) is a plain GEMM: input pixels x input channels times input channels x (tap, output channel),
-each product element landing on one output pixel; grad_input is the same GEMM transposed, each grad_output pixel
-one tap of one input pixel.  The halo-tile kernels run them per stride phase, reading the input once per phase
-and storing each tile while their tensor cores wait; these kernels read each pixel once for every tap, and two
+each product element landing on one output pixel.  grad_input of any layer is that GEMM transposed, input pixels
+x (tap, output channel) times the weight, each row gathering the grad_output pixels its input pixel's taps land on
+(an implicit GEMM; where taps overlap, a grad_output pixel is gathered once for each tap that lands on it).  The
+halo-tile kernels run these layers per stride phase, storing each tile while their tensor cores wait; here two
 consumer warpgroups take turns, one storing while the other multiplies.  fp16 and bf16 on exactly sm_90 (the
 forward's B is MN-major, which TF32 cannot read); one group.  A contiguous weight is copied into channels_last
 order first, an NCHW activation into channels_last scratch.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..core.device import ASSUMED, WGMMA, Device
-from ..core.geometry import Geometry
+from ..core.geometry import Geometry, phase_taps
 from ..jit.compiler import KernelSpec
 from ..tuning.variants import Variant
 from . import gemm, tensor_map, wgmma
@@ -29,6 +30,7 @@ from .sequences import PackedGemm, PassPlan
 ROW_BYTES = 128   # a step's row: 64 channels of a pixel (A), 64 columns of an input channel (B)
 ITEM = 2          # bytes of an fp16 or bf16 value
 TMA_COORDINATE_LIMIT = 2 ** 31   # the copy engine's box coordinates are signed 32-bit
+MASK_TAPS = 16    # a gathered row's landing kernel rows and columns are two 16-bit masks
 FORWARD, GRAD_INPUT = "forward", "grad_input"
 
 
@@ -72,12 +74,31 @@ def one_tap(g: Geometry) -> bool:
     return True
 
 
-def eligible(g: Geometry, dtype: str) -> bool:
-    """fp16 or bf16, one group, :func:`one_tap`, input channels and (tap, output channel) columns in whole 16-byte
-    runs and an even number of output channels, within the tensor-core kernels' limits, and fewer input pixels
-    than the copy engine's coordinates reach."""
-    return (dtype in ("float16", "bfloat16") and g.groups == 1 and one_tap(g) and g.in_channels % 8 == 0
+def gathers(g: Geometry) -> bool:
+    """Whether grad_input's gather GEMM takes the layer: any kernel, stride and dilation (its K runs over every
+    tap), but where the padding may crop a tap and grad_output does not land as copy-engine boxes
+    (:func:`grad_output_boxes`), a gathered row keeps its landing taps as masks of :data:`MASK_TAPS` bits."""
+    crops = any(g.params.padding)
+    return not crops or grad_output_boxes(g) or max(g.kernel) <= MASK_TAPS
+
+
+def eligible(g: Geometry, dtype: str, pass_: str = FORWARD) -> bool:
+    """fp16 or bf16, one group, input channels and (tap, output channel) columns in whole 16-byte runs and an
+    even number of output channels, within the tensor-core kernels' limits, fewer input pixels than the copy
+    engine's coordinates reach, and a layer the pass's kernel takes: the forward :func:`one_tap`, grad_input
+    :func:`gathers`."""
+    takes = one_tap(g) if pass_ == FORWARD else gathers(g)
+    return (dtype in ("float16", "bfloat16") and g.groups == 1 and takes and g.in_channels % 8 == 0
             and g.out_channels % 8 == 0 and gemm.gemm_fits(g, dtype) and pixel_count(g) < TMA_COORDINATE_LIMIT)
+
+
+def overlap_leads(g: Geometry) -> bool:
+    """Whether grad_input of a layer whose taps overlap runs the gather ahead of the halo tiles: 128 input
+    channels or more, and at most two taps a stride phase along each axis (DCGAN's and pix2pix's 4 x 4 stride-2
+    layers).  There (NOTES v44, v45) its heuristic beat the halo tiles' 1.2-2.7x; a phase of many taps shares
+    the halo tile's pixels among them, which the gather reads again for each."""
+    p = g.params
+    return g.in_channels >= 128 and all(phase_taps(g.kernel[a], p.stride[a], p.dilation[a]) <= 2 for a in range(2))
 
 
 def stages_for(tile: ScatterTile) -> int:
@@ -147,9 +168,10 @@ def _gemm_plan(g: Geometry, dtype: str, pass_: str, tile: Optional[ScatterTile],
                **constants: object) -> Plan:
     """The pass's GEMM: persistent blocks, about one an SM, on the layer seen with its weight in channels_last
     order (the order either kernel reads)."""
-    if not eligible(g, dtype):
-        raise ValueError("the one-tap GEMMs run fp16 and bf16 layers of one group whose output pixels each receive "
-                         "one tap, with input and output channels in multiples of 8")
+    if not eligible(g, dtype, pass_):
+        raise ValueError("the scatter and gather GEMMs run fp16 and bf16 layers of one group with input and output "
+                         "channels in multiples of 8, the scatter forward those whose output pixels each receive "
+                         "one tap")
     tile = tile or HEURISTIC
     stages = stages_for(tile)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns(g))
@@ -243,7 +265,7 @@ class ScatterGemmFamily(Family):
                  precision: str = "strict") -> bool:
         """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
-                and _eligible(g, dtype))
+                and _eligible(g, dtype, pass_))
 
     def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
         """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more, and for the forward only in
@@ -254,8 +276,11 @@ class ScatterGemmFamily(Family):
         lost the 32² one by 1.13x.
         grad_input (NOTES v43, H200) beat the halo-tile kernel's heuristic 1.5-2.9x on U-Net's four upsampling
         layers down to 128 tiles (1024 input channels of 16 x 16 pixels), and lost 12x to the split GEMM on a
-        1 x 1 input (4 tiles of 128 steps).  Elsewhere it races them."""
+        1 x 1 input (4 tiles of 128 steps); where taps overlap, only on layers :func:`overlap_leads` picks.
+        Elsewhere it races them."""
         if pass_ == FORWARD and layout != "nchw":
+            return False
+        if pass_ == GRAD_INPUT and not one_tap(g) and not overlap_leads(g):
             return False
         return tile_count(g, HEURISTIC, pass_) >= LEAD_WAVES[pass_] * ASSUMED.sm_count
 
@@ -282,8 +307,8 @@ class ScatterGemmFamily(Family):
 
 
 @functools.lru_cache(maxsize=1024)
-def _eligible(g: Geometry, dtype: str) -> bool:
-    return eligible(g, dtype)
+def _eligible(g: Geometry, dtype: str, pass_: str) -> bool:
+    return eligible(g, dtype, pass_)
 
 
 FAMILY = ScatterGemmFamily()
