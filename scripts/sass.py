@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cupyconv.core.geometry import ConvParams, geometry  # noqa: E402
-from cupyconv.jit.compiler import KernelSpec  # noqa: E402
+from cupyconv.jit.compiler import KernelSpec, compile_ptx  # noqa: E402
 from cupyconv.plans import scatter_gemm  # noqa: E402
 
 
@@ -62,7 +62,12 @@ def specs() -> Dict[str, KernelSpec]:
     return found
 
 
-def cubin(spec: KernelSpec) -> bytes:
+ELF = b"\x7fELF"
+
+
+def cubin(spec: KernelSpec) -> Tuple[bytes, str]:
+    """(the kernel's cubin, how it was made): NVRTC's own where it hands back an ELF image, else NVRTC's PTX
+    assembled by the ptxas on the PATH."""
     from cupy_backends.cuda.libs import nvrtc
 
     program = nvrtc.createProgram(spec.source(), f"{spec.function}.cu", (), ())
@@ -71,9 +76,20 @@ def cubin(spec: KernelSpec) -> bytes:
             nvrtc.compileProgram(program, list(spec.options))
         except nvrtc.NVRTCError:
             raise RuntimeError(f"{spec.function} failed to build:\n{nvrtc.getProgramLog(program)}") from None
-        return nvrtc.getCUBIN(program)
+        image = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
+    if image.startswith(ELF):
+        return image, "nvrtc"
+    ptx = compile_ptx(spec.source(), spec.function, spec.target.replace("sm_", "compute_"), spec.options[:-1])
+    if shutil.which("ptxas") is None:
+        raise RuntimeError(f"NVRTC gave no ELF image for {spec.function} ({image[:8]!r}), and no ptxas is here")
+    with tempfile.TemporaryDirectory() as folder:
+        source, built = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
+        source.write_text(ptx)
+        subprocess.run(["ptxas", f"-arch={spec.target}", str(source), "-o", str(built)], check=True,
+                       capture_output=True)
+        return built.read_bytes(), "ptxas"
 
 
 def disassemble(path: Path) -> str:
@@ -107,7 +123,7 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor() as pool:
         binaries = dict(zip(named, pool.map(cubin, named.values())))
     failures: List[str] = []
-    for name, binary in binaries.items():
+    for name, (binary, how) in binaries.items():
         path = folder / f"{name}.cubin"
         path.write_bytes(binary)
         sass = disassemble(path)
@@ -115,7 +131,7 @@ def main(argv=None) -> int:
             path.with_suffix(".sass").write_text(sass)
         hgmma, local = inspect(sass)
         ok = hgmma > 0 and local == 0
-        print(f"{'ok  ' if ok else 'FAIL'} {name}: {hgmma} HGMMA, {local} LDL/STL")
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {hgmma} HGMMA, {local} LDL/STL ({how})")
         if not ok:
             failures.append(name)
     print(f"{len(binaries) - len(failures)} of {len(binaries)} kernels issue HGMMA and use no local memory")
