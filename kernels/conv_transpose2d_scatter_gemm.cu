@@ -111,7 +111,7 @@ conv_transpose2d_scatter_gemm(const scalar_t* __restrict__ src, const scalar_t* 
                               const __grid_constant__ TensorMap src_map, const __grid_constant__ TensorMap weight_map) {
     extern __shared__ __align__(1024) unsigned char smem[];   // STAGES x (A tile, then B tile)
     const index_t M = N * H_SRC * W_SRC;
-    ScatterProducer producer{{}, &src_map, &weight_map, 0, 0};
+    ScatterProducer producer{CopyEngineProducer{}, &src_map, &weight_map, 0, 0};
     ScatterStore store{bias, dst, M, H_SRC, W_SRC, H_DST, W_DST};
     Gemm::run(smem, (M + BM - 1) / BM * N_TILES, producer, store);
 }

@@ -62,12 +62,8 @@ def specs() -> Dict[str, KernelSpec]:
     return found
 
 
-ELF = b"\x7fELF"
-
-
-def cubin(spec: KernelSpec) -> Tuple[bytes, str]:
-    """(the kernel's cubin, how it was made): NVRTC's own where it hands back an ELF image, else NVRTC's PTX
-    assembled by the ptxas on the PATH."""
+def cubin(spec: KernelSpec) -> bytes:
+    """The kernel's cubin as NVRTC builds it for the library."""
     from cupy_backends.cuda.libs import nvrtc
 
     program = nvrtc.createProgram(spec.source(), f"{spec.function}.cu", (), ())
@@ -76,20 +72,21 @@ def cubin(spec: KernelSpec) -> Tuple[bytes, str]:
             nvrtc.compileProgram(program, list(spec.options))
         except nvrtc.NVRTCError:
             raise RuntimeError(f"{spec.function} failed to build:\n{nvrtc.getProgramLog(program)}") from None
-        image = nvrtc.getCUBIN(program)
+        return nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
-    if image.startswith(ELF):
-        return image, "nvrtc"
+
+
+def assembled(spec: KernelSpec) -> bytes:
+    """The kernel's NVRTC PTX assembled by the ptxas on the PATH: for an NVRTC whose cubins the disassemblers
+    here cannot read (CUDA 13's through CuPy, seen on an H200)."""
     ptx = compile_ptx(spec.source(), spec.function, spec.target.replace("sm_", "compute_"), spec.options[:-1])
-    if shutil.which("ptxas") is None:
-        raise RuntimeError(f"NVRTC gave no ELF image for {spec.function} ({image[:8]!r}), and no ptxas is here")
     with tempfile.TemporaryDirectory() as folder:
         source, built = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
         source.write_text(ptx)
         subprocess.run(["ptxas", f"-arch={spec.target}", str(source), "-o", str(built)], check=True,
                        capture_output=True)
-        return built.read_bytes(), "ptxas"
+        return built.read_bytes()
 
 
 def disassemble(path: Path) -> str:
@@ -123,10 +120,18 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor() as pool:
         binaries = dict(zip(named, pool.map(cubin, named.values())))
     failures: List[str] = []
-    for name, (binary, how) in binaries.items():
+    for name, binary in binaries.items():
         path = folder / f"{name}.cubin"
         path.write_bytes(binary)
-        sass = disassemble(path)
+        how = "nvrtc"
+        try:
+            sass = disassemble(path)
+        except RuntimeError as unread:
+            if shutil.which("ptxas") is None:
+                raise
+            print(f"     {name}: {unread}; assembling its PTX with ptxas instead")
+            path.write_bytes(assembled(named[name]))
+            sass, how = disassemble(path), "ptxas"
         if args.keep:
             path.with_suffix(".sass").write_text(sass)
         hgmma, local = inspect(sass)
