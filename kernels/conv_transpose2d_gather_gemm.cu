@@ -8,7 +8,8 @@
 // tile; where taps overlap (DCGAN's and pix2pix's 4 x 4 stride-2 layers) a pixel is read once for each tap that
 // lands on it, neighbouring rows of a tile sharing it through L2.  A's rows come in runs of a pixel's channels;
 // B is the weight as it lies, K-major, one copy-engine box a step.  A contiguous weight is copied into the
-// channels_last order first, an NCHW grad_output into channels_last scratch.
+// channels_last order first, an NCHW grad_output into channels_last scratch; float32 operands come through
+// copies that round them to TF32 (the tensor cores would truncate them), so none is read in place.
 //
 // The block is pingpong_gemm.cuh's: persistent over tiles of BM input pixels (BOX_N images of BOX_H x BOX_W)
 // x BN input channels, a producer warpgroup filling a ring of CK-column steps and two consumer warpgroups
@@ -29,7 +30,8 @@ constexpr bool A_BOXES = {{A_BOXES}};   // A lands as copy-engine boxes of grad_
 constexpr int BOX_W = {{BOX_W}}, BOX_H = {{BOX_H}};   // a tile's pixels: BOX_N images of BOX_H x BOX_W
 
 constexpr int VEC = 16 / sizeof(scalar_t);     // elements in 16 bytes
-constexpr int CK = 128 / sizeof(scalar_t);     // columns of (tap, output channel) a step: one 128-byte row
+constexpr int CK = 128 / sizeof(scalar_t);     // columns of (tap, output channel) a step: one 128-byte row (64
+                                               // 16-bit values, 32 float32 ones)
 constexpr int K_TOTAL = TAPS * COUT;
 constexpr int K_STEPS = (K_TOTAL + CK - 1) / CK;
 constexpr int N_TILES = (CIN + BN - 1) / BN;
@@ -43,7 +45,8 @@ constexpr int A_COPIES = BM / 16;              // a producer thread's 16-byte co
 // grad_output's last pixel but output_padding, the first one's first on its first.
 constexpr bool CROPS = PH > 0 || PW > 0;
 
-static_assert(KIND == MMA_F16 || KIND == MMA_BF16, "fp16 or bf16");
+static_assert(KIND == MMA_F16 || KIND == MMA_BF16 || KIND == MMA_TF32,
+              "fp16 or bf16, or float32 words rounded to TF32 (both operands K-major)");
 static_assert(GROUPS == 1 && WEIGHT_CL, "one group; the weight in channels_last order");
 static_assert(COUT % VEC == 0 && CIN % 2 == 0,
               "16-byte runs of output channels within a tap; input channel pairs");

@@ -293,6 +293,12 @@ def base_cases() -> List[Case]:
         cases.append(Case(f"scatter-gemm-overlapping-{cout}-{dtype}-{layout}", (2, 64, 3, 5), (64, cout, 4, 4),
                           _kw(stride=2, padding=1), False, dtype, layout=layout, weight_cl=layout == "nhwc",
                           variants=(("grad_input", "scatter_gemm"),)))
+    # the same gather at TF32 (float32 operands through rounding copies): boxes beside a channels_last weight read
+    # through its rounding copy, gathered rows beside a contiguous one rounded into channels_last order
+    for cout, layout in ((64, "nhwc"), (48, "nchw")):
+        cases.append(Case(f"scatter-gemm-overlapping-{cout}-tf32-{layout}", (2, 64, 3, 5), (64, cout, 4, 4),
+                          _kw(stride=2, padding=1), False, "float32", "tf32", layout, weight_cl=layout == "nhwc",
+                          variants=(("grad_input", "scatter_gemm"),)))
     cases.append(Case("scatter-gemm-dilated-float16-nhwc", (1, 32, 5, 6), (32, 40, 3, 3), _kw(padding=2, dilation=2),
                       False, "float16", layout="nhwc", variants=(("grad_input", "scatter_gemm"),)))
     cases.append(Case("scatter-gemm-persistent-bfloat16-nhwc", (1, 8, 16, 32), (8, 320, 4, 4), _kw(stride=4), False,

@@ -48,7 +48,7 @@ GRAD_INPUT_LAYERS = {
 
 
 def specs() -> Dict[str, KernelSpec]:
-    """Every tile of both kernels on each check layer, in 16 bits both ways."""
+    """Every tile of both kernels on each check layer, in 16 bits both ways, and the gather's in TF32."""
     found: Dict[str, KernelSpec] = {}
     for tile_name, tile in scatter_gemm.TILES.items():
         for name, g in FORWARD_LAYERS.items():
@@ -56,9 +56,9 @@ def specs() -> Dict[str, KernelSpec]:
                 packed = scatter_gemm.plan_forward(g, dtype, True, "nhwc", tile)
                 found[f"scatter-{name}-{tile_name}-{dtype}"] = packed.gemm.spec
         for i, (name, g) in enumerate(GRAD_INPUT_LAYERS.items()):
-            dtype = ("float16", "bfloat16")[i % 2]
-            packed = scatter_gemm.plan_grad_input(g, dtype, "nhwc", tile)
-            found[f"gather-{name}-{tile_name}-{dtype}"] = packed.gemm.spec
+            for dtype in (("float16", "bfloat16")[i % 2], "float32"):   # float32 at TF32
+                packed = scatter_gemm.plan_grad_input(g, dtype, "nhwc", tile)
+                found[f"gather-{name}-{tile_name}-{dtype}"] = packed.gemm.spec
     return found
 
 

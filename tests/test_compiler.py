@@ -343,10 +343,15 @@ def _wgmma_plans():
             layer = ("k2s2", "one_pixel_k4s2p1")[(i + j) % 2]
             add(f"gather_gemm-{name}-{dtype}-{layout}-{layer}",
                 scatter_gemm.plan_grad_input(SCATTER_LAYERS[layer], dtype, layout, tile))
-    # and of layers whose taps overlap, both grad_output paths
+    # and of layers whose taps overlap, both grad_output paths; float32 at TF32, every tile
     for i, (layer, g) in enumerate(OVERLAPPING_LAYERS.items()):
         dtype, layout, _ = WGMMA_CASES[i % len(WGMMA_CASES)]
         add(f"gather_gemm-{dtype}-{layout}-{layer}", scatter_gemm.plan_grad_input(g, dtype, layout))
+    for i, (name, tile) in enumerate(scatter_gemm.TILES.items()):
+        layer, layout = list(OVERLAPPING_LAYERS)[i % len(OVERLAPPING_LAYERS)], ("nchw", "nhwc")[i % 2]
+        add(f"gather_gemm-{name}-tf32-{layout}-{layer}",
+            scatter_gemm.plan_grad_input(OVERLAPPING_LAYERS[layer].with_weight_channels_last(i % 2 == 1), "float32",
+                                         layout, tile))
     return seen
 
 
@@ -505,6 +510,7 @@ def test_variants_reach_every_template_and_both_index_widths():
     assert {c["A_BOXES"] for c in gather} == {True, False}, "grad_output by the copy engine, and gathered"
     assert {(c["KH"] > c["SH"], c["A_BOXES"]) for c in gather} >= {(True, True), (True, False)}, "overlapping taps"
     assert any(c["DH"] > 1 and c["KH"] > 1 for c in gather), "taps dilated apart"
+    assert {c["MMA_KIND"] for c in gather} == {0, 1, 2}, "fp16, bf16 and TF32"
     assert {s.target for s in PLANS if s.template in HOPPER_TEMPLATES} == {wgmma.TARGET}
     assert {s.target for s in PLANS if s.template not in HOPPER_TEMPLATES} == {""}
     weights = [dict(s.constants) for s in PLANS if s.template == WGMMA_GRAD_WEIGHT_TEMPLATE]
@@ -960,12 +966,17 @@ ONE_TAP_KERNELS = {"scatter": (_scatter_plan, ("0", "1")), "gather": (_gather_pl
                    "gather_dilated_rows": (_overlapping_plan("k3d2_rows"), ("0", "0"))}
 
 
-@pytest.mark.parametrize("kernel", sorted(ONE_TAP_KERNELS))
+# float32 (at TF32) is the gather's alone: the scatter forward's B is MN-major, which TF32 cannot read
+ONE_TAP_BUILDS = [(kernel, dtype) for kernel in sorted(ONE_TAP_KERNELS) for dtype in ("float16", "bfloat16", "float32")
+                  if not (kernel == "scatter" and dtype == "float32")]
+
+
+@pytest.mark.parametrize("kernel,dtype", ONE_TAP_BUILDS)
 @pytest.mark.parametrize("tile", sorted(scatter_gemm.TILES))
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_one_tap_gemm_kernels_build_for_sm_90a_without_spilling(kernel, tile, dtype, ptxas_logs):
     """Each tile's accumulators (up to 128 a consumer thread), the gather producer's per-row offsets and landing
-    taps, and the shared-memory ring fit, with no stack frame and no serialised warpgroup MMAs; A is K-major."""
+    taps, and the shared-memory ring fit, with no stack frame and no serialised warpgroup MMAs; A is K-major (TF32
+    MMAs take no transpose immediates: both operands are)."""
     make, majors = ONE_TAP_KERNELS[kernel]
     main = make(tile, dtype).gemm
     log = ptxas_logs(main.spec)
@@ -975,7 +986,10 @@ def test_one_tap_gemm_kernels_build_for_sm_90a_without_spilling(kernel, tile, dt
     static = re.search(r"(\d+) bytes smem", log)
     assert main.smem_bytes + (int(static.group(1)) if static else 0) <= 227 * 1024, log
     ptx = compile_ptx(main.spec.source(), main.spec.function, "compute_90a", main.spec.options[:1])
-    assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {majors}
+    if dtype == "float32":
+        assert re.search(r"wgmma\.mma_async[^;]*?k8\.f32\.tf32\.tf32[^;]*?, 1, 1;", ptx, re.S)
+    else:
+        assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {majors}
 
 
 @pytest.mark.parametrize("name", ["asym_dilated", "wide"])

@@ -24,6 +24,7 @@ def test_it_checks_every_tile_of_both_kernels_on_each_grad_output_path(sass):
     assert {(c["KH"] > c["SH"], c["A_BOXES"]) for c in gather} == {(a, b) for a in (True, False) for b in (True, False)}
     assert any(c["PH"] > 0 and not c["A_BOXES"] for c in gather) and any(c["DH"] > 1 for c in gather)
     assert {spec.target for spec in specs.values()} == {"sm_90a"}
+    assert {c["MMA_KIND"] for c in gather} == {0, 1, 2}, "fp16, bf16 and TF32"
 
 
 def test_it_counts_warpgroup_mmas_and_local_memory(sass):

@@ -269,3 +269,52 @@ def test_grad_input_tiles_are_boxes_of_pixels_with_the_fewest_past_the_edges(x_s
     if boxes:
         sh, sw = g.params.stride
         assert plan.tensor_maps[1].box == (64, sw * cols, sh * rows, images)
+
+
+@pytest.mark.parametrize("weight_cl", [False, True], ids=["w", "w_cl"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_tf32_grad_input_plans_rounded_copies_of_both_operands(layout, weight_cl):
+    """float32 grad_input at TF32 multiplies operands rounded to nearest: grad_output's channels_last copy rounds
+    (NCHW), or a rounding copy replaces reading it in place (channels_last); the same for the weight.  A step is
+    32 float32 columns, so grad_output's boxes and the weight's are 32 values (128 bytes) wide."""
+    g = DCGAN_UP.with_weight_channels_last(weight_cl)
+    assert scatter_gemm.eligible(g, "float32", "grad_input", "tf32")
+    assert not scatter_gemm.eligible(g, "float32", "grad_input", "strict"), "3xTF32 needs every bit"
+    assert not scatter_gemm.eligible(UNET_UP, "float32", "forward", "tf32"), "the forward's B is MN-major"
+    packed = scatter_gemm.plan_grad_input(g, "float32", layout)
+    words = 64 * 256 * 16 * 16
+    if layout == "nchw":
+        assert packed.to_channels_last == gemm.plan_to_channels_last(64, 256, 16 * 16, "float32", round_tf32=True)
+    else:
+        assert packed.to_channels_last == gemm.plan_round_tf32(words)
+    if weight_cl:
+        assert packed.pack == gemm.plan_round_tf32(512 * 256 * 16)
+    else:
+        assert packed.pack == gemm.plan_to_channels_last(512, 256, 16, "float32", round_tf32=True)
+    constants = dict(packed.gemm.spec.constants)
+    assert constants["MMA_KIND"] == 2 and constants["SCALAR_T"] == "float" and constants["A_BOXES"]
+    weight_map, grad_output_map = packed.gemm.tensor_maps
+    assert weight_map.dtype == grad_output_map.dtype == "float32"
+    assert weight_map.box == (32, 128, 1, 1) and weight_map.box_bytes == scatter_gemm.HEURISTIC.bn * 128
+    assert grad_output_map.box[0] == 32 and grad_output_map.box_bytes == 128 * scatter_gemm.ROW_BYTES
+    assert scatter_gemm.row_elements("float32") == 32 and scatter_gemm.row_elements("bfloat16") == 64
+
+
+def test_tf32_grad_input_races_once_verified_and_runs_pinned_before(monkeypatch):
+    """Until its GPU tests pass (scatter_gemm.TF32_GATHER) the TF32 gather is no candidate, but pinned it plans;
+    then it races the others and leads nothing (unmeasured).  Strict float32 never takes it, pinned or not."""
+    for flag in (False, True):
+        monkeypatch.setattr(scatter_gemm, "TF32_GATHER", flag)
+        table.clear_plan_cache()
+        try:
+            for layout in ("nchw", "nhwc"):
+                cands = table.candidates("grad_input", DCGAN_UP, "float32", layout, "tf32")
+                assert (Variant("scatter_gemm") in cands) is flag and cands[0].family != "scatter_gemm"
+                strict = table.candidates("grad_input", DCGAN_UP, "float32", layout, "strict")
+                assert all(v.family != "scatter_gemm" for v in strict)
+            pinned = table.plan("grad_input", Variant("scatter_gemm"), DCGAN_UP, "float32", "nhwc", "tf32")
+            assert pinned.gemm.spec.function == "conv_transpose2d_gather_gemm"
+            with pytest.raises(ValueError, match="TF32"):
+                table.plan("grad_input", Variant("scatter_gemm"), DCGAN_UP, "float32", "nhwc", "strict")
+        finally:
+            table.clear_plan_cache()

@@ -29,8 +29,8 @@ from cupyconv.plans import launch, scatter_gemm, table  # noqa: E402
 from cupyconv.tuning import Variant  # noqa: E402
 
 from layers import Layer  # noqa: E402
-from test_wgmma_gpu import (GRAD, SHORT, Case, _compare, _compare_grad_input, _data, _grad_data,  # noqa: E402
-                            _grad_inputs, _inputs, _one_element_off, _run_grad, _run_ours)
+from test_wgmma_gpu import (GRAD, NAMES, SHORT, Case, _compare, _compare_grad_input, _data,  # noqa: E402
+                            _grad_data, _grad_inputs, _inputs, _one_element_off, _run_grad, _run_ours)
 
 FUNCTION = "conv_transpose2d_scatter_gemm"
 GATHER_FUNCTION = "conv_transpose2d_gather_gemm"
@@ -118,6 +118,23 @@ OVERLAPPING_LAYERS = {
 OVERLAPPING_CASES = [pytest.param(Case(layer, dtype, cl, SCATTER, pass_=GRAD, weight_channels_last=wcl),
                                   id=f"{name}-{SHORT[dtype]}-{'nhwc' if cl else 'nchw'}-{'wcl' if wcl else 'w'}")
                      for name, layer in OVERLAPPING_LAYERS.items() for dtype, cl, wcl in COMBOS]
+# grad_input of float32 at TF32 (pinned: the tuner races it once these pass, scatter_gemm.TF32_GATHER): one tap a
+# pixel and overlapping taps, copy-engine boxes and gathered rows, cropped and dilated, both layouts and weight
+# layouts, every tile, and 24 steps a tile (192 output channels of 4 taps, 32 columns a step) lapping the ring
+TF32_LAYERS = {name: replace(layer, bias=False) for name, layer in (
+    ("k2s2", LAYERS["k2s2"]), ("k3s3_p1_op1_box", GRAD_BOX_LAYERS["k3s3_p1_op1_box"]),
+    ("k4s2p1_box", OVERLAPPING_LAYERS["k4s2p1_box"]), ("k4s2p1_rows", OVERLAPPING_LAYERS["k4s2p1_rows"]),
+    ("k3d2_p2_box", OVERLAPPING_LAYERS["k3d2_p2_box"]),
+    ("k2x3_s3x2_d1x2_rows", OVERLAPPING_LAYERS["k2x3_s3x2_d1x2_rows"]))}
+TF32_CASES = [pytest.param(Case(layer, torch.float32, cl, SCATTER, pass_=GRAD, weight_channels_last=wcl),
+                           id=f"{name}-{'nhwc' if cl else 'nchw'}-{'wcl' if wcl else 'w'}")
+              for name, layer in TF32_LAYERS.items() for _, cl, wcl in COMBOS]
+TF32_CASES += [pytest.param(Case(replace(TILE_LAYER, bias=False), torch.float32, i % 2 == 0,
+                                 Variant.make("scatter_gemm", tile=name), pass_=GRAD, weight_channels_last=i % 2 == 1),
+                            id=f"tile-{name}") for i, name in enumerate(scatter_gemm.TILES)]
+TF32_CASES += [pytest.param(Case(replace(GRAD_DEEP, out_channels=192), torch.float32, True,
+                                 Variant.make("scatter_gemm", tile="128x128"), pass_=GRAD, weight_channels_last=True),
+                            id="deep-128x128-192")]
 # enough tiles, input channels and few enough taps a phase for the gather to lead grad_input untuned
 OVERLAP_LEADING = Layer(16, 128, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (32, 32), "")
 GRAD_DEEP_CASES = [pytest.param(Case(replace(GRAD_DEEP, out_channels=cout), dtype, cl,
@@ -133,7 +150,7 @@ GRAD_DEEP_CASES = [pytest.param(Case(replace(GRAD_DEEP, out_channels=cout), dtyp
 def precompiled(hopper):
     """Build every case's kernels side by side rather than one by one at each first call."""
     cases = [p.values[0] for p in CASES + TILE_CASES + DEEP_CASES + GRAD_CASES + GRAD_TILE_CASES + GRAD_DEEP_CASES
-             + OVERLAPPING_CASES]
+             + OVERLAPPING_CASES + TF32_CASES]
     specs = [p.spec for case in cases for p in case.plan(hopper).plans()]
     compiler.compile_many(specs, hopper.index, workers=16)
 
@@ -205,8 +222,7 @@ def test_the_heuristic_forward_on_sm_90(channels_last, hopper, monkeypatch):
 # ------------------------------------------------------------------------ grad_input: the gather GEMM
 
 def _check_grad_input(case: Case, hopper, seed=0):
-    assert scatter_gemm.eligible(case.geometry, {torch.float16: "float16", torch.bfloat16: "bfloat16"}[case.dtype],
-                                 GRAD)
+    assert scatter_gemm.eligible(case.geometry, NAMES[case.dtype], GRAD, case.precision)
     x, w, go = _grad_inputs(case, *_grad_data(case.layer, case.dtype, seed))
     gi, seen = _run_grad(case, go, x, w, expect_function=GATHER_FUNCTION)
     assert {p for _, p in seen} == set(case.plan(hopper).plans()), "the pinned variant launched other kernels"
@@ -225,6 +241,20 @@ def test_grad_input_of_overlapping_and_dilated_taps_matches_float64(case, hopper
     constants = dict(case.plan(hopper).gemm.spec.constants)
     assert constants["A_BOXES"] is (case.layer.out_channels % 64 == 0)
     _check_grad_input(case, hopper, seed=15)
+
+
+@pytest.mark.parametrize("case", TF32_CASES)
+def test_tf32_grad_input_matches_float64(case, hopper):
+    """float32 at torch's default TF32 precision: both operands reach the kernel rounded to TF32 by a copy (the
+    tensor cores would truncate them), and grad_input is within twice TF32's unit of float64 and no worse than
+    twice torch's error (at least that of an exact sum of TF32-rounded products)."""
+    assert torch.backends.cudnn.allow_tf32 and case.precision == "tf32"
+    packed = case.plan(hopper)
+    assert dict(packed.gemm.spec.constants)["MMA_KIND"] == 2, "TF32 MMAs"
+    for copy in (packed.pack, packed.to_channels_last):
+        assert copy is not None and (copy.spec.function == "round_tf32_copy"
+                                     or dict(copy.spec.constants)["ROUND_TF32"]), "each operand copied rounded"
+    _check_grad_input(case, hopper, seed=17)
 
 
 @pytest.mark.parametrize("case", GRAD_TILE_CASES)

@@ -8,9 +8,11 @@ each product element landing on one output pixel.  grad_input of any layer is th
 x (tap, output channel) times the weight, each row gathering the grad_output pixels its input pixel's taps land on
 (an implicit GEMM; where taps overlap, a grad_output pixel is gathered once for each tap that lands on it).  The
 halo-tile kernels run these layers per stride phase, storing each tile while their tensor cores wait; here two
-consumer warpgroups take turns, one storing while the other multiplies.  fp16 and bf16 on exactly sm_90 (the
-forward's B is MN-major, which TF32 cannot read); one group.  A contiguous weight is copied into channels_last
-order first, an NCHW activation into channels_last scratch.
+consumer warpgroups take turns, one storing while the other multiplies.  fp16 and bf16 on exactly sm_90, and
+grad_input of float32 at TF32 precision too (the forward's B is MN-major, which TF32 cannot read; grad_input's
+operands are both K-major); one group.  A contiguous weight is copied into channels_last order first, an NCHW
+activation into channels_last scratch; TF32 operands arrive rounded to nearest, through those copies or through
+a rounding copy of each operand read in place.
 """
 from __future__ import annotations
 
@@ -27,10 +29,13 @@ from .family import Family
 from .launch import Plan, cdiv, index_type, layer_constants, numel
 from .sequences import PackedGemm, PassPlan
 
-ROW_BYTES = 128   # a step's row: 64 channels of a pixel (A), 64 columns of an input channel (B)
-ITEM = 2          # bytes of an fp16 or bf16 value
+ROW_BYTES = 128   # a step's row: a pixel's channels (A), an input channel's columns (B); 64 16-bit values, 32 TF32
 TMA_COORDINATE_LIMIT = 2 ** 31   # the copy engine's box coordinates are signed 32-bit
 MASK_TAPS = 16    # a gathered row's landing kernel rows and columns are two 16-bit masks
+HALF = ("float16", "bfloat16")
+# grad_input of float32 at TF32 joins the tuner's candidates once its GPU tests have passed (NOTES v45); pinned
+# (tuning.pinned, the tests, the sanitizer) it runs before that.
+TF32_GATHER = False
 FORWARD, GRAD_INPUT = "forward", "grad_input"
 
 
@@ -82,20 +87,28 @@ def gathers(g: Geometry) -> bool:
     return not crops or grad_output_boxes(g) or max(g.kernel) <= MASK_TAPS
 
 
-def eligible(g: Geometry, dtype: str, pass_: str = FORWARD) -> bool:
-    """fp16 or bf16, one group, input channels and (tap, output channel) columns in whole 16-byte runs and an
-    even number of output channels, within the tensor-core kernels' limits, fewer input pixels than the copy
-    engine's coordinates reach, and a layer the pass's kernel takes: the forward :func:`one_tap`, grad_input
-    :func:`gathers`."""
-    takes = one_tap(g) if pass_ == FORWARD else gathers(g)
-    return (dtype in ("float16", "bfloat16") and g.groups == 1 and takes and g.in_channels % 8 == 0
-            and g.out_channels % 8 == 0 and gemm.gemm_fits(g, dtype) and pixel_count(g) < TMA_COORDINATE_LIMIT)
+def eligible(g: Geometry, dtype: str, pass_: str = FORWARD, precision: str = "strict") -> bool:
+    """fp16 or bf16, or for grad_input float32 at TF32 precision; one group, input channels and (tap, output
+    channel) columns in whole 16-byte runs and an even number of output channels, within the tensor-core kernels'
+    limits, fewer input pixels than the copy engine's coordinates reach, and a layer the pass's kernel takes: the
+    forward :func:`one_tap`, grad_input :func:`gathers`."""
+    if pass_ == FORWARD:
+        takes = dtype in HALF and one_tap(g)
+    else:
+        takes = (dtype in HALF or (dtype == "float32" and precision == "tf32")) and gathers(g)
+    return (takes and g.groups == 1 and g.in_channels % 8 == 0 and g.out_channels % 8 == 0
+            and gemm.gemm_fits(g, dtype) and pixel_count(g) < TMA_COORDINATE_LIMIT)
+
+
+def row_elements(dtype: str) -> int:
+    """Values in a step's 128-byte row: 64 of fp16 or bf16, 32 of float32."""
+    return ROW_BYTES // (4 if dtype == "float32" else 2)
 
 
 def overlap_leads(g: Geometry) -> bool:
     """Whether grad_input of a layer whose taps overlap runs the gather ahead of the halo tiles: 128 input
     channels or more, and at most two taps a stride phase along each axis (DCGAN's and pix2pix's 4 x 4 stride-2
-    layers).  There (NOTES v44, v45) its heuristic beat the halo tiles' 1.2-2.7x; a phase of many taps shares
+    layers).  There (NOTES v44, v45) its heuristic beat the halo tiles' 1.3-2.7x; a phase of many taps shares
     the halo tile's pixels among them, which the gather reads again for each."""
     p = g.params
     return g.in_channels >= 128 and all(phase_taps(g.kernel[a], p.stride[a], p.dilation[a]) <= 2 for a in range(2))
@@ -168,15 +181,15 @@ def _gemm_plan(g: Geometry, dtype: str, pass_: str, tile: Optional[ScatterTile],
                **constants: object) -> Plan:
     """The pass's GEMM: persistent blocks, about one an SM, on the layer seen with its weight in channels_last
     order (the order either kernel reads)."""
-    if not eligible(g, dtype, pass_):
+    if not eligible(g, dtype, pass_, "tf32"):
         raise ValueError("the scatter and gather GEMMs run fp16 and bf16 layers of one group with input and output "
-                         "channels in multiples of 8, the scatter forward those whose output pixels each receive "
-                         "one tap")
+                         "channels in multiples of 8 (grad_input float32 ones too, at TF32), the scatter forward "
+                         "those whose output pixels each receive one tap")
     tile = tile or HEURISTIC
     stages = stages_for(tile)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns(g))
     layer = layer_constants(g.with_weight_channels_last(), dtype, index_t)
-    layer.update(MMA_KIND=wgmma.mma_kind(dtype), MB=tile.mb, BN=tile.bn, STAGES=stages, **constants)
+    layer.update(MMA_KIND=wgmma.mma_kind(dtype, "tf32"), MB=tile.mb, BN=tile.bn, STAGES=stages, **constants)
     spec = KernelSpec.make(KERNELS[pass_] + ".cu", KERNELS[pass_], layer, wgmma.TARGET)
     blocks = max(1, min(tile_count(g, tile, pass_), sm_count))
     sizes = (g.batch,) + g.in_size + g.out_size
@@ -190,10 +203,13 @@ def _gemm_plan(g: Geometry, dtype: str, pass_: str, tile: Optional[ScatterTile],
 
 def _weight_order(g: Geometry, dtype: str) -> Optional[Plan]:
     """A contiguous weight's copy into channels_last order, (C_in, C_out, kH, kW) -> (C_in, kH, kW, C_out): the
-    activation copy's NCHW -> NHWC with C_in as the batch."""
+    activation copy's NCHW -> NHWC with C_in as the batch.  float32 (TF32) words are rounded on the way, and a
+    channels_last float32 weight is copied rounded in place of being read in place."""
+    tf32 = dtype == "float32"
+    taps = g.kernel[0] * g.kernel[1]
     if g.weight_channels_last:
-        return None
-    return gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype)
+        return gemm.plan_round_tf32(g.in_channels * g.out_channels * taps) if tf32 else None
+    return gemm.plan_to_channels_last(g.in_channels, g.out_channels, taps, dtype, round_tf32=tf32)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -217,20 +233,20 @@ def _matrix_map(pointer: int, dtype: str, rows: int, columns: int, box: Tuple[in
 def pixel_rows_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
     """The forward's A: the channels_last input (the main launch's first pointer) as pixels x input channels, a
     box of the tile's pixels by one step's 64 channels."""
-    return _matrix_map(0, dtype, pixel_count(g), g.in_channels, (ROW_BYTES // ITEM, 64 * tile.mb))
+    return _matrix_map(0, dtype, pixel_count(g), g.in_channels, (row_elements(dtype), 64 * tile.mb))
 
 
 def weight_columns_map(g: Geometry, dtype: str) -> tensor_map.TensorMap:
     """The forward's B: the channels_last weight (the second pointer) as input channels x (tap, output channel)
     columns, a box of 64 columns by one step's 64 input channels for each 64-column block of a tile."""
-    return _matrix_map(1, dtype, g.in_channels, columns(g), (64, ROW_BYTES // ITEM))
+    return _matrix_map(1, dtype, g.in_channels, columns(g), (64, row_elements(dtype)))
 
 
 def weight_box_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
     """grad_input's B: the channels_last weight (the main launch's second pointer) as C_in rows of (tap, output
     channel) columns, copied a box of the tile's input channels by one step's 64 columns (128 bytes, swizzled as
     the kernel's descriptors read them)."""
-    return _matrix_map(1, dtype, g.in_channels, columns(g), (ROW_BYTES // ITEM, tile.bn))
+    return _matrix_map(1, dtype, g.in_channels, columns(g), (row_elements(dtype), tile.bn))
 
 
 def grad_output_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.TensorMap:
@@ -238,7 +254,7 @@ def grad_output_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.Te
     a box of one step's 64 channels at the tile's pixels' tap, walked at the stride."""
     images, rows, cols = pixel_box(g, tile)
     sh, sw = g.params.stride
-    return tensor_map.channels_last(0, dtype, g.output_shape, (ROW_BYTES // ITEM, sw * cols, sh * rows, images),
+    return tensor_map.channels_last(0, dtype, g.output_shape, (row_elements(dtype), sw * cols, sh * rows, images),
                                     (1, sw, sh, 1))
 
 
@@ -247,12 +263,18 @@ def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optiona
                     sm_count: int = 132) -> PackedGemm:
     """grad_input as one GEMM whose A rows gather each input pixel's taps from grad_output, after the weight's
     copy into channels_last order where it is contiguous and grad_output's into channels_last scratch where it
-    is NCHW (the copy grad_weight shares)."""
+    is NCHW (the copy 16-bit grad_weight shares).  float32 runs at TF32 on operands rounded by those copies, or
+    by a rounding copy of a channels_last grad_output or weight."""
     _, rows, cols = pixel_box(g, tile or HEURISTIC)
     main = _gemm_plan(g, dtype, GRAD_INPUT, tile, sm_count, DST_CL=layout == "nhwc", A_BOXES=grad_output_boxes(g),
                       BOX_H=rows, BOX_W=cols)
-    to_cl = gemm.plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype) \
-        if layout == "nchw" else None
+    tf32 = dtype == "float32"
+    grad_output_words = g.batch * g.out_channels * g.out_size[0] * g.out_size[1]
+    if layout == "nchw":
+        to_cl = gemm.plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype,
+                                           round_tf32=tf32)
+    else:
+        to_cl = gemm.plan_round_tf32(grad_output_words) if tf32 else None
     return PackedGemm(_weight_order(g, dtype), main, to_cl)
 
 
@@ -263,9 +285,10 @@ class ScatterGemmFamily(Family):
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
                  precision: str = "strict") -> bool:
-        """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
+        """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible` (float32 once
+        :data:`TF32_GATHER`)."""
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
-                and _eligible(g, dtype, pass_))
+                and (dtype != "float32" or TF32_GATHER) and _eligible(g, dtype, pass_, precision))
 
     def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
         """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more, and for the forward only in
@@ -278,7 +301,7 @@ class ScatterGemmFamily(Family):
         layers down to 128 tiles (1024 input channels of 16 x 16 pixels), and lost 12x to the split GEMM on a
         1 x 1 input (4 tiles of 128 steps); where taps overlap, only on layers :func:`overlap_leads` picks.
         Elsewhere it races them."""
-        if pass_ == FORWARD and layout != "nchw":
+        if (pass_ == FORWARD and layout != "nchw") or dtype == "float32":   # TF32: unmeasured, it races
             return False
         if pass_ == GRAD_INPUT and not one_tap(g) and not overlap_leads(g):
             return False
@@ -289,6 +312,8 @@ class ScatterGemmFamily(Family):
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
+        if dtype == "float32" and precision != "tf32":
+            raise ValueError(f"the gather GEMM multiplies float32 at TF32 precision only, not {precision!r}")
         if not aligned:
             # Its copies need 16-byte aligned channel runs: channels_last activations, a weight read in place.
             if pass_ == FORWARD:
@@ -307,8 +332,8 @@ class ScatterGemmFamily(Family):
 
 
 @functools.lru_cache(maxsize=1024)
-def _eligible(g: Geometry, dtype: str, pass_: str) -> bool:
-    return eligible(g, dtype, pass_)
+def _eligible(g: Geometry, dtype: str, pass_: str, precision: str) -> bool:
+    return eligible(g, dtype, pass_, precision)
 
 
 FAMILY = ScatterGemmFamily()
