@@ -149,7 +149,8 @@ struct GatherProducer<false> {
         const int k = c * CK + vec * VEC;
         const int tap = k / COUT, oc = k % COUT, kh = tap / KW, kw = tap % KW;
         const bool column = k < K_TOTAL;
-        const unsigned lands = CROPS ? 1u << kh | 1u << (16 + kw) : 0u;   // past K_TOTAL too, kh <= KH <= 16
+        // past K_TOTAL kh may pass KH by the step's overshoot (under 8 taps), so the shifts stay under 32
+        const unsigned lands = CROPS ? 1u << kh | 1u << (16 + kw) : 0u;
         const index_t from_tap = (static_cast<index_t>(DH * kh) * W_OUT + DW * kw) * COUT + oc;
 #pragma unroll
         for (int q = 0; q < A_COPIES; ++q) {
