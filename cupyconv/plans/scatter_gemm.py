@@ -206,10 +206,10 @@ def _weight_order(g: Geometry, dtype: str) -> Optional[Plan]:
     activation copy's NCHW -> NHWC with C_in as the batch.  float32 (TF32) words are rounded on the way, and a
     channels_last float32 weight is copied rounded in place of being read in place."""
     tf32 = dtype == "float32"
-    taps = g.kernel[0] * g.kernel[1]
     if g.weight_channels_last:
-        return gemm.plan_round_tf32(g.in_channels * g.out_channels * taps) if tf32 else None
-    return gemm.plan_to_channels_last(g.in_channels, g.out_channels, taps, dtype, round_tf32=tf32)
+        return gemm.plan_round_tf32(numel(g.weight_shape)) if tf32 else None
+    return gemm.plan_to_channels_last(g.in_channels, g.out_channels, g.kernel[0] * g.kernel[1], dtype,
+                                      round_tf32=tf32)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -269,12 +269,11 @@ def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optiona
     main = _gemm_plan(g, dtype, GRAD_INPUT, tile, sm_count, DST_CL=layout == "nhwc", A_BOXES=grad_output_boxes(g),
                       BOX_H=rows, BOX_W=cols)
     tf32 = dtype == "float32"
-    grad_output_words = g.batch * g.out_channels * g.out_size[0] * g.out_size[1]
     if layout == "nchw":
         to_cl = gemm.plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype,
                                            round_tf32=tf32)
     else:
-        to_cl = gemm.plan_round_tf32(grad_output_words) if tf32 else None
+        to_cl = gemm.plan_round_tf32(numel(g.output_shape)) if tf32 else None
     return PackedGemm(_weight_order(g, dtype), main, to_cl)
 
 
