@@ -4,7 +4,9 @@
     python benchmarks/pass_candidates.py 16x1024x4x4:512:k4s2p1 --layout nhwc --weight-channels-last
 
 A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP``, each of K, S and P one number for both axes or
-``HxW`` (``16x512x1x32:256:k1x16s1x8p0x4``, a 1-D layer as HiFi-GAN's, on one row).  For each
+``HxW`` (``16x512x1x32:256:k1x16s1x8p0x4``, a 1-D layer as HiFi-GAN's, on one row).  ``--also`` names variants
+to time beside the table's candidates, pinned, where they plan for the pass (one the tuner does not list yet, as
+``scatter_gemm`` for float32 grad_input before ``scatter_gemm.TF32_GATHER``).  For each
 dtype, layout and pass (forward, grad_input, grad_weight) it prints cuDNN's time (``cudnn.benchmark`` on, TF32 allowed for
 float32), the heuristic candidate's, and every candidate the pass table lists, fastest first, then the
 fastest one's kernels.  Times are the GPU time of every kernel the pass launches (``torch.profiler``), averaged
@@ -76,7 +78,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--weight-channels-last", action="store_true",
                         help="the weight channels_last too, as model.to(memory_format=torch.channels_last) leaves it")
     parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
+    parser.add_argument("--also", nargs="+", default=[], type=_variant, metavar="VARIANT",
+                        help="variants to time beside the candidates where they plan, e.g. scatter_gemm:64x256")
     return parser.parse_args(argv)
+
+
+def _variant(text: str):
+    from cupyconv.tuning import Variant
+
+    try:
+        return Variant.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def timed_variants(pass_: str, g, dtype: str, layout: str, precision: str, also) -> list:
+    """The table's candidates for the pass, the heuristic first, then each of ``also`` not among them that plans
+    for this pass of the layer."""
+    from cupyconv.plans import table
+
+    found = list(table.candidates(pass_, g, dtype, layout, precision))
+    for variant in also:
+        if variant in found:
+            continue
+        try:
+            table.plan(pass_, variant, g, dtype, layout, precision)
+        except (ValueError, TypeError, KeyError):
+            continue
+        found.append(variant)
+    return found
 
 
 def gpu_time_us(fn: Callable[[], object]) -> Tuple[float, Dict[str, float]]:
@@ -121,7 +151,6 @@ def run(args: argparse.Namespace) -> List[str]:
     import torch.nn.functional as F
 
     from cupyconv.core.geometry import ConvParams, geometry
-    from cupyconv.plans import table
     from cupyconv.tuning import pinned
 
     if not torch.cuda.is_available():
@@ -149,7 +178,7 @@ def run(args: argparse.Namespace) -> List[str]:
                 for pass_ in args.passes:
                     theirs, ours = _calls(pass_, x, w, b, go, kw)
                     cudnn_us, _ = gpu_time_us(theirs)
-                    candidates = table.candidates(pass_, g, dtype, layout, precision)
+                    candidates = timed_variants(pass_, g, dtype, layout, precision, args.also)
                     timed = []
                     for variant in candidates:
                         with pinned({pass_: variant}):
