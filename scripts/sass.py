@@ -114,11 +114,18 @@ def main(argv=None) -> int:
     if shutil.which("nvdisasm") is None and shutil.which("cuobjdump") is None:
         print("sass.py: neither nvdisasm nor cuobjdump is on the PATH", file=sys.stderr)
         return 2
-    folder = args.keep or Path(tempfile.mkdtemp(prefix="cupyconv-sass-"))
-    folder.mkdir(parents=True, exist_ok=True)
     named = specs()
     with ThreadPoolExecutor() as pool:
         binaries = dict(zip(named, pool.map(cubin, named.values())))
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        return check(binaries, named, args.keep, keep=True)
+    with tempfile.TemporaryDirectory(prefix="cupyconv-sass-") as folder:
+        return check(binaries, named, Path(folder), keep=False)
+
+
+def check(binaries: Dict[str, bytes], named: Dict[str, KernelSpec], folder: Path, keep: bool) -> int:
+    """Disassemble each cubin in ``folder`` and print its line; 1 if any kernel fails."""
     failures: List[str] = []
     for name, binary in binaries.items():
         path = folder / f"{name}.cubin"
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
             print(f"     {name}: {unread}; assembling its PTX with ptxas instead")
             path.write_bytes(assembled(named[name]))
             sass, how = disassemble(path), "ptxas"
-        if args.keep:
+        if keep:
             path.with_suffix(".sass").write_text(sass)
         hgmma, local = inspect(sass)
         ok = hgmma > 0 and local == 0
