@@ -3,14 +3,14 @@
     python benchmarks/pass_candidates.py pix2pix_4 --dtype float32 bfloat16 --layout nchw
     python benchmarks/pass_candidates.py 16x1024x4x4:512:k4s2p1 --layout nhwc --weight-channels-last
 
-A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP``, each of K, S and P one number for both axes or
-``HxW`` (``16x512x1x32:256:k1x16s1x8p0x4``, a 1-D layer as HiFi-GAN's, on one row).  ``--also`` names variants
-to time beside the table's candidates, pinned, where they plan for the pass (one the tuner does not list yet, as
-``scatter_gemm`` for float32 grad_input before ``scatter_gemm.TF32_GATHER``).  For each
-dtype, layout and pass (forward, grad_input, grad_weight) it prints cuDNN's time (``cudnn.benchmark`` on, TF32 allowed for
-float32), the heuristic candidate's, and every candidate the pass table lists, fastest first, then the
-fastest one's kernels.  Times are the GPU time of every kernel the pass launches (``torch.profiler``), averaged
-over five calls after three warm-ups.  float32 runs at TF32 precision, as under torch's defaults.  Needs a GPU.
+A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP``, each of K, S and P one number for both axes or ``HxW``
+(``16x512x1x32:256:k1x16s1x8p0x4``, a 1-D layer as HiFi-GAN's, on one row).  ``--also`` names variants to time
+beside the table's candidates, pinned, where they plan for the pass (a tile a family does not list, or a family
+before it joins the tuner's candidates).  For each dtype, layout and pass (forward, grad_input, grad_weight) it
+prints cuDNN's time (``cudnn.benchmark`` on, TF32 allowed for float32), the heuristic candidate's, and every
+candidate the pass table lists, fastest first, then the fastest one's kernels.  Times are the GPU time of every
+kernel the pass launches (``torch.profiler``), averaged over five calls after three warm-ups.  float32 runs at TF32
+precision, as under torch's defaults.  Needs a GPU.
 """
 from __future__ import annotations
 

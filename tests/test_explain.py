@@ -234,9 +234,11 @@ def test_the_copy_engines_descriptors_are_shown_with_their_kernels():
     """A kernel fed by the copy engine lists each TMA descriptor: the pointer argument, its tensor, its boxes and
     their strides; in text, Markdown and HTML, and in the dict."""
     e = explain((16, 1024, 8, 8), (1024, 512, 4, 4), stride=2, padding=1, layout="channels_last", dtype="bfloat16")
-    fed = [k for k in e.kernels if k.constants.get("TMA")]
-    if not GPU:   # the assumed H100 plans the wgmma kernels, their halos and grad_weight's tiles by TMA
-        assert {k.function for k in fed} >= {"conv_transpose2d_wgmma", "conv_transpose2d_grad_weight_wgmma"}
+    # the halo-tile kernels take the copy engine where TMA is set; the gather GEMM always does
+    fed = [k for k in e.kernels if k.constants.get("TMA") or k.function == "conv_transpose2d_gather_gemm"]
+    if not GPU:   # the assumed H100 plans the wgmma forward's halos, the gather's weight and grad_weight's tiles by TMA
+        assert {k.function for k in fed} >= {"conv_transpose2d_wgmma", "conv_transpose2d_gather_gemm",
+                                             "conv_transpose2d_grad_weight_wgmma"}
     for k in e.kernels:
         assert bool(k.tensor_maps) == (k in fed)
     weight = [k for k in fed if k.function == "conv_transpose2d_grad_weight_wgmma"]

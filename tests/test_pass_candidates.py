@@ -71,20 +71,23 @@ def test_torchs_call_is_the_layers_own_pass(tool, text, pass_):
 
 
 def test_also_times_variants_the_table_does_not_list_where_they_plan(tool):
-    """--also adds pinned variants after the candidates: the TF32 gather before it joins them, for grad_input only
-    (the scatter forward plans no float32); one already listed is not timed twice."""
+    """--also adds pinned variants after the candidates where they plan for the pass: a halo tile the wgmma family
+    does not list, and the gather only for grad_input (the scatter forward plans no float32); one already listed
+    is not timed twice."""
     from cupyconv.core.geometry import ConvParams, geometry
-    from cupyconv.plans import scatter_gemm, table
+    from cupyconv.plans import table
     from cupyconv.tuning import Variant
 
     g = geometry((128, 512, 4, 4), (512, 256, 4, 4), None, ConvParams.from_args(stride=2, padding=1))
     listed = list(table.candidates("grad_input", g, "float32", "nhwc", "tf32"))
-    args = tool.parse_args(["dcgan_4", "--also", "scatter_gemm", "scatter_gemm:64x256", listed[0].name])
-    gather, wide, first = args.also
-    assert (gather, wide, first) == (Variant("scatter_gemm"), Variant.make("scatter_gemm", tile="64x256"), listed[0])
+    args = tool.parse_args(["dcgan_4", "--also", "scatter_gemm:64x256", "wgmma:8x8x64:copy", listed[-1].name])
+    gather, halo, last = args.also
+    assert (gather, halo, last) == (Variant.make("scatter_gemm", tile="64x256"),
+                                    Variant.make("wgmma", tile="8x8x64", copy=True), listed[-1])
     with pytest.raises(SystemExit):
         tool.parse_args(["dcgan_4", "--also", "no such:thing"])
-    assert not scatter_gemm.TF32_GATHER and gather not in listed
-    assert tool.timed_variants("grad_input", g, "float32", "nhwc", "tf32", args.also) == listed + [gather, wide]
-    assert tool.timed_variants("forward", g, "float32", "nhwc", "tf32", [gather, wide]) == \
-        list(table.candidates("forward", g, "float32", "nhwc", "tf32"))
+    assert gather in listed and halo not in listed
+    assert tool.timed_variants("grad_input", g, "float32", "nhwc", "tf32", args.also) == listed + [halo]
+    forward = list(table.candidates("forward", g, "float32", "nhwc", "tf32"))
+    assert halo not in forward
+    assert tool.timed_variants("forward", g, "float32", "nhwc", "tf32", [gather, halo]) == forward + [halo]

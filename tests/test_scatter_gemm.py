@@ -223,13 +223,11 @@ def test_grad_input_on_the_table():
     for dtype in ("float16", "bfloat16"):
         assert table.candidates("grad_input", UNET_UP, dtype, "nhwc")[0] == Variant("scatter_gemm")
         assert any(v.family == "wgmma" for v in table.candidates("grad_input", UNET_UP, dtype, "nhwc"))
-    assert all(v.family != "scatter_gemm"
-               for v in table.candidates("grad_input", UNET_UP, "float32", "nhwc", "tf32"))
     # overlapping taps: the gather leads on layers like DCGAN's (two taps a phase, 512 input channels, 128 tiles),
     # and races the halo tiles where its tiles make under half a wave or a phase has three taps or more
     for layout in ("nchw", "nhwc"):
         assert table.candidates("grad_input", DCGAN_UP, "bfloat16", layout)[0] == Variant("scatter_gemm")
-    few_tiles = _layer((8, 256, 16, 16), (256, 128, 4, 4), stride=2, padding=1)    # 32 tiles
+    few_tiles = _layer((8, 256, 16, 16), (256, 128, 4, 4), stride=2, padding=1)    # 32 tiles (64 of 64 x 128)
     dense_3x5 = _layer((16, 128, 64, 64), (128, 128, 3, 5))                        # 15 taps a phase
     narrow = _layer((64, 64, 32, 32), (64, 64, 4, 4), stride=2, padding=1)         # 64 input channels
     for g in (few_tiles, dense_3x5, narrow):
@@ -264,7 +262,7 @@ def test_grad_input_tiles_are_boxes_of_pixels_with_the_fewest_past_the_edges(x_s
     pixel_tiles = -(-g.batch // images) * -(-g.in_size[0] // rows) * -(-g.in_size[1] // cols)
     assert scatter_gemm.tile_count(g, scatter_gemm.HEURISTIC, "grad_input") == \
         pixel_tiles * -(-g.in_channels // scatter_gemm.HEURISTIC.bn)
-    plan = scatter_gemm.plan_grad_input(g, "bfloat16", "nhwc").gemm
+    plan = scatter_gemm.plan_grad_input(g, "bfloat16", "nhwc", scatter_gemm.HEURISTIC).gemm
     assert len(plan.tensor_maps) == (2 if boxes else 1)
     if boxes:
         sh, sw = g.params.stride
@@ -300,21 +298,43 @@ def test_tf32_grad_input_plans_rounded_copies_of_both_operands(layout, weight_cl
     assert scatter_gemm.row_elements("float32") == 32 and scatter_gemm.row_elements("bfloat16") == 64
 
 
-def test_tf32_grad_input_races_once_verified_and_runs_pinned_before(monkeypatch):
-    """Until its GPU tests pass (scatter_gemm.TF32_GATHER) the TF32 gather is no candidate, but pinned it plans;
-    then it races the others and leads nothing (unmeasured).  Strict float32 never takes it, pinned or not."""
-    for flag in (False, True):
-        monkeypatch.setattr(scatter_gemm, "TF32_GATHER", flag)
-        table.clear_plan_cache()
-        try:
-            for layout in ("nchw", "nhwc"):
-                cands = table.candidates("grad_input", DCGAN_UP, "float32", layout, "tf32")
-                assert (Variant("scatter_gemm") in cands) is flag and cands[0].family != "scatter_gemm"
-                strict = table.candidates("grad_input", DCGAN_UP, "float32", layout, "strict")
-                assert all(v.family != "scatter_gemm" for v in strict)
-            pinned = table.plan("grad_input", Variant("scatter_gemm"), DCGAN_UP, "float32", "nhwc", "tf32")
-            assert pinned.gemm.spec.function == "conv_transpose2d_gather_gemm"
-            with pytest.raises(ValueError, match="TF32"):
-                table.plan("grad_input", Variant("scatter_gemm"), DCGAN_UP, "float32", "nhwc", "strict")
-        finally:
-            table.clear_plan_cache()
+def test_tf32_grad_input_leads_where_16_bit_leads_and_strict_float32_never_takes_it():
+    """TF32 follows the 16-bit rules (NOTES v46): it leads on the one-tap U-Net layer and on DCGAN's two taps a
+    phase, and races where the halo tile shares pixels among many taps or input channels are few.  Strict float32
+    never takes it, pinned or not."""
+    dense_3x5 = _layer((16, 128, 64, 64), (128, 128, 3, 5))
+    narrow = _layer((64, 64, 32, 32), (64, 64, 4, 4), stride=2, padding=1)
+    for layout in ("nchw", "nhwc"):
+        for g, leads in ((UNET_UP, True), (DCGAN_UP, True), (dense_3x5, False), (narrow, False)):
+            cands = table.candidates("grad_input", g, "float32", layout, "tf32")
+            assert (cands[0] == Variant("scatter_gemm")) is leads, (g.input_shape, layout)
+            assert Variant("scatter_gemm") in cands
+            assert scatter_gemm.FAMILY.leads("grad_input", g, "float32", layout, "tf32") is leads
+            strict = table.candidates("grad_input", g, "float32", layout, "strict")
+            assert all(v.family != "scatter_gemm" for v in strict)
+    pinned = table.plan("grad_input", Variant("scatter_gemm"), DCGAN_UP, "float32", "nhwc", "tf32")
+    assert pinned.gemm.spec.function == "conv_transpose2d_gather_gemm"
+    with pytest.raises(ValueError, match="TF32"):
+        table.plan("grad_input", Variant("scatter_gemm"), DCGAN_UP, "float32", "nhwc", "strict")
+
+
+def test_grad_input_of_under_half_a_wave_runs_twice_the_tiles_of_64_pixels():
+    """grad_input's heuristic tile is 128 x 128 down to half a wave of tiles, and 64 x 128 below it (pix2pix's 8²
+    layer: 64 tiles of 128 pixels, 128 of 64); the forward's is always 128 x 128."""
+    pix2pix_8 = _layer((16, 1024, 8, 8), (1024, 512, 4, 4), stride=2, padding=1)
+    assert scatter_gemm.tile_count(pix2pix_8, scatter_gemm.HEURISTIC, "grad_input") == 64
+    assert scatter_gemm.heuristic_tile(pix2pix_8, "grad_input") == scatter_gemm.TILES["64x128"]
+    assert scatter_gemm.tile_count(pix2pix_8, scatter_gemm.TILES["64x128"], "grad_input") == 128
+    assert scatter_gemm.tile_count(DCGAN_UP, scatter_gemm.HEURISTIC, "grad_input") == 128
+    for g in (DCGAN_UP, UNET_UP):
+        assert scatter_gemm.heuristic_tile(g, "grad_input") == scatter_gemm.HEURISTIC
+    assert scatter_gemm.heuristic_tile(ONE_PIXEL, "forward") == scatter_gemm.HEURISTIC
+    for dtype in ("bfloat16", "float32"):
+        untuned = scatter_gemm.plan_grad_input(pix2pix_8, dtype, "nhwc").gemm
+        pinned = scatter_gemm.plan_grad_input(pix2pix_8, dtype, "nhwc", scatter_gemm.TILES["64x128"]).gemm
+        assert untuned == pinned and (dict(untuned.spec.constants)["MB"], untuned.grid) == (1, (128, 1, 1))
+        # the heuristic now leads there; the 128 x 128 tile stays a candidate, the 64 x 128 is not listed twice
+        precision = "tf32" if dtype == "float32" else "strict"
+        cands = table.candidates("grad_input", pix2pix_8, dtype, "nhwc", precision)
+        assert cands[0] == Variant("scatter_gemm") and Variant.make("scatter_gemm", tile="128x128") in cands
+        assert Variant.make("scatter_gemm", tile="64x128") not in cands

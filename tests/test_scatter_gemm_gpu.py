@@ -118,9 +118,8 @@ OVERLAPPING_LAYERS = {
 OVERLAPPING_CASES = [pytest.param(Case(layer, dtype, cl, SCATTER, pass_=GRAD, weight_channels_last=wcl),
                                   id=f"{name}-{SHORT[dtype]}-{'nhwc' if cl else 'nchw'}-{'wcl' if wcl else 'w'}")
                      for name, layer in OVERLAPPING_LAYERS.items() for dtype, cl, wcl in COMBOS]
-# grad_input of float32 at TF32 (pinned: the tuner races it once these pass, scatter_gemm.TF32_GATHER): one tap a
-# pixel and overlapping taps, copy-engine boxes and gathered rows, cropped and dilated, both layouts and weight
-# layouts, every tile, and 24 steps a tile (192 output channels of 4 taps, 32 columns a step) lapping the ring
+# grad_input of float32 at torch's default TF32 precision: one tap a pixel and overlapping taps, copy-engine boxes
+# and gathered rows, cropped and dilated, both layouts and weight layouts, every tile, and 24 steps a tile (192 output channels of 4 taps, 32 columns a step) lapping the ring
 TF32_LAYERS = {name: replace(layer, bias=False) for name, layer in (
     ("k2s2", LAYERS["k2s2"]), ("k3s3_p1_op1_box", GRAD_BOX_LAYERS["k3s3_p1_op1_box"]),
     ("k4s2p1_box", OVERLAPPING_LAYERS["k4s2p1_box"]), ("k4s2p1_rows", OVERLAPPING_LAYERS["k4s2p1_rows"]),
@@ -135,8 +134,10 @@ TF32_CASES += [pytest.param(Case(replace(TILE_LAYER, bias=False), torch.float32,
 TF32_CASES += [pytest.param(Case(replace(GRAD_DEEP, out_channels=192), torch.float32, True,
                                  Variant.make("scatter_gemm", tile="128x128"), pass_=GRAD, weight_channels_last=True),
                             id="deep-128x128-192")]
-# enough tiles, input channels and few enough taps a phase for the gather to lead grad_input untuned
+# enough tiles, input channels and few enough taps a phase for the gather to lead grad_input untuned; and 40 tiles
+# of 128 pixels, which it runs as 80 of 64 (scatter_gemm.heuristic_tile)
 OVERLAP_LEADING = Layer(16, 128, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (32, 32), "")
+FEW_TILES_LEADING = replace(OVERLAP_LEADING, batch=5)
 GRAD_DEEP_CASES = [pytest.param(Case(replace(GRAD_DEEP, out_channels=cout), dtype, cl,
                                      Variant.make("scatter_gemm", tile=tile), pass_=GRAD, weight_channels_last=cl),
                                 id=f"{tile}-{SHORT[dtype]}-{cout}")
@@ -291,26 +292,33 @@ def test_unaligned_grad_output_runs_the_gemm(dtype, hopper):
     _compare_grad_input(case, gi, go, x, w)
 
 
-@pytest.mark.parametrize("layer", [LEADING, OVERLAP_LEADING], ids=["one_tap", "overlapping"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "tf32"])
+@pytest.mark.parametrize("layer", [LEADING, OVERLAP_LEADING, FEW_TILES_LEADING],
+                         ids=["one_tap", "overlapping", "few_tiles"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_autograd_runs_the_gather_gemm_untuned_on_sm_90(channels_last, layer, hopper, monkeypatch):
-    """Untuned, the backward of a U-Net upsampling layer and of a 4 x 4 stride-2 layer of 128 input channels
-    takes grad_input through the gather GEMM, and x.grad matches float64."""
+def test_autograd_runs_the_gather_gemm_untuned_on_sm_90(channels_last, layer, dtype, hopper, monkeypatch):
+    """Untuned, the backward of a U-Net upsampling layer and of 4 x 4 stride-2 layers of 128 input channels (one
+    on 64-pixel tiles: under half a wave of 128-pixel ones) takes grad_input through the gather GEMM in bf16 and
+    at torch's default TF32, and x.grad matches float64."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     tuning.clear()
     try:
-        case = Case(replace(layer, bias=False), torch.bfloat16, channels_last, SCATTER, pass_=GRAD,
+        case = Case(replace(layer, bias=False), dtype, channels_last, SCATTER, pass_=GRAD,
                     weight_channels_last=channels_last)
-        assert table.candidates(GRAD, case.geometry, "bfloat16", case.layout, "strict", hopper)[0] == SCATTER
-        x, w, go = _grad_inputs(case, *_grad_data(case.layer, torch.bfloat16, 14))
+        name = NAMES[dtype]
+        assert table.candidates(GRAD, case.geometry, name, case.layout, case.precision, hopper)[0] == SCATTER
+        tile = scatter_gemm.heuristic_tile(case.geometry, GRAD)
+        assert (tile == scatter_gemm.FEW_TILES) is (layer is FEW_TILES_LEADING)
+        x, w, go = _grad_inputs(case, *_grad_data(case.layer, dtype, 14))
         x.requires_grad_()
         y = ct.conv_transpose2d(x, w, None, **case.layer.kwargs())
         with launch.watch() as seen:
             y.backward(go)
             torch.cuda.synchronize()
-        mains = [plan.spec.function for stage, plan in seen if stage == "main"]
-        assert GATHER_FUNCTION in mains, mains
-        assert tuning.chosen(GRAD, case.geometry, "bfloat16", case.layout, "strict", hopper.index) == SCATTER
+        gathers = [plan for stage, plan in seen if stage == "main" and plan.spec.function == GATHER_FUNCTION]
+        assert gathers, [plan.spec.function for _, plan in seen]
+        assert {dict(plan.spec.constants)["MB"] for plan in gathers} == {tile.mb}
+        assert tuning.chosen(GRAD, case.geometry, name, case.layout, case.precision, hopper.index) == SCATTER
         _compare_grad_input(case, x.grad, go, x.detach(), w)
     finally:
         tuning.clear()

@@ -603,7 +603,8 @@ def test_a_channels_last_tf32_source_may_be_copied_rounded_first(pass_):
 
 def test_tf32_leads_where_it_beat_the_gemm_on_the_h100():
     """float32 at TF32 precision: the wgmma kernel leads on the layers where it was faster than the mma.sync GEMM on
-    the H100 and steps back, still racing, where it was slower (NOTES v13: the models' layers and the suite's)."""
+    the H100 and steps back, still racing, where it was slower (NOTES v13: the models' layers and the suite's);
+    grad_input's gather GEMM leads them both where it leads in 16 bits (NOTES v46)."""
     pix2pix = _g((16, 512, 32, 32), (512, 128, 4, 4), stride=2, padding=1)
     dcgan_second = _g((128, 512, 4, 4), (512, 256, 4, 4), stride=2, padding=1)   # 4 x 4 grids: a quarter filled
     unet = _g((8, 1024, 16, 16), (1024, 512, 2, 2), stride=2)                    # one tap a stride phase
@@ -615,13 +616,18 @@ def test_tf32_leads_where_it_beat_the_gemm_on_the_h100():
     assert wgmma.tile_load(dcgan_second, wgmma.forward_tile(dcgan_second, "forward", "float32")) == (256, 0.25)
     for (g, pass_), leads in expected.items():
         assert wgmma.tf32_leads(g, pass_) == leads, (g.input_shape, pass_)
-        cands = table.candidates(pass_, g, "float32", "nchw", "tf32")
-        assert cands[0].family == ("wgmma" if leads else "gemm") and {"wgmma", "gemm"} <= {v.family for v in cands}
-        # fp16 and bf16 lead as before: the halo tiles, or on the one-tap U-Net layer the scatter (gather) GEMM,
-        # and on grad_input of the layers of two taps a phase with tiles for half the SMs the gather GEMM
-        takes = scatter_gemm.eligible(g, "float16", pass_) and scatter_gemm.FAMILY.leads(pass_, g, "float16")
-        half = "scatter_gemm" if takes else "wgmma"
-        assert table.candidates(pass_, g, "float16", "nchw")[0].family == half, (g.input_shape, pass_)
+        # ahead of both, where it takes the layer and leads: on the one-tap U-Net layer the scatter (gather) GEMM,
+        # and on grad_input of the layers of two taps a phase with tiles for half the SMs the gather GEMM, in
+        # fp16 and bf16 and (grad_input) TF32 alike
+        for dtype, precision in (("float32", "tf32"), ("float16", "strict")):
+            gathers = scatter_gemm.eligible(g, dtype, pass_, precision) and \
+                scatter_gemm.FAMILY.leads(pass_, g, dtype, "nchw", precision)
+            cands = table.candidates(pass_, g, dtype, "nchw", precision)
+            other = "wgmma" if leads or dtype == "float16" else "gemm"
+            assert cands[0].family == ("scatter_gemm" if gathers else other), (g.input_shape, pass_, dtype)
+            assert {"wgmma", "gemm"} <= {v.family for v in cands} or dtype == "float16"
+        assert [scatter_gemm.FAMILY.leads("grad_input", g, "float32", "nchw", "tf32")
+                for g in (pix2pix, dcgan_second, unet, dcgan_up)] == [True] * 4
         strict = table.candidates(pass_, g, "float32", "nchw", "strict")
         assert strict[0].family == ("wgmma" if leads else "gemm"), "3xTF32 leads where TF32 does"
 
@@ -1155,8 +1161,10 @@ def test_channels_last_grad_input_with_unaligned_pointers_takes_the_gemm(dtype):
 @pytest.mark.parametrize("layout", launch.LAYOUTS)
 def test_the_engine_launches_pack_copy_and_grad_input_kernel(layout, monkeypatch):
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
-    # 32 images: at 6 the layer is weight-bound and the split GEMM leads (test_split_gemm_leads_weight_bound_grids)
-    g = _suite_layer("dcgan_up", batch=32)
+    # dcgan_up's 4 x 4 stride 2 at 32 images (at 6 the layer is weight-bound and the split GEMM leads:
+    # test_split_gemm_leads_weight_bound_grids) of 96 input channels (from 128 the gather GEMM leads,
+    # scatter_gemm.overlap_leads)
+    g = _g((32, 96, 8, 8), (96, 256, 4, 4), stride=2, padding=1)
     rec = Recorder(device.ASSUMED)
     engine.grad_input(g, "bfloat16", _Y, _W, _X, rec, layout, "strict")
     (grad,) = rec.passes

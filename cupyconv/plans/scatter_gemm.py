@@ -33,9 +33,6 @@ ROW_BYTES = 128   # a step's row: a pixel's channels (A), an input channel's col
 TMA_COORDINATE_LIMIT = 2 ** 31   # the copy engine's box coordinates are signed 32-bit
 MASK_TAPS = 16    # a gathered row's landing kernel rows and columns are two 16-bit masks
 HALF = ("float16", "bfloat16")
-# grad_input of float32 at TF32 joins the tuner's candidates once its GPU tests have passed (NOTES v45); pinned
-# (tuning.pinned, the tests, the sanitizer) it runs before that.
-TF32_GATHER = False
 FORWARD, GRAD_INPUT = "forward", "grad_input"
 
 
@@ -60,6 +57,8 @@ class ScatterTile:
 TILES: Dict[str, ScatterTile] = {t.name: t for t in (ScatterTile(2, 128), ScatterTile(1, 256), ScatterTile(1, 128),
                                                      ScatterTile(2, 64))}
 HEURISTIC = TILES["128x128"]
+# grad_input's tile where the heuristic's make under half a wave (heuristic_tile)
+FEW_TILES = TILES["64x128"]
 MAX_STAGES = 8
 # Heuristic tiles an SM from which the family leads (ScatterGemmFamily.leads), by pass
 LEAD_WAVES = {FORWARD: 2.0, GRAD_INPUT: 0.5}
@@ -165,11 +164,22 @@ def tile_count(g: Geometry, tile: ScatterTile, pass_: str = FORWARD) -> int:
     return pixel_tiles * cdiv(columns(g, pass_), tile.bn)
 
 
+def heuristic_tile(g: Geometry, pass_: str = FORWARD) -> ScatterTile:
+    """:data:`HEURISTIC`, but for grad_input where it makes fewer than half a wave of tiles, :data:`FEW_TILES`
+    (twice as many): on pix2pix's 8² layer (64 tiles) that tile ran 1.4x faster in bf16 and 1.1-1.4x in TF32
+    (NOTES v45, v46), while on layers of a wave or more (DCGAN's 128 tiles) the 128-pixel tiles ran as fast or
+    faster."""
+    if pass_ == GRAD_INPUT and tile_count(g, HEURISTIC, pass_) < LEAD_WAVES[GRAD_INPUT] * ASSUMED.sm_count:
+        return FEW_TILES
+    return HEURISTIC
+
+
 def options(g: Geometry, pass_: str = FORWARD) -> List[Dict[str, object]]:
     """The heuristic, then the other tiles whose columns are not mostly padding."""
     found: List[Dict[str, object]] = [{}]
+    heuristic = heuristic_tile(g, pass_)
     for tile in TILES.values():
-        if tile != HEURISTIC and not (tile.bn > 64 and columns(g, pass_) <= tile.bn // 2):
+        if tile != heuristic and not (tile.bn > 64 and columns(g, pass_) <= tile.bn // 2):
             found.append({"tile": tile.name})
     return found
 
@@ -185,7 +195,7 @@ def _gemm_plan(g: Geometry, dtype: str, pass_: str, tile: Optional[ScatterTile],
         raise ValueError("the scatter and gather GEMMs run fp16 and bf16 layers of one group with input and output "
                          "channels in multiples of 8 (grad_input float32 ones too, at TF32), the scatter forward "
                          "those whose output pixels each receive one tap")
-    tile = tile or HEURISTIC
+    tile = tile or heuristic_tile(g, pass_)
     stages = stages_for(tile)
     index_t = index_type(numel(g.input_shape), numel(g.output_shape), g.in_channels * columns(g))
     layer = layer_constants(g.with_weight_channels_last(), dtype, index_t)
@@ -265,7 +275,7 @@ def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optiona
     copy into channels_last order where it is contiguous and grad_output's into channels_last scratch where it
     is NCHW (the copy 16-bit grad_weight shares).  float32 runs at TF32 on operands rounded by those copies, or
     by a rounding copy of a channels_last grad_output or weight."""
-    _, rows, cols = pixel_box(g, tile or HEURISTIC)
+    _, rows, cols = pixel_box(g, tile or heuristic_tile(g, GRAD_INPUT))
     main = _gemm_plan(g, dtype, GRAD_INPUT, tile, sm_count, DST_CL=layout == "nhwc", A_BOXES=grad_output_boxes(g),
                       BOX_H=rows, BOX_W=cols)
     tf32 = dtype == "float32"
@@ -284,13 +294,13 @@ class ScatterGemmFamily(Family):
 
     def eligible(self, pass_: str, g: Geometry, dtype: str, layout: str, device: Device,
                  precision: str = "strict") -> bool:
-        """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible` (float32 once
-        :data:`TF32_GATHER`)."""
+        """sm_90 exactly (sm_90a code), the tensor cores switched on, and :func:`eligible`."""
         return (device.tensor_cores == WGMMA and device.arch == "90" and gemm.enabled()
-                and (dtype != "float32" or TF32_GATHER) and _eligible(g, dtype, pass_, precision))
+                and _eligible(g, dtype, pass_, precision))
 
     def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
-        """Where its heuristic tile makes :data:`LEAD_WAVES` tiles an SM or more, and for the forward only in
+        """Where its heuristic tile (:func:`heuristic_tile`) makes :data:`LEAD_WAVES` tiles an SM or more, and for
+        the forward only in
         NCHW.  The forward beat the halo-tile kernel on U-Net's upsampling layers by up to 1.7x on the H100 (NOTES
         v25), before that kernel took its operands from the copy engine; on the H200 at eb2ff25 (NOTES v44) the
         halo-tile kernel's heuristic beat it on the three of those layers where it led in channels_last
@@ -299,12 +309,14 @@ class ScatterGemmFamily(Family):
         grad_input (NOTES v43, H200) beat the halo-tile kernel's heuristic 1.5-2.9x on U-Net's four upsampling
         layers down to 128 tiles (1024 input channels of 16 x 16 pixels), and lost 12x to the split GEMM on a
         1 x 1 input (4 tiles of 128 steps); where taps overlap, only on layers :func:`overlap_leads` picks.
+        TF32 grad_input follows the same rules: on DCGAN's, pix2pix's, HiFi-GAN's and a 64² layer of two taps a
+        phase it ran 1.1-3.0x faster than the heuristic of the family that led before, in both layouts (NOTES v46).
         Elsewhere it races them."""
-        if (pass_ == FORWARD and layout != "nchw") or dtype == "float32":   # TF32: unmeasured, it races
+        if pass_ == FORWARD and layout != "nchw":
             return False
         if pass_ == GRAD_INPUT and not one_tap(g) and not overlap_leads(g):
             return False
-        return tile_count(g, HEURISTIC, pass_) >= LEAD_WAVES[pass_] * ASSUMED.sm_count
+        return tile_count(g, heuristic_tile(g, pass_), pass_) >= LEAD_WAVES[pass_] * ASSUMED.sm_count
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
         return [Variant.make(self.name, **opts) for opts in options(g, pass_)]
