@@ -9,7 +9,8 @@
 // lands on it, neighbouring rows of a tile sharing it through L2.  A's rows come in runs of a pixel's channels;
 // B is the weight as it lies, K-major, one copy-engine box a step.  A contiguous weight is copied into the
 // channels_last order first, an NCHW grad_output into channels_last scratch; float32 operands come through
-// copies that round them to TF32 (the tensor cores would truncate them), so none is read in place.
+// copies that round them to TF32 (the tensor cores would truncate them), but with A_IN_PLACE a channels_last
+// grad_output, which the consumers round as they take A from shared memory into registers.
 //
 // The block is pingpong_gemm.cuh's: persistent over tiles of BM input pixels (BOX_N images of BOX_H x BOX_W)
 // x BN input channels, a producer warpgroup filling a ring of CK-column steps and two consumer warpgroups
@@ -28,6 +29,7 @@ constexpr int STAGES = {{STAGES}};
 constexpr bool DST_CL = {{DST_CL}};
 constexpr bool A_BOXES = {{A_BOXES}};   // A lands as copy-engine boxes of grad_output (grad_out_map)
 constexpr int BOX_W = {{BOX_W}}, BOX_H = {{BOX_H}};   // a tile's pixels: BOX_N images of BOX_H x BOX_W
+constexpr bool A_IN_PLACE = {{A_IN_PLACE}};   // TF32: A lands unrounded, the MMAs take it from registers
 
 constexpr int VEC = 16 / sizeof(scalar_t);     // elements in 16 bytes
 constexpr int CK = 128 / sizeof(scalar_t);     // columns of (tap, output channel) a step: one 128-byte row (64
@@ -37,7 +39,7 @@ constexpr int K_STEPS = (K_TOTAL + CK - 1) / CK;
 constexpr int N_TILES = (CIN + BN - 1) / BN;
 // The cp.async producer keeps each of its rows' grad_output offsets (and landing taps, with CROPS) for a whole
 // tile; 88 registers leave the consumers 208, as 80 would.
-typedef PingPongGemm<KIND, MB, BN, STAGES, K_STEPS, N_TILES, false, 88> Gemm;
+typedef PingPongGemm<KIND, MB, BN, STAGES, K_STEPS, N_TILES, false, 88, A_IN_PLACE> Gemm;
 constexpr int BM = Gemm::BM;
 constexpr int BOX_N = BM / (BOX_W * BOX_H);
 constexpr int A_COPIES = BM / 16;              // a producer thread's 16-byte copies of A per step (8 a row)

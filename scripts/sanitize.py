@@ -299,6 +299,12 @@ def base_cases() -> List[Case]:
         cases.append(Case(f"scatter-gemm-overlapping-{cout}-tf32-{layout}", (2, 64, 3, 5), (64, cout, 4, 4),
                           _kw(stride=2, padding=1), False, "float32", "tf32", layout, weight_cl=layout == "nhwc",
                           variants=(("grad_input", "scatter_gemm"),)))
+    # and reading a channels_last grad_output in place, the consumers rounding A in registers: boxes (64 output
+    # channels) and gathered rows (48)
+    for cout in (64, 48):
+        cases.append(Case(f"scatter-gemm-overlapping-{cout}-tf32-nhwc-inplace", (2, 64, 3, 5), (64, cout, 4, 4),
+                          _kw(stride=2, padding=1), False, "float32", "tf32", "nhwc", weight_cl=cout == 64,
+                          variants=(("grad_input", "scatter_gemm:inplace"),)))
     cases.append(Case("scatter-gemm-dilated-float16-nhwc", (1, 32, 5, 6), (32, 40, 3, 3), _kw(padding=2, dilation=2),
                       False, "float16", layout="nhwc", variants=(("grad_input", "scatter_gemm"),)))
     cases.append(Case("scatter-gemm-persistent-bfloat16-nhwc", (1, 8, 16, 32), (8, 320, 4, 4), _kw(stride=4), False,

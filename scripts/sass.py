@@ -48,7 +48,8 @@ GRAD_INPUT_LAYERS = {
 
 
 def specs() -> Dict[str, KernelSpec]:
-    """Every tile of both kernels on each check layer, in 16 bits both ways, and the gather's in TF32."""
+    """Every tile of both kernels on each check layer, in 16 bits both ways, and the gather's in TF32, through
+    rounding copies and reading a channels_last grad_output in place (A from registers)."""
     found: Dict[str, KernelSpec] = {}
     for tile_name, tile in scatter_gemm.TILES.items():
         for name, g in FORWARD_LAYERS.items():
@@ -59,6 +60,8 @@ def specs() -> Dict[str, KernelSpec]:
             for dtype in (("float16", "bfloat16")[i % 2], "float32"):   # float32 at TF32
                 packed = scatter_gemm.plan_grad_input(g, dtype, "nhwc", tile)
                 found[f"gather-{name}-{tile_name}-{dtype}"] = packed.gemm.spec
+            in_place = scatter_gemm.plan_grad_input(g, "float32", "nhwc", tile, in_place=True)
+            found[f"gather-{name}-{tile_name}-float32-inplace"] = in_place.gemm.spec
     return found
 
 

@@ -992,6 +992,34 @@ def test_one_tap_gemm_kernels_build_for_sm_90a_without_spilling(kernel, tile, dt
         assert set(re.findall(r"wgmma\.mma_async[^;]*?, 1, 1, (\d), (\d);", ptx, re.S)) == {majors}
 
 
+def _in_place_plan(layer, tile):
+    return scatter_gemm.plan_grad_input(OVERLAPPING_LAYERS[layer], "float32", "nhwc", scatter_gemm.TILES[tile],
+                                        in_place=True)
+
+
+IN_PLACE_LAYERS = ("k4s2p1_boxes", "k4s2p1_rows", "k3d2_rows")
+
+
+@pytest.mark.parametrize("layer", IN_PLACE_LAYERS)
+@pytest.mark.parametrize("tile", sorted(scatter_gemm.TILES))
+def test_tf32_gather_reading_grad_output_in_place_builds_without_spilling(layer, tile, ptxas_logs):
+    """The TF32 gather that reads a channels_last grad_output in place: each consumer thread's A words for a step
+    (up to 32, beside 128 accumulators) fit with no stack frame, and its MMAs take A from registers, four words
+    each, with B through its descriptor."""
+    main = _in_place_plan(layer, tile).gemm
+    assert dict(main.spec.constants)["A_IN_PLACE"]
+    log = ptxas_logs(main.spec)
+    found = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found and found.groups() == ("0", "0", "0"), log
+    assert "serialized" not in log and "Performance Loss" not in log, log
+    ptx = compile_ptx(main.spec.source(), main.spec.function, "compute_90a", main.spec.options[:1])
+    mmas = re.findall(r"wgmma\.mma_async[^;]*?k8\.f32\.tf32\.tf32 \{[^}]*\}, (\{[^}]*\}|%rd\d+), %rd\d+, p, 1, 1;",
+                      ptx, re.S)
+    t = scatter_gemm.TILES[tile]
+    assert len(mmas) == t.mb * 4 and all(a.count("%r") == 4 for a in mmas), mmas
+    assert ptx.count("ld.shared.b32") == t.mb * 16, "four words a thread for each 8-column MMA step of each block"
+
+
 @pytest.mark.parametrize("name", ["asym_dilated", "wide"])
 def test_expanded_taps_kernels_build_without_spilling(name):
     """The layers whose threads prefetch the most grad_output values (50 and 56 of :data:`MAX_PREFETCHED`) build
@@ -1107,6 +1135,8 @@ _PTXAS_SPECS = {
         lambda layer: [split.partial.spec for split in _channels_last_weight_splits(layer)],
     "test_one_tap_gemm_kernels_build_for_sm_90a_without_spilling":
         lambda kernel, tile, dtype: [ONE_TAP_KERNELS[kernel][0](tile, dtype).gemm.spec],
+    "test_tf32_gather_reading_grad_output_in_place_builds_without_spilling":
+        lambda layer, tile: [_in_place_plan(layer, tile).gemm.spec],
 }
 
 

@@ -25,6 +25,11 @@ def test_it_checks_every_tile_of_both_kernels_on_each_grad_output_path(sass):
     assert any(c["PH"] > 0 and not c["A_BOXES"] for c in gather) and any(c["DH"] > 1 for c in gather)
     assert {spec.target for spec in specs.values()} == {"sm_90a"}
     assert {c["MMA_KIND"] for c in gather} == {0, 1, 2}, "fp16, bf16 and TF32"
+    # TF32 through rounding copies and reading grad_output in place, A from registers, on every tile
+    in_place = [c for c in gather if c["A_IN_PLACE"]]
+    assert {c["MMA_KIND"] for c in in_place} == {2}
+    assert {(c["MB"], c["BN"]) for c in in_place} == {(t.mb, t.bn) for t in scatter_gemm.TILES.values()}
+    assert any(c["MMA_KIND"] == 2 and not c["A_IN_PLACE"] for c in gather)
 
 
 def test_it_counts_warpgroup_mmas_and_local_memory(sass):

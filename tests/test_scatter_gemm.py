@@ -338,3 +338,40 @@ def test_grad_input_of_under_half_a_wave_runs_twice_the_tiles_of_64_pixels():
         cands = table.candidates("grad_input", pix2pix_8, dtype, "nhwc", precision)
         assert cands[0] == Variant("scatter_gemm") and Variant.make("scatter_gemm", tile="128x128") in cands
         assert Variant.make("scatter_gemm", tile="64x128") not in cands
+
+
+def test_tf32_grad_input_can_read_a_channels_last_grad_output_in_place(monkeypatch):
+    """The ``inplace`` option drops the rounding copy of a channels_last grad_output (the consumers round A in
+    registers) and keeps the weight's; it plans for TF32 grad_input in channels_last only.  Until its GPU tests
+    pass (:data:`scatter_gemm.TF32_IN_PLACE`) it is no candidate, but pinned it plans."""
+    in_place = Variant.make("scatter_gemm", inplace=True)
+    for weight_cl in (False, True):
+        g = DCGAN_UP.with_weight_channels_last(weight_cl)
+        packed = table.plan("grad_input", in_place, g, "float32", "nhwc", "tf32")
+        copied = table.plan("grad_input", Variant("scatter_gemm"), g, "float32", "nhwc", "tf32")
+        assert packed.to_channels_last is None and copied.to_channels_last == gemm.plan_round_tf32(64 * 256 * 16 * 16)
+        assert packed.pack == copied.pack is not None, "the weight still arrives rounded"
+        constants = dict(packed.gemm.spec.constants)
+        assert constants["A_IN_PLACE"] and not dict(copied.gemm.spec.constants)["A_IN_PLACE"]
+        assert {k: v for k, v in constants.items() if k != "A_IN_PLACE"} == \
+            {k: v for k, v in dict(copied.gemm.spec.constants).items() if k != "A_IN_PLACE"}
+        assert packed.gemm.tensor_maps == copied.gemm.tensor_maps and packed.gemm.grid == copied.gemm.grid
+    pinned_tile = table.plan("grad_input", Variant.make("scatter_gemm", tile="64x256", inplace=True), DCGAN_UP,
+                             "float32", "nhwc", "tf32")
+    assert (dict(pinned_tile.gemm.spec.constants)["BN"], pinned_tile.to_channels_last) == (256, None)
+    for dtype, layout, precision in (("float32", "nchw", "tf32"), ("bfloat16", "nhwc", "strict")):
+        with pytest.raises(ValueError, match="in place"):
+            table.plan("grad_input", in_place, DCGAN_UP, dtype, layout, precision)
+    with pytest.raises(ValueError, match="inplace"):
+        table.plan("forward", in_place, UNET_UP, "bfloat16", "nhwc")
+    assert not scatter_gemm.TF32_IN_PLACE
+    assert all(not v.kwargs.get("inplace") for v in table.candidates("grad_input", DCGAN_UP, "float32", "nhwc", "tf32"))
+    monkeypatch.setattr(scatter_gemm, "TF32_IN_PLACE", True)
+    table.clear_plan_cache()
+    try:
+        listed = [opts for opts in scatter_gemm.options(DCGAN_UP, "grad_input", "float32", "nhwc")]
+        assert {"inplace": True} in listed and {"tile": "64x256", "inplace": True} in listed
+        assert not any(o.get("inplace") for o in scatter_gemm.options(DCGAN_UP, "grad_input", "float32", "nchw"))
+        assert not any(o.get("inplace") for o in scatter_gemm.options(DCGAN_UP, "grad_input", "bfloat16", "nhwc"))
+    finally:
+        table.clear_plan_cache()

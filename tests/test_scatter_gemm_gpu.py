@@ -134,6 +134,12 @@ TF32_CASES += [pytest.param(Case(replace(TILE_LAYER, bias=False), torch.float32,
 TF32_CASES += [pytest.param(Case(replace(GRAD_DEEP, out_channels=192), torch.float32, True,
                                  Variant.make("scatter_gemm", tile="128x128"), pass_=GRAD, weight_channels_last=True),
                             id="deep-128x128-192")]
+# the same read in place from a channels_last grad_output, the consumers rounding A in registers: every channels_last
+# TF32 case above, with the same tile (pinned, until scatter_gemm.TF32_IN_PLACE)
+IN_PLACE_CASES = [pytest.param(replace(p.values[0], variant=Variant.make("scatter_gemm", inplace=True,
+                                                                         **p.values[0].variant.kwargs)),
+                               id=f"{p.id}-inplace")
+                  for p in TF32_CASES if p.values[0].layout == "nhwc"]
 # enough tiles, input channels and few enough taps a phase for the gather to lead grad_input untuned; and 40 tiles
 # of 128 pixels, which it runs as 80 of 64 (scatter_gemm.heuristic_tile)
 OVERLAP_LEADING = Layer(16, 128, 64, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1, False, (32, 32), "")
@@ -151,7 +157,7 @@ GRAD_DEEP_CASES = [pytest.param(Case(replace(GRAD_DEEP, out_channels=cout), dtyp
 def precompiled(hopper):
     """Build every case's kernels side by side rather than one by one at each first call."""
     cases = [p.values[0] for p in CASES + TILE_CASES + DEEP_CASES + GRAD_CASES + GRAD_TILE_CASES + GRAD_DEEP_CASES
-             + OVERLAPPING_CASES + TF32_CASES]
+             + OVERLAPPING_CASES + TF32_CASES + IN_PLACE_CASES]
     specs = [p.spec for case in cases for p in case.plan(hopper).plans()]
     compiler.compile_many(specs, hopper.index, workers=16)
 
@@ -256,6 +262,20 @@ def test_tf32_grad_input_matches_float64(case, hopper):
         assert copy is not None and (copy.spec.function == "round_tf32_copy"
                                      or dict(copy.spec.constants)["ROUND_TF32"]), "each operand copied rounded"
     _check_grad_input(case, hopper, seed=17)
+
+
+@pytest.mark.parametrize("case", IN_PLACE_CASES)
+def test_tf32_grad_input_reading_grad_output_in_place_matches_the_rounding_copy(case, hopper):
+    """Read in place, a channels_last grad_output is rounded in the consumers' registers as the rounding copy
+    rounds it, in the same order of K: grad_input is bit for bit the copy's, and within float64's bounds."""
+    packed = case.plan(hopper)
+    assert packed.to_channels_last is None and dict(packed.gemm.spec.constants)["A_IN_PLACE"]
+    gi = _check_grad_input(case, hopper, seed=17)
+    copied = replace(case, variant=Variant.make("scatter_gemm", **{k: v for k, v in case.variant.kwargs.items()
+                                                                    if k != "inplace"}))
+    x, w, go = _grad_inputs(copied, *_grad_data(copied.layer, copied.dtype, 17))
+    reference, _ = _run_grad(copied, go, x, w, expect_function=GATHER_FUNCTION)
+    assert torch.equal(gi, reference)
 
 
 @pytest.mark.parametrize("case", GRAD_TILE_CASES)

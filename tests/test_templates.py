@@ -109,9 +109,9 @@ def test_the_gather_gemm_template_shares_the_scatter_gemms_block():
     text = templates.expanded(name)
     assert "#include" not in text
     assert "struct PingPongGemm" in text and "struct PingPongGemm" in templates.expanded(next(iter(SCATTER_GEMM)))
-    assert "wgmma_async" in text and "cp_async_arrive" in text
-    assert {"SCALAR_T", "INDEX_T", "DST_CL", "MMA_KIND", "MB", "BN", "STAGES", "A_BOXES", "BOX_W", "BOX_H"} | LAYER \
-        == templates.placeholders(name)
+    assert "wgmma_async" in text and "cp_async_arrive" in text and "wgmma_async_a_registers" in text
+    assert {"SCALAR_T", "INDEX_T", "DST_CL", "MMA_KIND", "MB", "BN", "STAGES", "A_BOXES", "BOX_W", "BOX_H",
+            "A_IN_PLACE"} | LAYER == templates.placeholders(name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPANDED_TAPS))

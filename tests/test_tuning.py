@@ -143,8 +143,14 @@ def test_variant_names_round_trip():
     v = Variant.parse("gemm:128x64:s3")
     assert v == Variant.make("gemm", stages=3, tile="128x64") and v.kwargs == {"tile": "128x64", "stages": 3}
     assert v.name == "gemm:128x64:s3" and Variant.parse("gemm:s2").kwargs == {"stages": 2}
+    # a source copied first or read in place, last, one or the other
+    for name, opts in (("wgmma:s6:copy", {"stages": 6, "copy": True}),
+                       ("scatter_gemm:64x256:inplace", {"tile": "64x256", "inplace": True}),
+                       ("scatter_gemm:inplace", {"inplace": True})):
+        assert Variant.parse(name).kwargs == opts and Variant.make(name.split(":")[0], **opts).name == name
     for bad in ("", "gemm:64x64:64x64", "gemm:sx", "gemm:s2:s3", "gemm:s3:64x64", "gemm:", "Gemm", "gemm:64x64:s2:s3",
-                ":64x64", "gemm:64x"):
+                ":64x64", "gemm:64x", "scatter_gemm:inplace:copy", "scatter_gemm:copy:inplace",
+                "scatter_gemm:inplace:64x256", "wgmma:copy:s6", "scatter_gemm:inplace:inplace"):
         with pytest.raises(ValueError):
             Variant.parse(bad)
 

@@ -33,6 +33,9 @@ ROW_BYTES = 128   # a step's row: a pixel's channels (A), an input channel's col
 TMA_COORDINATE_LIMIT = 2 ** 31   # the copy engine's box coordinates are signed 32-bit
 MASK_TAPS = 16    # a gathered row's landing kernel rows and columns are two 16-bit masks
 HALF = ("float16", "bfloat16")
+# TF32 grad_input reading a channels_last grad_output in place, rounded in the consumers' registers (the
+# ``inplace`` option), joins the tuner's candidates once its GPU tests have passed; pinned it runs before that.
+TF32_IN_PLACE = False
 FORWARD, GRAD_INPUT = "forward", "grad_input"
 
 
@@ -174,14 +177,24 @@ def heuristic_tile(g: Geometry, pass_: str = FORWARD) -> ScatterTile:
     return HEURISTIC
 
 
-def options(g: Geometry, pass_: str = FORWARD) -> List[Dict[str, object]]:
-    """The heuristic, then the other tiles whose columns are not mostly padding."""
+def options(g: Geometry, pass_: str = FORWARD, dtype: str = "float16", layout: str = "nchw") -> List[Dict[str, object]]:
+    """The heuristic, then the other tiles whose columns are not mostly padding; for TF32 grad_input of a
+    channels_last grad_output (once :data:`TF32_IN_PLACE`), each of those read in place as well."""
     found: List[Dict[str, object]] = [{}]
     heuristic = heuristic_tile(g, pass_)
     for tile in TILES.values():
         if tile != heuristic and not (tile.bn > 64 and columns(g, pass_) <= tile.bn // 2):
             found.append({"tile": tile.name})
+    if TF32_IN_PLACE and reads_in_place(pass_, dtype, layout):
+        found += [dict(o, inplace=True) for o in found]
     return found
+
+
+def reads_in_place(pass_: str, dtype: str, layout: str) -> bool:
+    """Whether the ``inplace`` option applies: TF32 grad_input of a channels_last grad_output, which the
+    consumers then round in registers in place of a rounding copy (an NCHW one needs its channels_last copy,
+    which rounds on the way, and 16-bit operands need no rounding)."""
+    return pass_ == GRAD_INPUT and dtype == "float32" and layout == "nhwc"
 
 
 KERNELS = {FORWARD: "conv_transpose2d_scatter_gemm", GRAD_INPUT: "conv_transpose2d_gather_gemm"}
@@ -270,20 +283,24 @@ def grad_output_map(g: Geometry, dtype: str, tile: ScatterTile) -> tensor_map.Te
 
 @functools.lru_cache(maxsize=1024)
 def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optional[ScatterTile] = None,
-                    sm_count: int = 132) -> PackedGemm:
+                    sm_count: int = 132, in_place: bool = False) -> PackedGemm:
     """grad_input as one GEMM whose A rows gather each input pixel's taps from grad_output, after the weight's
     copy into channels_last order where it is contiguous and grad_output's into channels_last scratch where it
     is NCHW (the copy 16-bit grad_weight shares).  float32 runs at TF32 on operands rounded by those copies, or
-    by a rounding copy of a channels_last grad_output or weight."""
+    by a rounding copy of a channels_last grad_output or weight; ``in_place`` (:func:`reads_in_place`) reads
+    such a grad_output as it is, the consumers rounding A in registers."""
+    if in_place and not reads_in_place(GRAD_INPUT, dtype, layout):
+        raise ValueError("the gather GEMM reads grad_output in place, rounding it in registers, for float32 "
+                         f"(TF32) in channels_last only, not {dtype} in {layout}")
     _, rows, cols = pixel_box(g, tile or heuristic_tile(g, GRAD_INPUT))
     main = _gemm_plan(g, dtype, GRAD_INPUT, tile, sm_count, DST_CL=layout == "nhwc", A_BOXES=grad_output_boxes(g),
-                      BOX_H=rows, BOX_W=cols)
+                      BOX_H=rows, BOX_W=cols, A_IN_PLACE=in_place)
     tf32 = dtype == "float32"
     if layout == "nchw":
         to_cl = gemm.plan_to_channels_last(g.batch, g.out_channels, g.out_size[0] * g.out_size[1], dtype,
                                            round_tf32=tf32)
     else:
-        to_cl = gemm.plan_round_tf32(numel(g.output_shape)) if tf32 else None
+        to_cl = gemm.plan_round_tf32(numel(g.output_shape)) if tf32 and not in_place else None
     return PackedGemm(_weight_order(g, dtype), main, to_cl)
 
 
@@ -319,7 +336,7 @@ class ScatterGemmFamily(Family):
         return tile_count(g, heuristic_tile(g, pass_), pass_) >= LEAD_WAVES[pass_] * ASSUMED.sm_count
 
     def variants(self, pass_: str, g: Geometry, dtype: str, layout: str, precision: str) -> List[Variant]:
-        return [Variant.make(self.name, **opts) for opts in options(g, pass_)]
+        return [Variant.make(self.name, **opts) for opts in options(g, pass_, dtype, layout)]
 
     def plan(self, pass_: str, variant: Variant, g: Geometry, dtype: str, layout: str, precision: str,
              has_bias: bool, aligned: bool, sm_count: int) -> PassPlan:
@@ -332,9 +349,12 @@ class ScatterGemmFamily(Family):
             return gemm.plan_grad_input_gemm(g, dtype, layout, precision, aligned=False, sm_count=sm_count)
         name = variant.kwargs.get("tile")
         tile = TILES[name] if name else None
+        in_place = bool(variant.kwargs.get("inplace", False))
         if pass_ == FORWARD:
+            if in_place:
+                raise ValueError("the scatter forward reads its input in place already: no inplace option")
             return plan_forward(g, dtype, has_bias, layout, tile, sm_count)
-        return plan_grad_input(g, dtype, layout, tile, sm_count)
+        return plan_grad_input(g, dtype, layout, tile, sm_count, in_place)
 
     def clear(self) -> None:
         plan_forward.cache_clear()

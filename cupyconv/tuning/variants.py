@@ -2,8 +2,9 @@
 
 Its name is what the tuning file stores: ``direct``, ``direct:8x2x1``, ``direct:4x16``, ``gemm``, ``gemm:128x64``,
 ``gemm:s3``, ``gemm:64x64:s2``, ``gemm:k1``, ``gemm:128x128:k8``, ``wgmma:4i8x8x128``, ``wgmma:16x16x64:s6``,
-``wgmma:64x64x4r16``, ``wgmma:copy``, ``tiled:8x8x1b6`` or ``grouped_mma:4x32`` (family, then a block tile, then a
-pipeline depth, then K ranges, then ``copy`` for a source copied first).
+``wgmma:64x64x4r16``, ``wgmma:copy``, ``scatter_gemm:64x256:inplace``, ``tiled:8x8x1b6`` or ``grouped_mma:4x32``
+(family, then a block tile, then a pipeline depth, then K ranges, then ``copy`` for a source copied first or
+``inplace`` for one read in place where the heuristic copies it).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ _STAGES = re.compile(r"s(\d+)")
 _SPLIT = re.compile(r"k(\d+)")
 _FAMILY = re.compile(r"[a-z][a-z0-9_]*")
 # the order of options in a name
-_ORDER = ("tile", "stages", "split", "copy")
+_ORDER = ("tile", "stages", "split", "copy")   # ("copy" or "inplace", not both)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class Variant:
             parts.append(f"k{opts['split']}")
         if opts.get("copy"):
             parts.append("copy")
+        if opts.get("inplace"):
+            parts.append("inplace")
         return ":".join(parts)
 
     @classmethod
@@ -74,14 +77,15 @@ class Variant:
         opts: Dict[str, object] = {}
         for part in rest:
             stages, split = _STAGES.fullmatch(part), _SPLIT.fullmatch(part)
+            source = "copy" in opts or "inplace" in opts   # the source's option comes last
             if _TILE.fullmatch(part) and not opts:
                 opts["tile"] = part
-            elif stages and "stages" not in opts and "split" not in opts and "copy" not in opts:
+            elif stages and "stages" not in opts and "split" not in opts and not source:
                 opts["stages"] = int(stages.group(1))
-            elif split and "split" not in opts and "copy" not in opts:
+            elif split and "split" not in opts and not source:
                 opts["split"] = int(split.group(1))
-            elif part == "copy" and "copy" not in opts:
-                opts["copy"] = True
+            elif part in ("copy", "inplace") and not source:
+                opts[part] = True
             else:
                 raise ValueError(f"not a cupyconv variant name: {name!r}")
         return cls.make(family, **opts)

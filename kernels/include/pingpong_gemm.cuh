@@ -31,8 +31,32 @@ struct CopyEngineProducer {
     static constexpr int FULL_ARRIVALS = 1;   // the boxes' bytes
 };
 
-// PRODUCER_REGISTERS: what the producer keeps (setmaxnreg); the consumers share what it frees.
-template <int KIND, int MB, int BN, int STAGES, int K_STEPS, int N_TILES, bool B_MN_MAJOR, int PRODUCER_REGISTERS = 56>
+// A step's A for a TF32 MMA from registers: rows r and r + 8 of the swizzled 128-byte rows at shared address
+// `rows`, words lane % 4 (+ 4) of each 8-word MMA step of K, rounded to TF32 as the rounding copies round them
+// (the tensor cores would truncate them).  Rows r of warp w's lanes are 16 w + lane / 4: for each MMA step the
+// warp's eight rows take one 16-byte chunk each, eight different chunk slots under the swizzle, so the loads hit
+// every bank once.
+template <int MMA_STEPS>
+__device__ __forceinline__ void load_a_rounded(unsigned rows, int r, int lane, unsigned (&a)[MMA_STEPS][4]) {
+#pragma unroll
+    for (int kk = 0; kk < MMA_STEPS; ++kk)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                // word lane % 4 of chunk 2 kk + half of row r + 8 h
+                const unsigned at = swizzle_128b(rows + (r + 8 * h) * 128 + (2 * kk + half) * 16) + (lane % 4) * 4;
+                unsigned v;
+                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(at));
+                a[kk][2 * half + h] = round_tf32_bits(v);
+            }
+}
+
+// PRODUCER_REGISTERS: what the producer keeps (setmaxnreg); the consumers share what it frees.  A_REGISTERS
+// (TF32): the consumers take A from shared memory into registers, rounding it on the way, so the producer may
+// land unrounded float32 words.
+template <int KIND, int MB, int BN, int STAGES, int K_STEPS, int N_TILES, bool B_MN_MAJOR, int PRODUCER_REGISTERS = 56,
+          bool A_REGISTERS = false>
 struct PingPongGemm {
     static constexpr int CONSUMERS = 2;
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
@@ -53,6 +77,7 @@ struct PingPongGemm {
     static_assert(BN % 64 == 0 && BN <= 256 && MB >= 1 && MB * BN <= 256,
                   "whole 64-column blocks; a consumer's accumulators fit its registers");
     static_assert(!B_MN_MAJOR || sizeof(scalar_t) == 2, "an MN-major B is 16-bit only");
+    static_assert(!A_REGISTERS || KIND == MMA_TF32, "A from registers: TF32 only");
     static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses reach 256 KB");
     static_assert(PRODUCER_REGISTERS % 8 == 0 && PRODUCER_REGISTERS >= 24 && CONSUMER_REGISTERS <= 256,
                   "setmaxnreg's range");
@@ -140,6 +165,33 @@ struct PingPongGemm {
                 if (signals && c == K_STEPS - 1) mbarrier_arrive(smem_addr(&turn[1 - warpgroup]));
                 fence_async_shared();   // cp.async copies came through the generic proxy; wgmma reads async
                 const unsigned a = a_slot(s), b = a + A_BYTES;
+                if constexpr (A_REGISTERS) {
+                    // A's words may change only once the MMAs reading them are done: each step waits for its
+                    // own, while the other consumer's MMAs keep the tensor cores busy.
+                    const int lane = tid % 32, r = tid % 128 / 32 * 16 + lane / 4;
+                    unsigned frag[MB][CK / K_STEP][4];
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb) load_a_rounded(a + mb * 64 * 128, r, lane, frag[mb]);
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < CK / K_STEP; ++kk) {
+                        const unsigned long long b_desc = smem_descriptor_swizzle_128b(b + kk * 32, 16, 1024);
+#pragma unroll
+                        for (int mb = 0; mb < MB; ++mb) wgmma_async_a_registers<BN>(acc[mb], frag[mb][kk], b_desc, 1);
+                    }
+                    wgmma_commit();
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
+                    wgmma_wait<0>();
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                        for (int kk = 0; kk < CK / K_STEP; ++kk) fence_registers(frag[mb][kk]);
+                    if (signals) mbarrier_arrive(smem_addr(&empty[s % STAGES]));
+                    continue;
+                }
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
                 wgmma_fence();

@@ -55,6 +55,13 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for A's words in registers: fenced after the wait for the MMAs that read them, they stay live until
+// then, so nothing else is given their registers while the tensor cores may still read them.
+template <int N>
+__device__ __forceinline__ void fence_registers(unsigned (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
 
 // D[64 x N] (+)= A[64 x K] * B[K x N], K = 16 fp16/bf16 values or 8 TF32 values (32 bytes either way),
 // A and B read through descriptors; accumulate = 0 overwrites D.  Each warp holds 16
@@ -114,14 +121,20 @@ __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long lon
     "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
     "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 // REGS: the accumulators' operand list; A, B, P, T, TB: the operand numbers of the descriptors, the
-// accumulate flag, MN_MAJOR and B_MN_MAJOR (the registers' count and the four after it).
+// accumulate flag, MN_MAJOR and B_MN_MAJOR (the registers' count and the four after it); RA0-RA3, RB, RP: with A
+// from registers, those of A's four words, B's descriptor and the accumulate flag.
 #define WGMMA_INSTRUCTION(N, TYPE, REGS, A, B, P, T, TB)                                                \
     "{ .reg .pred p; setp.ne.b32 p, %" #P ", 0; wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." \
     TYPE " {" REGS "}, %" #A ", %" #B ", p, 1, 1, %" #T ", %" #TB "; }"
 #define WGMMA_INSTRUCTION_TF32(N, REGS, A, B, P)                                                         \
     "{ .reg .pred p; setp.ne.b32 p, %" #P ", 0; wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {" \
     REGS "}, %" #A ", %" #B ", p, 1, 1; }"
-#define WGMMA_SHAPE(N, REGS, OUTS, A, B, P, T, TB)                                                        \
+// TF32 with A from registers: four words a thread (wgmma's fragment layout: thread lane of warp w holds rows
+// 16 w + lane / 4 (+ 8) and columns lane % 4 (+ 4) of the 64 x 8 block), B through its descriptor.
+#define WGMMA_INSTRUCTION_TF32_RS(N, REGS, A0, A1, A2, A3, B, P)                                         \
+    "{ .reg .pred p; setp.ne.b32 p, %" #P ", 0; wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {" \
+    REGS "}, {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1; }"
+#define WGMMA_SHAPE(N, REGS, OUTS, A, B, P, T, TB, RA0, RA1, RA2, RA3, RB, RP)                           \
     template <int KIND>                                                                               \
     struct Wgmma<KIND, N> {                                                                           \
         static_assert(KIND == MMA_F16 || KIND == MMA_BF16 || KIND == MMA_TF32,                        \
@@ -142,11 +155,24 @@ __device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long lon
                              : OUTS : "l"(a), "l"(b), "r"(accumulate));                               \
             }                                                                                         \
         }                                                                                             \
+        static __device__ __forceinline__ void mma_a_registers(float (&d)[N / 2], const unsigned (&a)[4], \
+                                                               unsigned long long b, int accumulate) { \
+            static_assert(KIND == MMA_TF32, "A from registers: TF32 only here");                     \
+            asm volatile(WGMMA_INSTRUCTION_TF32_RS(N, REGS, RA0, RA1, RA2, RA3, RB, RP)               \
+                         : OUTS : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate)); \
+        }                                                                                             \
     };
 
-WGMMA_SHAPE(8, WGMMA_REGS_4, WGMMA_OUTS_4, 4, 5, 6, 7, 8)
-WGMMA_SHAPE(16, WGMMA_REGS_8, WGMMA_OUTS_8, 8, 9, 10, 11, 12)
-WGMMA_SHAPE(32, WGMMA_REGS_16, WGMMA_OUTS_16, 16, 17, 18, 19, 20)
-WGMMA_SHAPE(64, WGMMA_REGS_32, WGMMA_OUTS_32, 32, 33, 34, 35, 36)
-WGMMA_SHAPE(128, WGMMA_REGS_64, WGMMA_OUTS_64, 64, 65, 66, 67, 68)
-WGMMA_SHAPE(256, WGMMA_REGS_128, WGMMA_OUTS_128, 128, 129, 130, 131, 132)
+WGMMA_SHAPE(8, WGMMA_REGS_4, WGMMA_OUTS_4, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 9)
+WGMMA_SHAPE(16, WGMMA_REGS_8, WGMMA_OUTS_8, 8, 9, 10, 11, 12, 8, 9, 10, 11, 12, 13)
+WGMMA_SHAPE(32, WGMMA_REGS_16, WGMMA_OUTS_16, 16, 17, 18, 19, 20, 16, 17, 18, 19, 20, 21)
+WGMMA_SHAPE(64, WGMMA_REGS_32, WGMMA_OUTS_32, 32, 33, 34, 35, 36, 32, 33, 34, 35, 36, 37)
+WGMMA_SHAPE(128, WGMMA_REGS_64, WGMMA_OUTS_64, 64, 65, 66, 67, 68, 64, 65, 66, 67, 68, 69)
+WGMMA_SHAPE(256, WGMMA_REGS_128, WGMMA_OUTS_128, 128, 129, 130, 131, 132, 128, 129, 130, 131, 132, 133)
+
+// D[64 x N] (+)= A[64 x 8] * B[8 x N] in TF32, A's rounded words in registers (Wgmma::mma_a_registers).
+template <int N>
+__device__ __forceinline__ void wgmma_async_a_registers(float (&d)[N / 2], const unsigned (&a)[4],
+                                                        unsigned long long b, int accumulate) {
+    Wgmma<MMA_TF32, N>::mma_a_registers(d, a, b, accumulate);
+}
