@@ -169,7 +169,7 @@ def tile_count(g: Geometry, tile: ScatterTile, pass_: str = FORWARD) -> int:
 
 def heuristic_tile(g: Geometry, pass_: str = FORWARD) -> ScatterTile:
     """:data:`HEURISTIC`, but for grad_input where it makes fewer than half a wave of tiles, :data:`FEW_TILES`
-    (twice as many): on pix2pix's 8² layer (64 tiles) that tile ran 1.4x faster in bf16 and 1.1-1.4x in TF32
+    (twice as many): on pix2pix's 8² layer (64 tiles) that tile ran 1.4x faster in bf16 and 1.1-1.3x in TF32
     (NOTES v45, v46), while on layers of a wave or more (DCGAN's 128 tiles) the 128-pixel tiles ran as fast or
     faster."""
     if pass_ == GRAD_INPUT and tile_count(g, HEURISTIC, pass_) < LEAD_WAVES[GRAD_INPUT] * ASSUMED.sm_count:
@@ -317,8 +317,7 @@ class ScatterGemmFamily(Family):
 
     def leads(self, pass_: str, g: Geometry, dtype: str, layout: str = "nchw", precision: str = "strict") -> bool:
         """Where its heuristic tile (:func:`heuristic_tile`) makes :data:`LEAD_WAVES` tiles an SM or more, and for
-        the forward only in
-        NCHW.  The forward beat the halo-tile kernel on U-Net's upsampling layers by up to 1.7x on the H100 (NOTES
+        the forward only in NCHW.  The forward beat the halo-tile kernel on U-Net's upsampling layers by up to 1.7x on the H100 (NOTES
         v25), before that kernel took its operands from the copy engine; on the H200 at eb2ff25 (NOTES v44) the
         halo-tile kernel's heuristic beat it on the three of those layers where it led in channels_last
         (1.12-1.45x, either weight layout), while in NCHW it still won the 64² and 128² grids (1.27x, 1.54x) and
@@ -327,7 +326,7 @@ class ScatterGemmFamily(Family):
         layers down to 128 tiles (1024 input channels of 16 x 16 pixels), and lost 12x to the split GEMM on a
         1 x 1 input (4 tiles of 128 steps); where taps overlap, only on layers :func:`overlap_leads` picks.
         TF32 grad_input follows the same rules: on DCGAN's, pix2pix's, HiFi-GAN's and a 64² layer of two taps a
-        phase it ran 1.1-3.0x faster than the heuristic of the family that led before, in both layouts (NOTES v46).
+        phase it ran 1.2-3.0x faster than the heuristic of the family that led before, in both layouts (NOTES v46).
         Elsewhere it races them."""
         if pass_ == FORWARD and layout != "nchw":
             return False

@@ -167,7 +167,7 @@ struct PingPongGemm {
                 const unsigned a = a_slot(s), b = a + A_BYTES;
                 if constexpr (A_REGISTERS) {
                     // A's words may change only once the MMAs reading them are done: each step waits for its
-                    // own, while the other consumer's MMAs keep the tensor cores busy.
+                    // own, while the other consumer's MMAs may keep the tensor cores busy.
                     const int lane = tid % 32, r = tid % 128 / 32 * 16 + lane / 4;
                     unsigned frag[MB][CK / K_STEP][4];
 #pragma unroll
