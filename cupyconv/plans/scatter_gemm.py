@@ -292,7 +292,8 @@ def plan_grad_input(g: Geometry, dtype: str, layout: str = "nchw", tile: Optiona
     if in_place and not reads_in_place(GRAD_INPUT, dtype, layout):
         raise ValueError("the gather GEMM reads grad_output in place, rounding it in registers, for float32 "
                          f"(TF32) in channels_last only, not {dtype} in {layout}")
-    _, rows, cols = pixel_box(g, tile or heuristic_tile(g, GRAD_INPUT))
+    tile = tile or heuristic_tile(g, GRAD_INPUT)
+    _, rows, cols = pixel_box(g, tile)
     main = _gemm_plan(g, dtype, GRAD_INPUT, tile, sm_count, DST_CL=layout == "nhwc", A_BOXES=grad_output_boxes(g),
                       BOX_H=rows, BOX_W=cols, A_IN_PLACE=in_place)
     tf32 = dtype == "float32"
