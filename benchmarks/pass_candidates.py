@@ -3,8 +3,9 @@
     python benchmarks/pass_candidates.py pix2pix_4 --dtype float32 bfloat16 --layout nchw
     python benchmarks/pass_candidates.py 16x1024x4x4:512:k4s2p1 --layout nhwc --weight-channels-last
 
-A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP``, each of K, S and P one number for both axes or ``HxW``
-(``16x512x1x32:256:k1x16s1x8p0x4``, a 1-D layer as HiFi-GAN's, on one row).  ``--also`` names variants to time
+A layer is one of :data:`LAYERS` or ``NxCxHxW:OUT:kKsSpP[oO]``, each of K, S, P and the output padding O one number
+for both axes or ``HxW`` (``16x512x1x32:256:k1x16s1x8p0x4``, a 1-D layer as HiFi-GAN's, on one row;
+``8x64x96x96:32:k3s3p1o2``, the suite's outpad_up3x).  ``--also`` names variants to time
 beside the table's candidates, pinned, where they plan for the pass (a tile a family does not list, or a family
 before it joins the tuner's candidates).  For each dtype, layout and pass (forward, grad_input, grad_weight) it
 prints cuDNN's time (``cudnn.benchmark`` on, TF32 allowed for float32), the heuristic candidate's, and every
@@ -38,7 +39,7 @@ LAYERS = {
     "hifigan_4096": ((16, 64, 1, 4096), 32, (1, 4), (1, 2), (0, 1)),
 }
 _PAIR = r"(\d+)(?:x(\d+))?"
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+):(\d+):k" + _PAIR + "s" + _PAIR + "p" + _PAIR)
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+):(\d+):k" + _PAIR + "s" + _PAIR + "p" + _PAIR + "(?:o" + _PAIR + ")?")
 Pair = Tuple[int, int]
 PASSES = ("forward", "grad_input", "grad_weight")
 GRADIENTS = ("grad_input", "grad_weight")
@@ -49,25 +50,26 @@ def _pair(value) -> Pair:
     return tuple(value) if isinstance(value, tuple) else (value, value)
 
 
-def parse_layer(text: str) -> Tuple[Tuple[int, int, int, int], int, Pair, Pair, Pair]:
-    """(input shape, output channels, kernel, stride, padding) of a name in :data:`LAYERS` or a spec; the last
-    three as (height, width) pairs."""
+def parse_layer(text: str) -> Tuple[Tuple[int, int, int, int], int, Pair, Pair, Pair, Pair]:
+    """(input shape, output channels, kernel, stride, padding, output padding) of a name in :data:`LAYERS` or a
+    spec; the last four as (height, width) pairs."""
     if text in LAYERS:
         x_shape, out, k, s, p = LAYERS[text]
-        return x_shape, out, _pair(k), _pair(s), _pair(p)
+        return x_shape, out, _pair(k), _pair(s), _pair(p), (0, 0)
     match = _SPEC.fullmatch(text)
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither one of {', '.join(LAYERS)} nor NxCxHxW:OUT:kKsSpP")
     g = match.groups()
-    pairs = [(int(g[i]), int(g[i + 1] or g[i])) for i in (5, 7, 9)]
-    return tuple(map(int, g[:4])), int(g[4]), pairs[0], pairs[1], pairs[2]
+    pairs = [(int(g[i] or 0), int(g[i + 1] or g[i] or 0)) for i in (5, 7, 9, 11)]
+    return tuple(map(int, g[:4])), int(g[4]), pairs[0], pairs[1], pairs[2], pairs[3]
 
 
-def layer_name(x_shape, out_channels: int, k: Pair, s: Pair, p: Pair) -> str:
+def layer_name(x_shape, out_channels: int, k: Pair, s: Pair, p: Pair, o: Pair = (0, 0)) -> str:
     """The spec of a layer, each pair as one number where its sides agree."""
     def side(pair: Pair) -> str:
         return str(pair[0]) if pair[0] == pair[1] else f"{pair[0]}x{pair[1]}"
-    return f"{'x'.join(map(str, x_shape))}:{out_channels}:k{side(k)}s{side(s)}p{side(p)}"
+    outpad = f"o{side(o)}" if any(o) else ""
+    return f"{'x'.join(map(str, x_shape))}:{out_channels}:k{side(k)}s{side(s)}p{side(p)}{outpad}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -138,11 +140,12 @@ def _calls(pass_: str, x, w, b, go, kw: dict):
     if pass_ == "forward":
         return (lambda: F.conv_transpose2d(x, w, b, **kw)), (lambda: ct.conv_transpose2d(x, w, b, **kw))
     stride, padding = list(kw["stride"]), list(kw["padding"])   # (height, width) pairs
+    outpad = list(kw["output_padding"])
     which = GRADIENTS.index(pass_)
     mask = [which == 0, which == 1, False]
-    theirs = (lambda: torch.ops.aten.convolution_backward(go, x, w, None, stride, padding, [1, 1], True, [0, 0], 1,
+    theirs = (lambda: torch.ops.aten.convolution_backward(go, x, w, None, stride, padding, [1, 1], True, outpad, 1,
                                                           mask)[which])
-    ours = (lambda: torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, stride, padding, [0, 0], 1, [1, 1], which))
+    ours = (lambda: torch.ops.cupyconv._conv_transpose2d_grad(go, x, w, stride, padding, outpad, 1, [1, 1], which))
     return theirs, ours
 
 
@@ -158,12 +161,12 @@ def run(args: argparse.Namespace) -> List[str]:
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = True
     lines = []
-    for x_shape, out_channels, k, s, p in args.layers:
-        kw = dict(stride=s, padding=p)
+    for x_shape, out_channels, k, s, p, o in args.layers:
+        kw = dict(stride=s, padding=p, output_padding=o)
         w_shape = (x_shape[1], out_channels) + k
         g = geometry(x_shape, w_shape, None, ConvParams.from_args(**kw)).with_weight_channels_last(
             args.weight_channels_last)
-        name = layer_name(x_shape, out_channels, k, s, p)
+        name = layer_name(x_shape, out_channels, k, s, p, o)
         for dtype in args.dtype:
             precision = "tf32" if dtype == "float32" else "strict"
             tdtype = getattr(torch, dtype)

@@ -15,16 +15,20 @@ def tool():
 
 
 def test_layers_by_name_or_spec(tool):
-    assert tool.parse_layer("pix2pix_4") == ((16, 1024, 4, 4), 512, (4, 4), (2, 2), (1, 1))
-    assert tool.parse_layer("2x64x9x7:48:k3s2p1") == ((2, 64, 9, 7), 48, (3, 3), (2, 2), (1, 1))
+    assert tool.parse_layer("pix2pix_4") == ((16, 1024, 4, 4), 512, (4, 4), (2, 2), (1, 1), (0, 0))
+    assert tool.parse_layer("2x64x9x7:48:k3s2p1") == ((2, 64, 9, 7), 48, (3, 3), (2, 2), (1, 1), (0, 0))
     # a side a number: HiFi-GAN's 1-D layers on one row, by spec and by name
-    hifigan = ((16, 512, 1, 32), 256, (1, 16), (1, 8), (0, 4))
+    hifigan = ((16, 512, 1, 32), 256, (1, 16), (1, 8), (0, 4), (0, 0))
     assert tool.parse_layer("16x512x1x32:256:k1x16s1x8p0x4") == hifigan == tool.parse_layer("hifigan_32")
-    assert tool.parse_layer("2x64x9x7:48:k3x5s2p1x2") == ((2, 64, 9, 7), 48, (3, 5), (2, 2), (1, 2))
-    for text in ("16x512x1x32:256:k1x16s1x8p0x4", "2x64x9x7:48:k3s2p1", "2x64x9x7:48:k3x5s2p1x2"):
+    assert tool.parse_layer("2x64x9x7:48:k3x5s2p1x2") == ((2, 64, 9, 7), 48, (3, 5), (2, 2), (1, 2), (0, 0))
+    # output padding, as the suite's outpad_up3x
+    assert tool.parse_layer("8x64x96x96:32:k3s3p1o2") == ((8, 64, 96, 96), 32, (3, 3), (3, 3), (1, 1), (2, 2))
+    assert tool.parse_layer("2x8x5x7:6:k3s2p1o1x0") == ((2, 8, 5, 7), 6, (3, 3), (2, 2), (1, 1), (1, 0))
+    for text in ("16x512x1x32:256:k1x16s1x8p0x4", "2x64x9x7:48:k3s2p1", "2x64x9x7:48:k3x5s2p1x2",
+                 "8x64x96x96:32:k3s3p1o2", "2x8x5x7:6:k3s2p1o1x0"):
         assert tool.layer_name(*tool.parse_layer(text)) == text
     for bad in ("pix2pix_5", "2x64x9:48:k3s2p1", "2x64x9x7:48", "2x64x9x7:48:k3s2", "2x64x9x7:48:k3x5x7s2p1",
-                "2x64x9x7:48:k3xs2p1"):
+                "2x64x9x7:48:k3xs2p1", "2x64x9x7:48:k3s2p1o", "2x64x9x7:48:k3s2o1"):
         with pytest.raises(argparse.ArgumentTypeError, match="NxCxHxW"):
             tool.parse_layer(bad)
 
@@ -49,16 +53,16 @@ def test_without_a_gpu_it_stops_with_a_message(tool, monkeypatch):
         tool.main(["pix2pix_4"])
 
 
-@pytest.mark.parametrize("text", ["hifigan_32", "2x8x5x7:6:k3x5s2x1p1x2"])
+@pytest.mark.parametrize("text", ["hifigan_32", "2x8x5x7:6:k3x5s2x1p1x2", "2x8x5x7:6:k3s3p1o2x1"])
 @pytest.mark.parametrize("pass_", ["forward", "grad_input", "grad_weight"])
 def test_torchs_call_is_the_layers_own_pass(tool, text, pass_):
     """cuDNN's side of a row, run on the CPU: the layer's pass with its per-side kernel, stride and padding, as
     autograd computes it."""
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
-    x_shape, out_channels, k, s, p = tool.parse_layer(text)
+    x_shape, out_channels, k, s, p, o = tool.parse_layer(text)
     x_shape = (2, min(x_shape[1], 8)) + x_shape[2:]
-    kw = dict(stride=s, padding=p)
+    kw = dict(stride=s, padding=p, output_padding=o)
     x = torch.randn(x_shape, dtype=torch.float64, requires_grad=True)
     w = torch.randn((x_shape[1], 4) + k, dtype=torch.float64, requires_grad=True)
     b = torch.randn(4, dtype=torch.float64)
