@@ -101,6 +101,58 @@ struct PingPongGemm {
         }
     }
 
+    // The consumers' main loop with A from registers.  A's words may change only once the MMAs reading them are
+    // done.  Where two sets of them fit beside the accumulators, each step's A sits in one of two register sets:
+    // a step's MMAs stay in flight while the next step loads the other set, and a buffer is released once its
+    // step's MMAs are done.  Otherwise (128 x 128 tiles: ptxas serialises the MMAs of two sets) each step waits
+    // for its own MMAs, while the other consumer's may keep the tensor cores busy.  Every thread of the
+    // warpgroup reads A and one releases the buffer: the named barrier orders their reads before that.
+    enum : int { A_SETS = MB * BN / 2 + 2 * MB * 16 <= 160 ? 2 : 1 };   // an enum: no global for ptxas
+    typedef unsigned ARegisters[A_SETS][MB][CK / K_STEP][4];
+
+    template <int SET, class Slot>
+    static __device__ __forceinline__ void a_registers_step(float (&acc)[MB][BN / 2], ARegisters& frag, int s, int c,
+                                                            int warpgroup, int& pending, Slot a_slot,
+                                                            unsigned long long* full, unsigned long long* empty,
+                                                            unsigned long long* turn) {
+        const int lane = threadIdx.x % 32, r = threadIdx.x % 128 / 32 * 16 + lane / 4;
+        mbarrier_wait(smem_addr(&full[s % STAGES]), (s / STAGES) & 1);
+        if (threadIdx.x % 128 == 0 && c == K_STEPS - 1) mbarrier_arrive(smem_addr(&turn[1 - warpgroup]));
+        fence_async_shared();   // cp.async copies came through the generic proxy; wgmma reads B async
+        const unsigned a = a_slot(s), b = a + A_BYTES;
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) load_a_rounded(a + mb * 64 * 128, r, lane, frag[SET][mb]);
+        warpgroup_barrier(1 + warpgroup);
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < CK / K_STEP; ++kk) {
+            const unsigned long long b_desc = smem_descriptor_swizzle_128b(b + kk * 32, 16, 1024);
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) wgmma_async_a_registers<BN>(acc[mb], frag[SET][mb][kk], b_desc, 1);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
+        if constexpr (A_SETS == 2) {
+            wgmma_wait<1>();   // the previous step's MMAs are done: its registers and buffer are free
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                for (int kk = 0; kk < CK / K_STEP; ++kk) fence_registers(frag[A_SETS - 1 - SET][mb][kk]);
+            if (threadIdx.x % 128 == 0 && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
+            pending = s % STAGES;
+        } else {
+            wgmma_wait<0>();
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                for (int kk = 0; kk < CK / K_STEP; ++kk) fence_registers(frag[0][mb][kk]);
+            if (threadIdx.x % 128 == 0) mbarrier_arrive(smem_addr(&empty[s % STAGES]));
+        }
+    }
+
     template <class Producer, class Store>
     static __device__ __forceinline__ void run(unsigned char* smem, index_t tile_count, Producer& producer,
                                                Store& store) {
@@ -158,66 +210,70 @@ struct PingPongGemm {
             for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) acc[mb][i] = 0.f;
-            int pending = -1;   // the step whose MMAs may still run
-            for (int c = 0; c < K_STEPS; ++c) {
-                const int s = s_iter + c;
-                mbarrier_wait(smem_addr(&full[s % STAGES]), (s / STAGES) & 1);
-                if (signals && c == K_STEPS - 1) mbarrier_arrive(smem_addr(&turn[1 - warpgroup]));
-                fence_async_shared();   // cp.async copies came through the generic proxy; wgmma reads async
-                const unsigned a = a_slot(s), b = a + A_BYTES;
-                if constexpr (A_REGISTERS) {
-                    // A's words may change only once the MMAs reading them are done: each step waits for its
-                    // own, while the other consumer's MMAs may keep the tensor cores busy.
-                    const int lane = tid % 32, r = tid % 128 / 32 * 16 + lane / 4;
-                    unsigned frag[MB][CK / K_STEP][4];
+            if constexpr (A_REGISTERS) {
+                ARegisters frag;
+                if constexpr (A_SETS == 2) {   // the first step fences the second set as its predecessor's
 #pragma unroll
-                    for (int mb = 0; mb < MB; ++mb) load_a_rounded(a + mb * 64 * 128, r, lane, frag[mb]);
+                    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                        for (int kk = 0; kk < CK / K_STEP; ++kk)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) frag[1][mb][kk][i] = 0u;
+                }
+                int pending = -1;   // the step whose MMAs may still run
+                // Steps alternate register sets, two a turn of the loop so that each set's index is a constant.
+                for (int c = 0; c < K_STEPS; c += A_SETS) {
+                    a_registers_step<0>(acc, frag, s_iter + c, c, warpgroup, pending, a_slot, full, empty, turn);
+                    if (A_SETS == 2 && c + 1 < K_STEPS)
+                        a_registers_step<A_SETS - 1>(acc, frag, s_iter + c + 1, c + 1, warpgroup, pending, a_slot, full,
+                                                     empty, turn);
+                }
+                wgmma_wait<0>();
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) {
+                    fence_registers(acc[mb]);
+#pragma unroll
+                    for (int kk = 0; kk < CK / K_STEP; ++kk) {
+#pragma unroll
+                        for (int set = 0; set < A_SETS; ++set) fence_registers(frag[set][mb][kk]);
+                    }
+                }
+                if (signals && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
+            } else {
+                int pending = -1;   // the step whose MMAs may still run
+                for (int c = 0; c < K_STEPS; ++c) {
+                    const int s = s_iter + c;
+                    mbarrier_wait(smem_addr(&full[s % STAGES]), (s / STAGES) & 1);
+                    if (signals && c == K_STEPS - 1) mbarrier_arrive(smem_addr(&turn[1 - warpgroup]));
+                    fence_async_shared();   // cp.async copies came through the generic proxy; wgmma reads async
+                    const unsigned a = a_slot(s), b = a + A_BYTES;
 #pragma unroll
                     for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
                     wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < CK / K_STEP; ++kk) {
-                        const unsigned long long b_desc = smem_descriptor_swizzle_128b(b + kk * 32, 16, 1024);
+                        // A: 32 bytes into its rows.  B: the same into its rows (K-major), or K_STEP rows of the
+                        // MN-major column blocks.
+                        const unsigned long long b_desc =
+                            B_MN_MAJOR ? smem_descriptor_swizzle_128b(b + kk * K_STEP * 128, B_COLUMN_BLOCK, 1024)
+                                       : smem_descriptor_swizzle_128b(b + kk * 32, 16, 1024);
 #pragma unroll
-                        for (int mb = 0; mb < MB; ++mb) wgmma_async_a_registers<BN>(acc[mb], frag[mb][kk], b_desc, 1);
+                        for (int mb = 0; mb < MB; ++mb)
+                            wgmma_async<KIND, BN, 0, B_MN_MAJOR ? 1 : 0>(
+                                acc[mb], smem_descriptor_swizzle_128b(a + mb * 64 * 128 + kk * 32, 16, 1024), b_desc, 1);
                     }
                     wgmma_commit();
 #pragma unroll
                     for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
-                    wgmma_wait<0>();
-#pragma unroll
-                    for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-                        for (int kk = 0; kk < CK / K_STEP; ++kk) fence_registers(frag[mb][kk]);
-                    if (signals) mbarrier_arrive(smem_addr(&empty[s % STAGES]));
-                    continue;
+                    wgmma_wait<1>();   // the previous step's MMAs are done: release its buffer
+                    if (signals && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
+                    pending = s % STAGES;
                 }
+                wgmma_wait<0>();
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < CK / K_STEP; ++kk) {
-                    // A: 32 bytes into its rows.  B: the same into its rows (K-major), or K_STEP rows of the
-                    // MN-major column blocks.
-                    const unsigned long long b_desc =
-                        B_MN_MAJOR ? smem_descriptor_swizzle_128b(b + kk * K_STEP * 128, B_COLUMN_BLOCK, 1024)
-                                   : smem_descriptor_swizzle_128b(b + kk * 32, 16, 1024);
-#pragma unroll
-                    for (int mb = 0; mb < MB; ++mb)
-                        wgmma_async<KIND, BN, 0, B_MN_MAJOR ? 1 : 0>(
-                            acc[mb], smem_descriptor_swizzle_128b(a + mb * 64 * 128 + kk * 32, 16, 1024), b_desc, 1);
-                }
-                wgmma_commit();
-#pragma unroll
-                for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
-                wgmma_wait<1>();   // the previous step's MMAs are done: release its buffer
                 if (signals && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
-                pending = s % STAGES;
             }
-            wgmma_wait<0>();
-#pragma unroll
-            for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
-            if (signals && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
             store(acc, tile / N_TILES * BM, static_cast<int>(tile % N_TILES) * BN);
         }
     }
