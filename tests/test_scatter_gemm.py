@@ -300,14 +300,15 @@ def test_tf32_grad_input_plans_rounded_copies_of_both_operands(layout, weight_cl
 
 def test_tf32_grad_input_leads_where_16_bit_leads_and_strict_float32_never_takes_it():
     """TF32 follows the 16-bit rules (NOTES v46): it leads on the one-tap U-Net layer and on DCGAN's two taps a
-    phase, and races where the halo tile shares pixels among many taps or input channels are few.  Strict float32
-    never takes it, pinned or not."""
+    phase (reading a channels_last grad_output in place), and races where the halo tile shares pixels among many
+    taps or input channels are few.  Strict float32 never takes it, pinned or not."""
     dense_3x5 = _layer((16, 128, 64, 64), (128, 128, 3, 5))
     narrow = _layer((64, 64, 32, 32), (64, 64, 4, 4), stride=2, padding=1)
     for layout in ("nchw", "nhwc"):
         for g, leads in ((UNET_UP, True), (DCGAN_UP, True), (dense_3x5, False), (narrow, False)):
             cands = table.candidates("grad_input", g, "float32", layout, "tf32")
-            assert (cands[0] == Variant("scatter_gemm")) is leads, (g.input_shape, layout)
+            assert (cands[0].family == "scatter_gemm") is leads, (g.input_shape, layout)
+            assert cands[0].kwargs.get("inplace", False) is (leads and layout == "nhwc"), cands[0]
             assert Variant("scatter_gemm") in cands
             assert scatter_gemm.FAMILY.leads("grad_input", g, "float32", layout, "tf32") is leads
             strict = table.candidates("grad_input", g, "float32", layout, "strict")
@@ -336,14 +337,16 @@ def test_grad_input_of_under_half_a_wave_runs_twice_the_tiles_of_64_pixels():
         # the heuristic now leads there; the 128 x 128 tile stays a candidate, the 64 x 128 is not listed twice
         precision = "tf32" if dtype == "float32" else "strict"
         cands = table.candidates("grad_input", pix2pix_8, dtype, "nhwc", precision)
+        if dtype == "float32":   # read in place first, on the same tile
+            assert cands[0] == Variant.make("scatter_gemm", tile="64x128", inplace=True)
+            cands = tuple(v for v in cands if not v.kwargs.get("inplace"))
         assert cands[0] == Variant("scatter_gemm") and Variant.make("scatter_gemm", tile="128x128") in cands
         assert Variant.make("scatter_gemm", tile="64x128") not in cands
 
 
-def test_tf32_grad_input_can_read_a_channels_last_grad_output_in_place(monkeypatch):
+def test_tf32_grad_input_can_read_a_channels_last_grad_output_in_place():
     """The ``inplace`` option drops the rounding copy of a channels_last grad_output (the consumers round A in
-    registers) and keeps the weight's; it plans for TF32 grad_input in channels_last only.  Until its GPU tests
-    pass (:data:`scatter_gemm.TF32_IN_PLACE`) it is no candidate, but pinned it plans."""
+    registers) and keeps the weight's; it plans for TF32 grad_input in channels_last only."""
     in_place = Variant.make("scatter_gemm", inplace=True)
     for weight_cl in (False, True):
         g = DCGAN_UP.with_weight_channels_last(weight_cl)
@@ -364,14 +367,27 @@ def test_tf32_grad_input_can_read_a_channels_last_grad_output_in_place(monkeypat
             table.plan("grad_input", in_place, DCGAN_UP, dtype, layout, precision)
     with pytest.raises(ValueError, match="inplace"):
         table.plan("forward", in_place, UNET_UP, "bfloat16", "nhwc")
-    assert not scatter_gemm.TF32_IN_PLACE
-    assert all(not v.kwargs.get("inplace") for v in table.candidates("grad_input", DCGAN_UP, "float32", "nhwc", "tf32"))
-    monkeypatch.setattr(scatter_gemm, "TF32_IN_PLACE", True)
-    table.clear_plan_cache()
-    try:
-        listed = [opts for opts in scatter_gemm.options(DCGAN_UP, "grad_input", "float32", "nhwc")]
-        assert {"inplace": True} in listed and {"tile": "64x256", "inplace": True} in listed
-        assert not any(o.get("inplace") for o in scatter_gemm.options(DCGAN_UP, "grad_input", "float32", "nchw"))
-        assert not any(o.get("inplace") for o in scatter_gemm.options(DCGAN_UP, "grad_input", "bfloat16", "nhwc"))
-    finally:
-        table.clear_plan_cache()
+
+
+def test_tf32_channels_last_grad_input_reads_in_place_first():
+    """Where the gather reads a channels_last TF32 grad_output in place, two in-place tiles come first (the first
+    the heuristic), then the rounding copy's heuristic and another of its tiles; NCHW and 16-bit layers have no
+    in-place option.  The first in-place tile holds two steps of A in registers: the 64 x 256 tile in place of
+    128 x 128, 64 x 128 where 256 columns would be mostly padding or under half a wave of tiles."""
+    narrow = _layer((8, 128, 64, 64), (128, 64, 2, 2), stride=2)
+    few_tiles = _layer((1, 256, 16, 16), (256, 128, 2, 2), stride=2)
+    assert scatter_gemm.heuristic_tile(few_tiles, "grad_input") == scatter_gemm.FEW_TILES
+    for g, first in ((DCGAN_UP, "64x256"), (UNET_UP, "64x256"), (narrow, "64x128"), (few_tiles, "64x128")):
+        cands = table.candidates("grad_input", g, "float32", "nhwc", "tf32")
+        names = [v.name for v in cands if v.family == "scatter_gemm"]
+        assert names[0] == f"scatter_gemm:{first}:inplace", names
+        assert [n.endswith(":inplace") for n in names] == [True, True, False, False], names
+        assert "scatter_gemm" in names, "the rounding copy's heuristic still races"
+        assert all(scatter_gemm.TILES[v.kwargs["tile"]].registers_a_twice for v in cands if v.kwargs.get("inplace"))
+        if table.candidates("grad_input", g, "float32", "nhwc", "tf32")[0].family == "scatter_gemm":
+            assert cands[0].kwargs.get("inplace")
+    assert not scatter_gemm.TILES["128x128"].registers_a_twice
+    assert all(t.registers_a_twice for n, t in scatter_gemm.TILES.items() if n != "128x128")
+    for dtype, layout, precision in (("float32", "nchw", "tf32"), ("bfloat16", "nhwc", "strict")):
+        assert not any(v.kwargs.get("inplace") for v in table.candidates("grad_input", DCGAN_UP, dtype, layout,
+                                                                           precision))

@@ -135,7 +135,7 @@ TF32_CASES += [pytest.param(Case(replace(GRAD_DEEP, out_channels=192), torch.flo
                                  Variant.make("scatter_gemm", tile="128x128"), pass_=GRAD, weight_channels_last=True),
                             id="deep-128x128-192")]
 # the same read in place from a channels_last grad_output, the consumers rounding A in registers: every channels_last
-# TF32 case above, with the same tile (pinned, until scatter_gemm.TF32_IN_PLACE)
+# TF32 case above, with the same tile (pinned)
 IN_PLACE_CASES = [pytest.param(replace(p.values[0], variant=Variant.make("scatter_gemm", inplace=True,
                                                                          **p.values[0].variant.kwargs)),
                                id=f"{p.id}-inplace")
@@ -319,16 +319,21 @@ def test_unaligned_grad_output_runs_the_gemm(dtype, hopper):
 def test_autograd_runs_the_gather_gemm_untuned_on_sm_90(channels_last, layer, dtype, hopper, monkeypatch):
     """Untuned, the backward of a U-Net upsampling layer and of 4 x 4 stride-2 layers of 128 input channels (one
     on 64-pixel tiles: under half a wave of 128-pixel ones) takes grad_input through the gather GEMM in bf16 and
-    at torch's default TF32, and x.grad matches float64."""
+    at torch's default TF32 (a channels_last grad_output read in place, on its in-place tile), and x.grad matches
+    float64."""
     monkeypatch.setenv(tuning.AUTOTUNE_ENV, "0")
     tuning.clear()
     try:
         case = Case(replace(layer, bias=False), dtype, channels_last, SCATTER, pass_=GRAD,
                     weight_channels_last=channels_last)
         name = NAMES[dtype]
-        assert table.candidates(GRAD, case.geometry, name, case.layout, case.precision, hopper)[0] == SCATTER
-        tile = scatter_gemm.heuristic_tile(case.geometry, GRAD)
-        assert (tile == scatter_gemm.FEW_TILES) is (layer is FEW_TILES_LEADING)
+        in_place = scatter_gemm.reads_in_place(GRAD, name, case.layout)
+        tile = scatter_gemm.in_place_tile(case.geometry) if in_place else scatter_gemm.heuristic_tile(case.geometry,
+                                                                                                      GRAD)
+        heuristic = Variant.make("scatter_gemm", tile=tile.name, inplace=True) if in_place else SCATTER
+        assert table.candidates(GRAD, case.geometry, name, case.layout, case.precision, hopper)[0] == heuristic
+        few = scatter_gemm.heuristic_tile(case.geometry, GRAD) == scatter_gemm.FEW_TILES
+        assert few is (layer is FEW_TILES_LEADING)
         x, w, go = _grad_inputs(case, *_grad_data(case.layer, dtype, 14))
         x.requires_grad_()
         y = ct.conv_transpose2d(x, w, None, **case.layer.kwargs())
@@ -337,8 +342,9 @@ def test_autograd_runs_the_gather_gemm_untuned_on_sm_90(channels_last, layer, dt
             torch.cuda.synchronize()
         gathers = [plan for stage, plan in seen if stage == "main" and plan.spec.function == GATHER_FUNCTION]
         assert gathers, [plan.spec.function for _, plan in seen]
-        assert {dict(plan.spec.constants)["MB"] for plan in gathers} == {tile.mb}
-        assert tuning.chosen(GRAD, case.geometry, name, case.layout, case.precision, hopper.index) == SCATTER
+        ran = {tuple(dict(plan.spec.constants)[k] for k in ("MB", "BN", "A_IN_PLACE")) for plan in gathers}
+        assert ran == {(tile.mb, tile.bn, in_place)}
+        assert tuning.chosen(GRAD, case.geometry, name, case.layout, case.precision, hopper.index) == heuristic
         _compare_grad_input(case, x.grad, go, x.detach(), w)
     finally:
         tuning.clear()

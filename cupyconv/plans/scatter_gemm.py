@@ -33,9 +33,6 @@ ROW_BYTES = 128   # a step's row: a pixel's channels (A), an input channel's col
 TMA_COORDINATE_LIMIT = 2 ** 31   # the copy engine's box coordinates are signed 32-bit
 MASK_TAPS = 16    # a gathered row's landing kernel rows and columns are two 16-bit masks
 HALF = ("float16", "bfloat16")
-# TF32 grad_input reading a channels_last grad_output in place, rounded in the consumers' registers (the
-# ``inplace`` option), joins the tuner's candidates once its GPU tests have passed; pinned it runs before that.
-TF32_IN_PLACE = False
 FORWARD, GRAD_INPUT = "forward", "grad_input"
 
 
@@ -51,6 +48,12 @@ class ScatterTile:
     @property
     def name(self) -> str:
         return f"{64 * self.mb}x{self.bn}"
+
+    @property
+    def registers_a_twice(self) -> bool:
+        """Whether a consumer thread holds two steps of TF32 A words (16 a 64-pixel block) beside its
+        accumulators, as the in-place gather does where they fit (the kernel's ``A_SETS``)."""
+        return self.mb * self.bn // 2 + 2 * self.mb * 16 <= 160
 
     def stage_bytes(self) -> int:
         # A: one row a pixel; B: BN x 128 bytes (the forward's 64-column blocks of 64 channels, grad_input's rows)
@@ -177,17 +180,39 @@ def heuristic_tile(g: Geometry, pass_: str = FORWARD) -> ScatterTile:
     return HEURISTIC
 
 
+def _mostly_padding(g: Geometry, tile: ScatterTile, pass_: str) -> bool:
+    return tile.bn > 64 and columns(g, pass_) <= tile.bn // 2
+
+
 def options(g: Geometry, pass_: str = FORWARD, dtype: str = "float16", layout: str = "nchw") -> List[Dict[str, object]]:
-    """The heuristic, then the other tiles whose columns are not mostly padding; for TF32 grad_input of a
-    channels_last grad_output (once :data:`TF32_IN_PLACE`), each of those read in place as well."""
-    found: List[Dict[str, object]] = [{}]
+    """The heuristic, then the other tiles whose columns are not mostly padding.  TF32 grad_input of a
+    channels_last grad_output (:func:`reads_in_place`) reads it in place first: :func:`in_place_tile`, then the
+    other tiles that hold two steps of A in registers, then the rounding copy's heuristic and other tiles."""
     heuristic = heuristic_tile(g, pass_)
-    for tile in TILES.values():
-        if tile != heuristic and not (tile.bn > 64 and columns(g, pass_) <= tile.bn // 2):
-            found.append({"tile": tile.name})
-    if TF32_IN_PLACE and reads_in_place(pass_, dtype, layout):
-        found += [dict(o, inplace=True) for o in found]
-    return found
+    found: List[Dict[str, object]] = [{}] + [{"tile": t.name} for t in TILES.values()
+                                             if t != heuristic and not _mostly_padding(g, t, pass_)]
+    if not reads_in_place(pass_, dtype, layout):
+        return found
+    first = in_place_tile(g)
+    in_place = [{"tile": first.name, "inplace": True}] + [
+        {"tile": t.name, "inplace": True} for t in TILES.values()
+        if t != first and t.registers_a_twice and not _mostly_padding(g, t, pass_)]
+    return in_place[:2] + found + in_place[2:]
+
+
+def in_place_tile(g: Geometry) -> ScatterTile:
+    """The tile that reads grad_output in place: :func:`heuristic_tile` where it holds two steps of A in
+    registers (its consumers then keep a step's MMAs in flight while they load the next), else the 64 x 256 tile
+    of as many accumulators, or 64 x 128 where 256 columns would be mostly padding.  On U-Net's one-tap layers
+    in TF32 (8 and 16 images of 256 x 64², 8 of 512 x 32², NOTES v47) the 64 x 256 tile read in place ran 1.3-1.7x
+    faster than the rounding copy's best tile, and the 128 x 128 tile, one set of A and a wait for each step's
+    MMAs, 1.0-1.3x; on 8 x 1024 x 16² and DCGAN's 64 x 512 x 8² it tied with the copy's (64.3 against 69.6, 69.7
+    against 67.8 µs)."""
+    heuristic = heuristic_tile(g, GRAD_INPUT)
+    if heuristic.registers_a_twice:
+        return heuristic
+    wide = TILES["64x256"]
+    return TILES["64x128"] if _mostly_padding(g, wide, GRAD_INPUT) else wide
 
 
 def reads_in_place(pass_: str, dtype: str, layout: str) -> bool:
