@@ -106,7 +106,8 @@ struct PingPongGemm {
     // a step's MMAs stay in flight while the next step loads the other set, and a buffer is released once its
     // step's MMAs are done.  Otherwise (128 x 128 tiles: ptxas serialises the MMAs of two sets) each step waits
     // for its own MMAs, while the other consumer's may keep the tensor cores busy.  Every thread of the
-    // warpgroup reads A and one releases the buffer: the named barrier orders their reads before that.
+    // warpgroup reads A, so each releases the buffer on its own (an arrival orders only its own thread's reads
+    // before the producer's refill): an "empty" barrier expects 128 arrivals here.
     enum : int { A_SETS = MB * BN / 2 + 2 * MB * 16 <= 160 ? 2 : 1 };   // an enum: no global for ptxas
     typedef unsigned ARegisters[A_SETS][MB][CK / K_STEP][4];
 
@@ -122,7 +123,6 @@ struct PingPongGemm {
         const unsigned a = a_slot(s), b = a + A_BYTES;
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) load_a_rounded(a + mb * 64 * 128, r, lane, frag[SET][mb]);
-        warpgroup_barrier(1 + warpgroup);
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) fence_registers(acc[mb]);
         wgmma_fence();
@@ -141,7 +141,7 @@ struct PingPongGemm {
             for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                 for (int kk = 0; kk < CK / K_STEP; ++kk) fence_registers(frag[A_SETS - 1 - SET][mb][kk]);
-            if (threadIdx.x % 128 == 0 && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
+            if (pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
             pending = s % STAGES;
         } else {
             wgmma_wait<0>();
@@ -149,7 +149,7 @@ struct PingPongGemm {
             for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
                 for (int kk = 0; kk < CK / K_STEP; ++kk) fence_registers(frag[0][mb][kk]);
-            if (threadIdx.x % 128 == 0) mbarrier_arrive(smem_addr(&empty[s % STAGES]));
+            mbarrier_arrive(smem_addr(&empty[s % STAGES]));
         }
     }
 
@@ -164,7 +164,8 @@ struct PingPongGemm {
         if (tid == 0) {
             for (int s = 0; s < STAGES; ++s) {
                 mbarrier_init(smem_addr(&full[s]), Producer::FULL_ARRIVALS);
-                mbarrier_init(smem_addr(&empty[s]), 1);    // the consuming warpgroup
+                // the consuming warpgroup: one arrival, or with A from registers one a thread
+                mbarrier_init(smem_addr(&empty[s]), A_REGISTERS ? 128 : 1);
             }
             for (int w = 0; w < CONSUMERS; ++w) mbarrier_init(smem_addr(&turn[w]), 1);
             fence_mbarrier_init();
@@ -193,7 +194,7 @@ struct PingPongGemm {
 
         // ------------------------------------------------------------------ consumers
         registers_claim<CONSUMER_REGISTERS>();
-        const bool signals = tid % 128 == 0;   // one arrival per warpgroup on the "empty" barriers
+        const bool signals = tid % 128 == 0;   // one arrival per warpgroup on the "turn" (and most "empty") barriers
         float acc[MB][BN / 2];
         // This warpgroup's tiles are every other one of the block's, and their steps every other run of K_STEPS.
         // A full barrier's parity tells its phases apart only while its waiter is at most one phase behind, so a
@@ -238,7 +239,7 @@ struct PingPongGemm {
                         for (int set = 0; set < A_SETS; ++set) fence_registers(frag[set][mb][kk]);
                     }
                 }
-                if (signals && pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
+                if (pending >= 0) mbarrier_arrive(smem_addr(&empty[pending]));
             } else {
                 int pending = -1;   // the step whose MMAs may still run
                 for (int c = 0; c < K_STEPS; ++c) {

@@ -49,10 +49,6 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // before the barrier that hands the data over.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// One warpgroup's 128 threads meet at named barrier ID (1..15; 0 is __syncthreads'): what each read from shared
-// memory before it is read before what any of them does after it, such as one thread releasing the buffer.
-__device__ __forceinline__ void warpgroup_barrier(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
-
 // Keeps the compiler from moving reads or writes of accumulators across an MMA that is still in flight.
 template <int N>
 __device__ __forceinline__ void fence_registers(float (&d)[N]) {
