@@ -1017,7 +1017,7 @@ def test_tf32_gather_reading_grad_output_in_place_builds_without_spilling(layer,
     mmas = re.findall(r"wgmma\.mma_async[^;]*?k8\.f32\.tf32\.tf32 \{[^}]*\}, (\{[^}]*\}|%rd\d+), %rd\d+, p, 1, 1;",
                       ptx, re.S)
     t = scatter_gemm.TILES[tile]
-    sets = 1 if t.name == "128x128" else 2   # each set's step is its own code
+    sets = 2 if t.registers_a_twice else 1   # the planner's mirror of the kernel's A_SETS; a step per set
     assert len(mmas) == t.mb * 4 * sets and all(a.count("%r") == 4 for a in mmas), mmas
     assert ptx.count("ld.shared.b32") == t.mb * 16 * sets, "four words a thread for each 8-column MMA step of a block"
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == (sets == 2) * 2, "two sets: a step's MMAs stay in flight"
