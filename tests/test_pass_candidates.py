@@ -84,9 +84,9 @@ def test_also_times_variants_the_table_does_not_list_where_they_plan(tool):
 
     g = geometry((128, 512, 4, 4), (512, 256, 4, 4), None, ConvParams.from_args(stride=2, padding=1))
     listed = list(table.candidates("grad_input", g, "float32", "nhwc", "tf32"))
-    args = tool.parse_args(["dcgan_4", "--also", "scatter_gemm:64x256", "wgmma:8x8x64:copy", listed[-1].name])
+    args = tool.parse_args(["dcgan_4", "--also", "scatter_gemm:64x256:inplace", "wgmma:8x8x64:copy", listed[-1].name])
     gather, halo, last = args.also
-    assert (gather, halo, last) == (Variant.make("scatter_gemm", tile="64x256"),
+    assert (gather, halo, last) == (Variant.make("scatter_gemm", tile="64x256", inplace=True),
                                     Variant.make("wgmma", tile="8x8x64", copy=True), listed[-1])
     with pytest.raises(SystemExit):
         tool.parse_args(["dcgan_4", "--also", "no such:thing"])
