@@ -1,14 +1,16 @@
 """A new layer's first forward+backward from empty caches, and from the disk cache in a new process.
 
-    python benchmarks/first_call.py [--autotune 0|1] [--json FILE]
+    python benchmarks/first_call.py [--autotune 0|1] [--nvrtc-warm] [--json FILE]
 
 Each layer runs in two child processes that share a fresh ``CUPY_CACHE_DIR`` and
 ``CUPYCONV_CACHE_DIR``.  The first ("cold") compiles what the first call runs, then waits for
 the tuner's background builds and makes the call that times the candidates; the second
 ("disk") finds the kernels in CuPy's disk cache and the tuner's choices in ``tuning.json``.  Each child
-first pays torch's and CuPy's own first-use costs on other tensors, then times one
-forward+backward of the layer with the host synchronised, and counts the kernel builds
-and their wall time.  Needs a CUDA GPU.
+first pays torch's own first-use costs on other tensors and sets up CuPy on the device (no kernel), then
+times one forward+backward of the layer with the host synchronised, and counts the kernel builds and their
+wall time.  So a cold first call pays NVRTC's start-up in its process, as a user's first layer does (about
+0.2 s on an H100's host, 0.9 s on a slow CPU); ``--nvrtc-warm`` compiles a CuPy kernel first, leaving it out
+as this script did before.  Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ LAYERS = {
 }
 
 
-def child(name: str) -> dict:
+def child(name: str, nvrtc_warm: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -41,7 +43,10 @@ def child(name: str) -> dict:
     y0 = F.conv_transpose2d(a, torch.randn(3, 2, 2, 2, device="cuda", dtype=dt, requires_grad=True))
     y0.backward(torch.ones_like(y0))
     import cupy
-    cupy.ones(3).sum()
+    cupy.cuda.Device(0).use()
+    cupy.empty(3)
+    if nvrtc_warm:
+        cupy.ones(3).sum()   # CuPy's own kernels: the first NVRTC program of the process
     import cupyconv.torch as ct
     from cupyconv.jit import compiler
 
@@ -91,27 +96,30 @@ def main(argv=None) -> int:
     parser.add_argument("--autotune", default=os.environ.get("CUPYCONV_AUTOTUNE", "1"))
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--nvrtc-warm", action="store_true",
+                        help="compile a CuPy kernel before the first call, leaving NVRTC's start-up out")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(args.child, args.nvrtc_warm)))
         return 0
     rows = []
     for name in args.layers.split(","):
         with tempfile.TemporaryDirectory() as cupy_cache, tempfile.TemporaryDirectory() as tune_cache:
             env = dict(os.environ, CUPY_CACHE_DIR=cupy_cache, CUPYCONV_CACHE_DIR=tune_cache,
                        CUPYCONV_AUTOTUNE=args.autotune)
-            row = {"layer": name, "autotune": args.autotune}
+            row = {"layer": name, "autotune": args.autotune, "nvrtc_warm": args.nvrtc_warm}
             for phase in ("cold", "disk"):
-                out = subprocess.run([sys.executable, __file__, "--child", name], env=env, capture_output=True,
-                                     text=True)
+                out = subprocess.run([sys.executable, __file__, "--child", name]
+                                     + (["--nvrtc-warm"] if args.nvrtc_warm else []),
+                                     env=env, capture_output=True, text=True)
                 if out.returncode:
                     print(out.stderr, file=sys.stderr)
                     return 1
                 row[phase] = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
             c, d = row["cold"], row["disk"]
-            print(f"{name:24s} autotune={args.autotune} cold {c['total_s']:.3f} s (fwd {c['forward_s']:.3f}, "
+            print(f"{name:24s} autotune={args.autotune} nvrtc_warm={args.nvrtc_warm} cold {c['total_s']:.3f} s (fwd {c['forward_s']:.3f}, "
                   f"{c['builds']} builds, {c['build_s']:.2f} s build wall, slowest {c['slowest_build']}; "
                   f"candidates built {c['settled_s']:.2f} s later ({c['all_builds']} builds), timed in "
                   f"{c['race_s']:.3f} s) | "
