@@ -77,6 +77,7 @@ from .core import complex_parts as _complex_parts
 from .core import dtypes as _dtypes
 from .core import one_d as _one_d
 from .core.geometry import ConvParams, geometry as _geometry, output_mask as _output_mask
+from .jit import compiler as _compiler
 from .plans.launch import Launcher as _Launcher
 from .torch_batching import backward_rule, forward_rule
 
@@ -1270,6 +1271,11 @@ class ConvTranspose2d(_CupyconvForward, torch.nn.ConvTranspose2d):
     _spatial_dims = 2
     _functional = staticmethod(conv_transpose2d)
 
+    @functools.wraps(torch.nn.ConvTranspose2d.__init__)   # torch's signature
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _compiler.warm_up()   # NVRTC's one-off start-up, while the rest of the model is built
+
 
 class ConvTranspose1d(_CupyconvForward, torch.nn.ConvTranspose1d):
     """Drop-in ``torch.nn.ConvTranspose1d`` whose forward runs cupyconv (as a one-row 2-D layer).
@@ -1279,6 +1285,11 @@ class ConvTranspose1d(_CupyconvForward, torch.nn.ConvTranspose1d):
 
     _spatial_dims = 1
     _functional = staticmethod(conv_transpose1d)
+
+    @functools.wraps(torch.nn.ConvTranspose1d.__init__)   # torch's signature
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _compiler.warm_up()   # NVRTC's one-off start-up, while the rest of the model is built
 
 
 _REPLACEMENTS = ((ConvTranspose2d, torch.nn.ConvTranspose2d), (ConvTranspose1d, torch.nn.ConvTranspose1d))
@@ -1330,6 +1341,7 @@ def convert(module: torch.nn.Module) -> torch.nn.Module:
         key = id(m)
         if key not in done:
             done[key] = _converted(m)
+            _compiler.warm_up()   # NVRTC's start-up, before the first call needs it
         return done[key]
 
     if _convertible(module):

@@ -5,6 +5,7 @@ The architecture is given explicitly, so this runs on CI machines without a devi
 import itertools
 import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -1166,3 +1167,28 @@ def ptxas_logs(request):
             raise found
         return found
     return log
+
+
+def test_warm_up_starts_nvrtc_once_a_process_in_a_daemon_thread(monkeypatch):
+    """compiler.warm_up builds a one-line kernel to PTX in a daemon thread, once a process (later calls return
+    the same thread), and where NVRTC fails it ends quietly: the first real build reports the problem."""
+    monkeypatch.setattr(compiler, "_warm_up", None)
+    built = []
+    real = compiler.compile_ptx
+    monkeypatch.setattr(compiler, "compile_ptx", lambda *a, **k: built.append(a[2]) or real(*a, **k))
+    thread = compiler.warm_up()
+    assert thread.daemon and thread.name == compiler.WARM_UP_THREAD
+    assert compiler.warm_up() is thread
+    thread.join(60)
+    assert not thread.is_alive() and built == ["compute_80"]
+
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args))
+    monkeypatch.setattr(compiler, "_warm_up", None)
+
+    def no_nvrtc(*args, **kwargs):
+        raise ImportError("no NVRTC here")
+    monkeypatch.setattr(compiler, "compile_ptx", no_nvrtc)
+    quiet = compiler.warm_up()
+    quiet.join(60)
+    assert quiet is not thread and not quiet.is_alive() and failures == []

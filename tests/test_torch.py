@@ -271,6 +271,22 @@ def test_convert_nested_model():
     assert ct.convert(model) is model and _conv_ts(model) == convs
 
 
+def test_building_or_converting_modules_starts_nvrtc_in_the_background(monkeypatch):
+    """A cupyconv module built, or a model converted, starts NVRTC's one-off start-up (compiler.warm_up) so the
+    first call need not pay it; a model with nothing to convert starts nothing."""
+    from cupyconv.jit import compiler
+
+    started = []
+    monkeypatch.setattr(compiler, "warm_up", lambda: started.append(1))
+    ct.ConvTranspose2d(2, 3, 3)
+    ct.ConvTranspose1d(2, 3, 3)
+    assert len(started) == 2
+    ct.convert(nn.Sequential(nn.Linear(2, 2)))
+    assert len(started) == 2
+    ct.convert(nn.Sequential(nn.ConvTranspose2d(2, 3, 3), nn.ConvTranspose1d(3, 2, 2)))
+    assert len(started) == 4
+
+
 def test_convert_root_shared_and_subclass():
     root = nn.ConvTranspose2d(2, 3, 3)
     converted = ct.convert(root)

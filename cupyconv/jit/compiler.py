@@ -209,6 +209,31 @@ def device_arch(device_id: int) -> str:
 _pools: Dict[bool, object] = {}
 _pools_lock = threading.Lock()
 _CANDIDATE_THREADS = "cupyconv-candidates"
+WARM_UP_THREAD = "cupyconv-nvrtc-warm-up"
+_warm_up: Optional[threading.Thread] = None
+
+
+def warm_up() -> Optional[threading.Thread]:
+    """Start NVRTC in a background thread, once a process, and return that thread.
+
+    A process's first NVRTC program costs 0.2-0.9 s beyond its own build (loading the compiler and setting it
+    up: a one-line kernel took 0.7-0.95 s first and 20 ms after on a slow CPU, NOTES v46), which a layer's
+    first call would otherwise pay before its first kernel.  The modules start it when they are built or
+    converted, so it runs while the rest of a model is set up.  It compiles to PTX only: no CUDA driver, device
+    or context is touched.  Without NVRTC it does nothing."""
+    global _warm_up
+    with _pools_lock:
+        if _warm_up is None:
+            _warm_up = threading.Thread(target=_start_nvrtc, name=WARM_UP_THREAD, daemon=True)
+            _warm_up.start()
+        return _warm_up
+
+
+def _start_nvrtc() -> None:
+    try:
+        compile_ptx('extern "C" __global__ void warm_up(float* x) { x[0] = 0.f; }', "warm_up", "compute_80")
+    except Exception:  # no CuPy or no NVRTC here: the first build reports that where it matters
+        pass
 
 
 def _lower_priority() -> None:
