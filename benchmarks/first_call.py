@@ -142,7 +142,8 @@ def main(argv=None) -> int:
                 row[phase] = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
             c, d = row["cold"], row["disk"]
-            print(f"{name:24s} autotune={args.autotune} nvrtc_warm={args.nvrtc_warm} module={args.module} cold {c['total_s']:.3f} s (fwd {c['forward_s']:.3f}, "
+            print(f"{name:24s} autotune={args.autotune} nvrtc_warm={args.nvrtc_warm} module={args.module} "
+                  f"cold {c['total_s']:.3f} s (fwd {c['forward_s']:.3f}, "
                   f"{c['builds']} builds, {c['build_s']:.2f} s build wall, slowest {c['slowest_build']}; "
                   f"candidates built {c['settled_s']:.2f} s later ({c['all_builds']} builds), timed in "
                   f"{c['race_s']:.3f} s) | "

@@ -213,7 +213,7 @@ WARM_UP_THREAD = "cupyconv-nvrtc-warm-up"
 _warm_up: Optional[threading.Thread] = None
 
 
-def warm_up() -> Optional[threading.Thread]:
+def warm_up() -> threading.Thread:
     """Start NVRTC in a background thread, once a process, and return that thread.
 
     A process's first NVRTC program costs 0.2-0.9 s beyond its own build (loading the compiler and setting it
