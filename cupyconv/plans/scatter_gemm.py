@@ -206,8 +206,8 @@ def in_place_tile(g: Geometry) -> ScatterTile:
     of as many accumulators, or 64 x 128 where 256 columns would be mostly padding.  On U-Net's one-tap layers
     in TF32 (8 and 16 images of 256 x 64², 8 of 512 x 32², NOTES v47) the 64 x 256 tile read in place ran 1.3-1.7x
     faster than the rounding copy's best tile, and the 128 x 128 tile, one set of A and a wait for each step's
-    MMAs, 1.0-1.3x; on 8 x 1024 x 16² and DCGAN's 64 x 512 x 8² it tied with the copy's (64.3 against 69.6, 69.7
-    against 67.8 µs)."""
+    MMAs, 0.94-1.29x; on 8 x 1024 x 16² and DCGAN's 64 x 512 x 8² it tied with the copy's (64.3 against 69.6, 68.1
+    against 67.0 µs)."""
     heuristic = heuristic_tile(g, GRAD_INPUT)
     if heuristic.registers_a_twice:
         return heuristic
